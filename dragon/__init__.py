@@ -1,0 +1,11 @@
+"""dragon: training recipes for the BDH language model on DeepSpeed."""
+
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from dragon.model import BDHConfig, BDHForCausalLM
+from dragon.profile import ModelProfile, model_profile
+
+AutoConfig.register("bdh", BDHConfig, exist_ok=True)
+AutoModelForCausalLM.register(BDHConfig, BDHForCausalLM, exist_ok=True)
+
+__all__ = ["BDHConfig", "BDHForCausalLM", "ModelProfile", "model_profile"]

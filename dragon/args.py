@@ -1,0 +1,84 @@
+"""Argument dataclasses the recipes share, named as in transformers' TrainingArguments / run_clm.py."""
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from transformers import SchedulerType
+
+from dragon.model import BDHConfig
+
+
+def _help(text: str, **kwargs):
+    return field(metadata={"help": text}, **kwargs)
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: Optional[str] = _help(
+        "A BDH directory saved with save_pretrained (e.g. from recipes/convert_reference.py) to start "
+        "from; the size flags below are then ignored.", default=None)
+    n_layer: int = _help("Layers (all share one block of weights).", default=6)
+    n_embd: int = _help("Model width D.", default=256)
+    n_head: int = _help("Heads nh.", default=4)
+    mlp_internal_dim_multiplier: int = _help("N = multiplier * D / nh neurons per head.", default=128)
+    dropout: float = _help("Dropout on the sparse product.", default=0.1)
+
+    def config(self, vocab_size: int) -> BDHConfig:
+        return BDHConfig(
+            n_layer=self.n_layer,
+            n_embd=self.n_embd,
+            n_head=self.n_head,
+            mlp_internal_dim_multiplier=self.mlp_internal_dim_multiplier,
+            dropout=self.dropout,
+            vocab_size=vocab_size,
+        )
+
+
+@dataclass
+class TrainingArguments:
+    output_dir: str = _help("Where metrics.jsonl, checkpoints/ and final/ go.")
+    deepspeed: Optional[str] = _help(
+        "DeepSpeed JSON config. Under `accelerate launch` the file named by the accelerate config "
+        "(deepspeed_config_file) is used when this is not given.", default=None)
+    max_steps: int = _help("Optimizer steps to train for.", default=1000)
+    per_device_train_batch_size: int = _help("Micro-batch per rank (config's 'auto').", default=8)
+    per_device_eval_batch_size: int = _help("Evaluation micro-batch per rank.", default=8)
+    gradient_accumulation_steps: int = _help("Micro-batches per step (config's 'auto').", default=1)
+    learning_rate: float = _help("Peak learning rate.", default=1e-3)
+    weight_decay: float = _help("AdamW weight decay.", default=0.1)
+    adam_beta1: float = _help("AdamW beta1.", default=0.9)
+    adam_beta2: float = _help("AdamW beta2.", default=0.999)
+    adam_epsilon: float = _help("AdamW epsilon.", default=1e-8)
+    max_grad_norm: float = _help("Gradient clipping (0 disables).", default=1.0)
+    lr_scheduler_type: str = _help("A transformers schedule name: cosine, linear, constant, ...", default="cosine")
+    warmup_steps: int = _help("Linear warm-up steps.", default=0)
+    bf16: bool = _help("bf16 mixed precision (config's bf16.enabled 'auto').", default=False)
+    logging_steps: int = _help("Write a metrics line every N steps.", default=10)
+    eval_steps: int = _help("Evaluate every N steps (and at the end).", default=100)
+    max_eval_samples: Optional[int] = _help("Validation samples used per evaluation.", default=256)
+    save_steps: int = _help("Save a DeepSpeed checkpoint every N steps (and at the end).", default=500)
+    resume_from_checkpoint: Optional[str] = _help(
+        "'latest' (output_dir/checkpoints) or a path to a checkpoint directory or tag.", default=None)
+    seed: int = _help("Seed for weights, data order and dropout.", default=42)
+    peak_tflops: Optional[float] = _help("Peak TFLOP/s per device for MFU (default: detected).", default=None)
+    sample_prompt: str = _help("Prompt for the sample printed at the end.", default="def ")
+    sample_max_new_tokens: int = _help("Tokens in the final sample (0: none).", default=200)
+    dist_timeout: float = _help("Seconds a collective may wait before failing.", default=600.0)
+    disable_tqdm: bool = _help("No progress bar.", default=False)
+    local_rank: int = _help("Set by the deepspeed launcher.", default=-1)
+
+    def __post_init__(self):
+        positive = ("max_steps", "per_device_train_batch_size", "per_device_eval_batch_size",
+                    "gradient_accumulation_steps", "logging_steps", "eval_steps", "save_steps")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name}={getattr(self, name)}: must be >= 1")
+        if self.learning_rate <= 0:
+            raise ValueError(f"--learning_rate={self.learning_rate}: must be > 0")
+        if self.warmup_steps < 0 or self.max_grad_norm < 0:
+            raise ValueError("--warmup_steps and --max_grad_norm must be >= 0")
+        valid = [t.value for t in SchedulerType]
+        if self.lr_scheduler_type not in valid:
+            raise ValueError(f"--lr_scheduler_type={self.lr_scheduler_type!r}: valid are {', '.join(valid)}")
+        if self.max_eval_samples is not None and self.max_eval_samples < 1:
+            raise ValueError(f"--max_eval_samples={self.max_eval_samples}: must be >= 1")

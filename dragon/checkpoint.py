@@ -1,0 +1,96 @@
+"""DeepSpeed checkpoints with everything resuming needs, resume, and the Hugging Face export."""
+
+import os
+import random
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dragon.distributed import rank
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def tag_for(step: int) -> str:
+    return f"step{step}"
+
+
+def save(engine, save_dir: str, step: int, client_state: dict[str, Any]) -> str:
+    """engine.save_checkpoint plus each rank's RNG state; returns the tag.
+
+    The RNG files are written before DeepSpeed's files, so that by the time `latest` names
+    the tag (DeepSpeed writes it last, after its barrier) the tag is complete.
+    """
+    tag = tag_for(step)
+    path = os.path.join(save_dir, tag)
+    os.makedirs(path, exist_ok=True)
+    torch.save(rng_state(), os.path.join(path, f"rng_state_{rank()}.pt"))
+    engine.save_checkpoint(save_dir, tag=tag, client_state={"step": step, **client_state})
+    return tag
+
+
+def resolve_resume(resume: str, save_dir: str) -> tuple[str, Optional[str]]:
+    """Map --resume_from_checkpoint (latest, a save dir or a tag dir) to (load_dir, tag)."""
+    path = save_dir if resume == "latest" else resume
+    if not os.path.isdir(path):
+        raise ValueError(f"--resume_from_checkpoint {resume}: no such directory ({path})")
+    if os.path.isfile(os.path.join(path, "latest")):
+        return path, None
+    if any(name.startswith("mp_rank_") or name.startswith("layer_") for name in os.listdir(path)):
+        return os.path.dirname(os.path.abspath(path)), os.path.basename(os.path.normpath(path))
+    raise ValueError(f"--resume_from_checkpoint {resume}: {path} holds no 'latest' file and no DeepSpeed checkpoint")
+
+
+def resume(engine, load_dir: str, tag: Optional[str]) -> dict:
+    """Load model, optimizer, scheduler and this rank's RNG; returns the client state."""
+    path, client_state = engine.load_checkpoint(load_dir, tag=tag)
+    if path is None:  # DeepSpeed only warns and carries on from fresh weights
+        raise RuntimeError(f"no loadable DeepSpeed checkpoint in {load_dir} (tag {tag or 'from latest'})")
+    if tag is None:
+        with open(os.path.join(load_dir, "latest")) as f:
+            tag = f.read().strip()
+    rng_file = os.path.join(load_dir, tag, f"rng_state_{rank()}.pt")
+    if os.path.exists(rng_file):
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    return client_state
+
+
+def full_fp32_state_dict(engine) -> dict[str, torch.Tensor]:
+    """The module's full fp32 weights from DeepSpeed's master copy; a collective under ZeRO-3."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    state = {}
+    for name, param in engine.module.named_parameters():
+        full = safe_get_full_fp32_param(param)
+        state[name] = (full if full is not None else param.detach()).float().cpu().clone()
+    for name, buf in engine.module.named_buffers():
+        state[name] = buf.detach().float().cpu().clone()
+    return state
+
+
+def export_pretrained(engine, model_cls, config, out_dir: str, tokenizer=None) -> None:
+    """save_pretrained of the trained fp32 weights into out_dir (rank 0 writes; every rank calls)."""
+    state = full_fp32_state_dict(engine)
+    if rank() == 0:
+        model = model_cls(config)
+        model.load_state_dict(state)
+        model.save_pretrained(out_dir)
+        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(out_dir)
+    if dist.is_initialized():
+        dist.barrier()

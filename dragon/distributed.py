@@ -1,0 +1,71 @@
+"""Process-group start-up that works under deepspeed, torchrun, accelerate or no launcher at all."""
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def launcher_world_size() -> int:
+    """World size the launcher announced, readable before any process group exists."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout_s: float = 600.0) -> None:
+    """Start DeepSpeed's process group (gloo on CPU, nccl on CUDA) with a bounded timeout.
+
+    With no launcher, a one-process world is set up by hand; otherwise DeepSpeed would look for
+    mpi4py. On CPU each rank gets an equal share of the cores, so ranks do not oversubscribe.
+    """
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu":
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    else:
+        accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    deepspeed.init_distributed(timeout=timedelta(seconds=timeout_s))
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def all_reduce_mean(values: list[float], weights: list[float] | None = None) -> list[float]:
+    """Weighted mean of per-rank values over all ranks (one small all-reduce)."""
+    weights = weights or [1.0] * len(values)
+    t = torch.tensor([v * w for v, w in zip(values, weights)] + list(weights), dtype=torch.float64)
+    if dist.is_initialized():
+        t = t.to(_device())
+        dist.all_reduce(t)
+        t = t.cpu()
+    n = len(values)
+    return [(t[i] / t[n + i]).item() for i in range(n)]
+
+
+def _device() -> torch.device:
+    from deepspeed.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().current_device_name())

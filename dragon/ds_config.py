@@ -1,0 +1,98 @@
+"""DeepSpeed JSON configs: the file is the source of truth; "auto" values come from the arguments."""
+
+import json
+import os
+from typing import Any
+
+AUTO = "auto"
+MONITORS = ("tensorboard", "csv_monitor", "wandb", "comet")
+
+
+def load_ds_config(path: str | None) -> tuple[str, dict]:
+    """Read the config named by --deepspeed, or by accelerate's config when launched by accelerate."""
+    path = path or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if not path:
+        raise ValueError("no DeepSpeed config: pass --deepspeed ds_configs/zero2.json (or another file in ds_configs/)")
+    if not os.path.isfile(path):
+        raise ValueError(f"--deepspeed {path}: no such file")
+    try:
+        with open(path) as f:
+            return path, json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--deepspeed {path}: not valid JSON ({e})") from None
+
+
+def _fill(section: dict, key: str, value: Any) -> None:
+    """Set key when it is "auto" or missing."""
+    if section.get(key, AUTO) == AUTO:
+        section[key] = value
+
+
+def resolve_batch_sizes(cfg: dict, micro: int, accum: int, world: int) -> None:
+    """Make the batch triple explicit; values the file sets win over the arguments."""
+    given = {k: cfg.get(k, AUTO) for k in
+             ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")}
+    tbs, m, a = given.values()
+    if tbs != AUTO and (m == AUTO) != (a == AUTO):  # derive the one left open from the total
+        if m == AUTO:
+            m = tbs // (a * world)
+        else:
+            a = tbs // (m * world)
+    m = micro if m == AUTO else m
+    a = accum if a == AUTO else a
+    tbs = m * a * world if tbs == AUTO else tbs
+    if m < 1 or a < 1 or m * a * world != tbs:
+        raise ValueError(
+            f"DeepSpeed config: train_batch_size={tbs} != train_micro_batch_size_per_gpu={m} x "
+            f"gradient_accumulation_steps={a} x world size {world}")
+    cfg.update(train_batch_size=tbs, train_micro_batch_size_per_gpu=m, gradient_accumulation_steps=a)
+
+
+def resolve_ds_config(cfg: dict, args, world: int) -> dict:
+    """A copy of cfg with every "auto" filled from TrainingArguments `args` for `world` ranks."""
+    cfg = json.loads(json.dumps(cfg))
+    resolve_batch_sizes(cfg, args.per_device_train_batch_size, args.gradient_accumulation_steps, world)
+    _fill(cfg, "gradient_clipping", args.max_grad_norm)  # DeepSpeed would clip at 1.0 if missing
+    if cfg.get("bf16", {}).get("enabled") == AUTO:
+        cfg["bf16"]["enabled"] = args.bf16
+    if "optimizer" in cfg:
+        params = cfg["optimizer"].setdefault("params", {})
+        _fill(params, "lr", args.learning_rate)
+        _fill(params, "betas", [args.adam_beta1, args.adam_beta2])
+        _fill(params, "eps", args.adam_epsilon)
+        _fill(params, "weight_decay", args.weight_decay)
+    if "scheduler" in cfg:
+        params = cfg["scheduler"].setdefault("params", {})
+        for key in ("warmup_max_lr", "cos_max_lr"):
+            if params.get(key) == AUTO:
+                params[key] = args.learning_rate
+        for key in ("warmup_num_steps",):
+            if params.get(key) == AUTO:
+                params[key] = args.warmup_steps
+        for key in ("total_num_steps",):
+            if params.get(key) == AUTO:
+                params[key] = args.max_steps
+    for name in MONITORS:
+        section = cfg.get(name)
+        if isinstance(section, dict) and section.get("enabled"):
+            _fill(section, "output_path", os.path.join(args.output_dir, "monitor"))
+    leftover = [k for k, v in _walk(cfg) if v == AUTO]
+    if leftover:
+        raise ValueError(f"DeepSpeed config: no argument fills 'auto' at {', '.join(leftover)}; set a value")
+    return cfg
+
+
+def _walk(d: dict, prefix: str = ""):
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from _walk(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def zero_stage(cfg: dict) -> int:
+    return int(cfg.get("zero_optimization", {}).get("stage", 0))
+
+
+def bf16_enabled(cfg: dict) -> bool:
+    return bool(cfg.get("bf16", {}).get("enabled", False))

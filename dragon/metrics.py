@@ -1,0 +1,111 @@
+"""Throughput, MFU, the metrics.jsonl history, DeepSpeed's monitor and the progress bar."""
+
+import json
+import os
+import time
+from typing import Optional
+
+import torch
+from tqdm.auto import tqdm
+
+# Dense bf16 peak per device, TFLOP/s (vendor datasheets). Matched by substring of the device name.
+GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "V100": 125.0}
+
+
+def cpu_peak_tflops(threads: int) -> float:
+    """A rough fp32 peak for `threads` cores: clock x SIMD FMA width (an estimate, not a datasheet)."""
+    flags, mhz = "", 2000.0
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags") and not flags:
+                    flags = line
+                elif line.startswith("cpu MHz"):
+                    mhz = float(line.split(":")[1])
+    except OSError:
+        pass
+    per_cycle = 64 if "avx512f" in flags else 32 if "fma" in flags else 8  # 2 FMA units x lanes x 2
+    return threads * mhz * 1e6 * per_cycle / 1e12
+
+
+def peak_tflops_per_device(override: Optional[float] = None) -> float:
+    if override:
+        return override
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        return next((v for k, v in GPU_PEAK_TFLOPS.items() if k in name), 989.0)
+    return cpu_peak_tflops(torch.get_num_threads())
+
+
+class MetricsLogger:
+    """Rank 0 appends one JSON object per line to <output_dir>/metrics.jsonl and feeds the monitor."""
+
+    def __init__(self, output_dir: str, enabled: bool, monitor=None, total_steps: int = 0,
+                 initial_step: int = 0, progress: bool = True):
+        self.enabled = enabled
+        self.monitor = monitor if monitor is not None and getattr(monitor, "enabled", False) else None
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.bar = None
+        if enabled:
+            os.makedirs(output_dir, exist_ok=True)
+            if progress:
+                self.bar = tqdm(total=total_steps, initial=initial_step, desc="train", dynamic_ncols=True)
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.monitor is not None:
+            step = record["step"]
+            self.monitor.write_events([(f"dragon/{k}", v, step) for k, v in record.items()
+                                       if k != "step" and isinstance(v, (int, float))])
+        if self.bar is not None:
+            shown = {k: f"{record[k]:.4g}" for k in ("loss", "eval_loss", "lr") if k in record}
+            self.bar.set_postfix(shown, refresh=False)
+
+    def advance(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class Throughput:
+    """Tokens per second and MFU over the interval since the last report."""
+
+    def __init__(self, flops_per_token: float, devices: int, peak_tflops: float):
+        self.flops_per_token = flops_per_token
+        self.peak = devices * peak_tflops * 1e12
+        self.start, self.tokens = time.perf_counter(), 0
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def report(self) -> dict:
+        now = time.perf_counter()
+        tps = self.tokens / max(now - self.start, 1e-9)
+        self.start, self.tokens = now, 0
+        return {"tokens_per_second": tps, "mfu": tps * self.flops_per_token / self.peak}
+
+
+def grad_norm_before_step(engine) -> Optional[float]:
+    """The global gradient norm where DeepSpeed does not record one (ZeRO-0 in fp32).
+
+    Call after the last backward of a step and before engine.step(): the gradients are then
+    averaged over ranks and whole on every rank. Elsewhere get_global_grad_norm() has it.
+    """
+    if engine.zero_optimization_stage() > 0 or engine.bfloat16_enabled() or engine.fp16_enabled():
+        return None
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    return torch.nn.utils.get_total_norm(grads).item() if grads else None
+
+
+def read_metrics(path: str) -> list[dict]:
+    """All records of a metrics.jsonl file (missing file: none)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,206 @@
+"""BDH ("Baby Dragon Hatchling") as a Hugging Face causal LM. Knows nothing of DeepSpeed.
+
+The math is the reference's (pathwaycom/bdh, bdh.py): one block of weights (`encoder`,
+`encoder_v`, `decoder`) shared by every layer, linear attention without softmax over
+RoPE-rotated sparse activations, strictly causal, LayerNorm without affine parameters.
+"""
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutput
+
+ROPE_THETA = 2.0**16
+
+
+class BDHConfig(PretrainedConfig):
+    """The reference's hyper-parameters and defaults (25,296,896 parameters)."""
+
+    model_type = "bdh"
+    # generate() sizes its cache from num_hidden_layers; BDH calls it n_layer.
+    attribute_map = {
+        "num_hidden_layers": "n_layer",
+        "hidden_size": "n_embd",
+        "num_attention_heads": "n_head",
+    }
+
+    def __init__(
+        self,
+        n_layer: int = 6,
+        n_embd: int = 256,
+        n_head: int = 4,
+        mlp_internal_dim_multiplier: int = 128,
+        dropout: float = 0.1,
+        vocab_size: int = 256,
+        **kwargs,
+    ):
+        self.n_layer = n_layer
+        self.n_embd = n_embd
+        self.n_head = n_head
+        self.mlp_internal_dim_multiplier = mlp_internal_dim_multiplier
+        self.dropout = dropout
+        self.vocab_size = vocab_size
+        kwargs.setdefault("use_cache", False)
+        kwargs.setdefault("tie_word_embeddings", False)
+        super().__init__(**kwargs)
+        self.validate_sizes()
+
+    @property
+    def n_neurons(self) -> int:
+        """N, the sparse width per head."""
+        return self.mlp_internal_dim_multiplier * self.n_embd // self.n_head
+
+    def validate_sizes(self) -> None:
+        """One-line errors for sizes BDH cannot be built with."""
+        for name in ("n_layer", "n_embd", "n_head", "mlp_internal_dim_multiplier", "vocab_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"BDHConfig.{name}={value!r}: must be a positive integer")
+        if (self.mlp_internal_dim_multiplier * self.n_embd) % self.n_head:
+            raise ValueError(
+                f"BDHConfig: mlp_internal_dim_multiplier*n_embd={self.mlp_internal_dim_multiplier * self.n_embd}"
+                f" is not divisible by n_head={self.n_head}"
+            )
+        if self.n_neurons % 2:
+            raise ValueError(f"BDHConfig: N={self.n_neurons} must be even (RoPE rotates pairs)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"BDHConfig.dropout={self.dropout}: must be in [0, 1)")
+
+
+def rope_frequencies(n: int, device=None) -> torch.Tensor:
+    """Frequencies 1/theta^(2*floor(i/2)/n) / 2pi, in fp32, shaped (1, 1, 1, n)."""
+    q = (torch.arange(n, dtype=torch.float32, device=device) / 2).floor() * 2
+    return (1.0 / (ROPE_THETA ** (q / n)) / (2 * math.pi)).view(1, 1, 1, n)
+
+
+def rope(phases: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs of v by 2pi * (phases mod 1), with cos/sin in fp32."""
+    v_rot = torch.stack((-v[..., 1::2], v[..., ::2]), dim=-1).view(*v.size())
+    phases = (phases % 1) * (2 * math.pi)
+    return (v * torch.cos(phases)).to(v.dtype) + (v_rot * torch.sin(phases)).to(v.dtype)
+
+
+class Attention(nn.Module):
+    """Quadratic linear attention: Q = K = rope(x_sparse), V = x, scores strictly causal."""
+
+    def __init__(self, config: BDHConfig):
+        super().__init__()
+        self.n = config.n_neurons
+        self.register_buffer("freqs", rope_frequencies(self.n))
+
+    def _apply(self, fn, recurse=True):
+        # A cast of the module (model.bfloat16(), DeepSpeed's bf16 engine) must not round the
+        # frequencies: recompute them in fp32 on whatever device the cast moved them to.
+        super()._apply(fn, recurse)
+        self.freqs = rope_frequencies(self.n, device=self.freqs.device)
+        return self
+
+    def forward(self, x_sparse: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        T = x_sparse.size(-2)
+        positions = torch.arange(T, device=self.freqs.device, dtype=torch.float32).view(1, 1, T, 1)
+        qr = rope(positions * self.freqs, x_sparse)
+        scores = (qr @ qr.mT).tril(diagonal=-1)
+        return scores @ v
+
+
+class BDHLayer(nn.Module):
+    """The weights every layer shares, and one layer's forward on x of shape (B, 1, T, D)."""
+
+    def __init__(self, config: BDHConfig):
+        super().__init__()
+        nh, D, N = config.n_head, config.n_embd, config.n_neurons
+        self.encoder = nn.Parameter(torch.zeros(nh, D, N))
+        self.encoder_v = nn.Parameter(torch.zeros(nh, D, N))
+        self.decoder = nn.Parameter(torch.zeros(nh * N, D))
+        self.attn = Attention(config)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, _, T, D = x.shape
+        x_sparse = F.relu(x @ self.encoder)  # (B, nh, T, N)
+        y_kv = layer_norm(self.attn(x_sparse, x))  # (B, nh, T, D)
+        y_sparse = F.relu(y_kv @ self.encoder_v)
+        xy_sparse = self.drop(x_sparse * y_sparse)
+        y_mlp = xy_sparse.transpose(1, 2).reshape(B, 1, T, -1) @ self.decoder  # (B, 1, T, D)
+        return layer_norm(x + layer_norm(y_mlp))
+
+
+def layer_norm(x: torch.Tensor) -> torch.Tensor:
+    """LayerNorm over the last dim with no affine parameters, as the reference."""
+    return F.layer_norm(x, (x.size(-1),))
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's convention: labels are the input ids, shifted here; -100 is ignored."""
+    shift_logits = logits[..., :-1, :].float()
+    shift_labels = labels[..., 1:].to(logits.device)
+    return F.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1), ignore_index=-100
+    )
+
+
+class BDHPreTrainedModel(PreTrainedModel):
+    config_class = BDHConfig
+    base_model_prefix = "bdh"
+    main_input_name = "input_ids"
+    _no_split_modules = ["BDHLayer"]
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        # The reference draws every weight from normal(0, 0.02); no biases anywhere.
+        if isinstance(module, BDHLayer):
+            for p in (module.encoder, module.encoder_v, module.decoder):
+                p.normal_(0.0, 0.02)
+        elif isinstance(module, nn.Embedding):
+            module.weight.normal_(0.0, 0.02)
+        elif isinstance(module, BDHForCausalLM):
+            module.lm_head.normal_(0.0, 0.02)
+
+
+class BDHForCausalLM(BDHPreTrainedModel, GenerationMixin):
+    """BDH with the reference's parameters: embed, one shared layer block, untied lm_head."""
+
+    def __init__(self, config: BDHConfig):
+        super().__init__(config)
+        self.embed = nn.Embedding(config.vocab_size, config.n_embd)
+        self.layer = BDHLayer(config)
+        self.lm_head = nn.Parameter(torch.zeros(config.n_embd, config.vocab_size))
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(B, T) ids -> (B, 1, T, D) normalised embeddings."""
+        return layer_norm(self.embed(input_ids)).unsqueeze(1)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, 1, T, D) -> (B, T, vocab) logits."""
+        B, _, T, D = x.shape
+        return x.view(B, T, D) @ self.lm_head
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        logits_to_keep: int = 0,
+        **kwargs,
+    ) -> CausalLMOutput:
+        # attention_mask is accepted for generate(); BDH has no padding support, as the reference.
+        x = self.embed_tokens(input_ids)
+        for _ in range(self.config.n_layer):
+            x = self.layer(x)
+        logits = self.head(x)
+        loss = causal_lm_loss(logits, labels) if labels is not None else None
+        if logits_to_keep:
+            logits = logits[:, -logits_to_keep:]
+        return CausalLMOutput(loss=loss, logits=logits)
+
+    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, **kwargs) -> dict:
+        # No KV state yet: every new token reruns the whole sequence, as the reference does.
+        return {"input_ids": input_ids}
