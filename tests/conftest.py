@@ -17,18 +17,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def pytest_addoption(parser):
-    parser.addoption("--skip-slow", action="store_true", help="skip the slowest multi-process tests")
-
-
-def pytest_collection_modifyitems(config, items):
-    if config.getoption("--skip-slow"):
-        skip = pytest.mark.skip(reason="--skip-slow given")
-        for item in items:
-            if "slow" in item.keywords:
-                item.add_marker(skip)
-
-
 @pytest.fixture(scope="session", autouse=True)
 def shm_comm_op():
     """Build DeepSpeed's CPU comm op once (~50 s on a new machine) before any job needs it."""
