@@ -91,6 +91,9 @@ class HFTokenizer:
 
     __call__ = encode
 
+    def save_pretrained(self, path: str) -> None:
+        self.tokenizer.save_pretrained(path)
+
     def __repr__(self) -> str:
         return f"HFTokenizer({self.tokenizer.name_or_path!r}, vocab_size={self.vocab_size})"
 

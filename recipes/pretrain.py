@@ -33,8 +33,10 @@ def parse_args():
         _, raw_config = load_ds_config(args.deepspeed)
         ds_config = resolve_ds_config(raw_config, args, launcher_world_size())
         train_set, valid_set, tokenizer = build_datasets(data_args)
+        # Both raise if the data cannot fill one step / one evaluation on every rank.
         TrainBatches(train_set, ds_config["train_micro_batch_size_per_gpu"], 0, launcher_world_size(),
-                     ds_config["gradient_accumulation_steps"])  # raises if the data cannot fill a step
+                     ds_config["gradient_accumulation_steps"])
+        eval_batches(valid_set, args.per_device_eval_batch_size, 0, launcher_world_size(), args.max_eval_samples)
         if args.resume_from_checkpoint:
             checkpoint.resolve_resume(args.resume_from_checkpoint, os.path.join(args.output_dir, "checkpoints"))
     except ValueError as e:  # DataError is a ValueError too
