@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from typing import Optional
 
-from transformers import SchedulerType
+from transformers import HfArgumentParser, SchedulerType
 
 from dragon.model import BDHConfig
 
@@ -82,3 +82,58 @@ class TrainingArguments:
             raise ValueError(f"--lr_scheduler_type={self.lr_scheduler_type!r}: valid are {', '.join(valid)}")
         if self.max_eval_samples is not None and self.max_eval_samples < 1:
             raise ValueError(f"--max_eval_samples={self.max_eval_samples}: must be >= 1")
+
+
+@dataclass
+class RecipeInputs:
+    """Everything a recipe needs that can be checked before any process group starts."""
+
+    model: ModelArguments
+    data: "DataArguments"
+    train: TrainingArguments
+    extra: tuple
+    ds_config: dict
+    train_set: object
+    valid_set: object
+    tokenizer: object
+
+
+def parse_recipe_args(extra_types: tuple = (), data_parallel_world=None) -> RecipeInputs:
+    """Parse the recipe's dataclasses and check every input; a bad one exits with one line.
+
+    `data_parallel_world(extra_args, world_size)` gives the data-parallel degree for recipes
+    whose ranks are not all data-parallel (the pipeline); it may raise ValueError.
+    """
+    import os
+    import sys
+
+    from dragon.checkpoint import resolve_resume
+    from dragon.data import DataArguments, TrainBatches, build_datasets, eval_batches
+    from dragon.distributed import launcher_world_size
+    from dragon.ds_config import load_ds_config, resolve_ds_config
+
+    parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments, *extra_types))
+    try:
+        model_args, data_args, args, *extra = parser.parse_args_into_dataclasses()
+        world = launcher_world_size()
+        dp_world = data_parallel_world(extra, world) if data_parallel_world else world
+        _, raw_config = load_ds_config(args.deepspeed)
+        ds_config = resolve_ds_config(raw_config, args, dp_world)
+        train_set, valid_set, tokenizer = build_datasets(data_args)
+        # Both raise when the data cannot fill one step / one evaluation on every rank.
+        TrainBatches(train_set, ds_config["train_micro_batch_size_per_gpu"], 0, dp_world,
+                     ds_config["gradient_accumulation_steps"])
+        eval_batches(valid_set, args.per_device_eval_batch_size, 0, dp_world, args.max_eval_samples)
+        if args.resume_from_checkpoint:
+            resolve_resume(args.resume_from_checkpoint, os.path.join(args.output_dir, "checkpoints"))
+    except ValueError as e:  # DataError and config errors are ValueErrors with one-line messages
+        sys.exit(f"error: {e}")
+    return RecipeInputs(model_args, data_args, args, tuple(extra), ds_config, train_set, valid_set, tokenizer)
+
+
+@dataclass
+class PipelineArguments:
+    pipeline_stages: int = _help("Pipeline stages P; the data-parallel degree is world size / P.", default=2)
+    partition_method: str = _help(
+        "compute (balance BDH layers, the default), or DeepSpeed's uniform / parameters.", default="compute")
+    activation_checkpoint_interval: int = _help("Recompute activations every k layers (0: off).", default=0)

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from dragon.distributed import rank
+from dragon.model import BDHForCausalLM
 
 
 def rng_state() -> dict:
@@ -83,14 +84,12 @@ def full_fp32_state_dict(engine) -> dict[str, torch.Tensor]:
     return state
 
 
-def export_pretrained(engine, model_cls, config, out_dir: str, tokenizer=None) -> None:
+def export_pretrained(engine, config, out_dir: str) -> None:
     """save_pretrained of the trained fp32 weights into out_dir (rank 0 writes; every rank calls)."""
     state = full_fp32_state_dict(engine)
     if rank() == 0:
-        model = model_cls(config)
+        model = BDHForCausalLM(config)
         model.load_state_dict(state)
         model.save_pretrained(out_dir)
-        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-            tokenizer.save_pretrained(out_dir)
     if dist.is_initialized():
         dist.barrier()

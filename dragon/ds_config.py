@@ -96,3 +96,20 @@ def zero_stage(cfg: dict) -> int:
 
 def bf16_enabled(cfg: dict) -> bool:
     return bool(cfg.get("bf16", {}).get("enabled", False))
+
+
+def client_optimizer_and_scheduler(params, cfg: dict, args):
+    """What to pass to deepspeed.initialize: the JSON's optimizer and scheduler win; without them,
+    torch's AdamW and transformers' schedule (warm-up then cosine by default) from the arguments."""
+    import torch
+    from transformers import get_scheduler
+
+    optimizer = lr_scheduler = None
+    if "optimizer" not in cfg:
+        optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay,
+                                      betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+    if "scheduler" not in cfg:
+        def lr_scheduler(opt):
+            return get_scheduler(args.lr_scheduler_type, opt, num_warmup_steps=args.warmup_steps,
+                                 num_training_steps=args.max_steps)
+    return optimizer, lr_scheduler

@@ -134,6 +134,17 @@ def layer_norm(x: torch.Tensor) -> torch.Tensor:
     return F.layer_norm(x, (x.size(-1),))
 
 
+def embed_tokens(embed: nn.Embedding, input_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) ids -> (B, 1, T, D) normalised embeddings."""
+    return layer_norm(embed(input_ids)).unsqueeze(1)
+
+
+def lm_logits(x: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, D) -> (B, T, vocab) logits."""
+    B, _, T, D = x.shape
+    return x.view(B, T, D) @ lm_head
+
+
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Hugging Face's convention: labels are the input ids, shifted here; -100 is ignored."""
     shift_logits = logits[..., :-1, :].float()
@@ -174,15 +185,6 @@ class BDHForCausalLM(BDHPreTrainedModel, GenerationMixin):
     def get_input_embeddings(self) -> nn.Module:
         return self.embed
 
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """(B, T) ids -> (B, 1, T, D) normalised embeddings."""
-        return layer_norm(self.embed(input_ids)).unsqueeze(1)
-
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, 1, T, D) -> (B, T, vocab) logits."""
-        B, _, T, D = x.shape
-        return x.view(B, T, D) @ self.lm_head
-
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -192,10 +194,10 @@ class BDHForCausalLM(BDHPreTrainedModel, GenerationMixin):
         **kwargs,
     ) -> CausalLMOutput:
         # attention_mask is accepted for generate(); BDH has no padding support, as the reference.
-        x = self.embed_tokens(input_ids)
+        x = embed_tokens(self.embed, input_ids)
         for _ in range(self.config.n_layer):
             x = self.layer(x)
-        logits = self.head(x)
+        logits = lm_logits(x, self.lm_head)
         loss = causal_lm_loss(logits, labels) if labels is not None else None
         if logits_to_keep:
             logits = logits[:, -logits_to_keep:]

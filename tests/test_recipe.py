@@ -6,50 +6,9 @@ import shutil
 
 import pytest
 import torch
-from conftest import REPO, launch, read_jsonl
+from conftest import LOSS_ATOL, REPO, STEPS, TINY, launch, losses, read_jsonl
 
 from dragon import BDHForCausalLM
-
-# A tiny BDH so a 2-rank job takes seconds; dropout 0 so runs can be compared number for number.
-TINY = ["--n_layer", "2", "--n_embd", "32", "--n_head", "2", "--mlp_internal_dim_multiplier", "8",
-        "--block_size", "64", "--dropout", "0.0", "--learning_rate", "3e-3", "--warmup_steps", "2",
-        "--logging_steps", "1", "--eval_steps", "4", "--save_steps", "4", "--max_eval_samples", "32",
-        "--per_device_eval_batch_size", "8", "--sample_max_new_tokens", "0", "--disable_tqdm"]
-STEPS = 8
-# fp32 on CPU: ranks sum gradients in a different order than one rank does, and ZeRO stages
-# partition and reduce in buckets; the differences are rounding, a few ulp of a loss near 4.
-LOSS_ATOL = 2e-5
-
-
-class Runs:
-    """Runs of the recipe made once per session and compared by several tests."""
-
-    def __init__(self, root, text_file):
-        self.root, self.text_file, self.done = root, text_file, {}
-
-    def __call__(self, name, launcher="torchrun", nproc=2, config="zero2.json", micro=4, extra=(), out=None):
-        if name in self.done:
-            return self.done[name]
-        out = out or self.root / name
-        cfg = [config] if launcher == "accelerate" else ["--deepspeed", str(REPO / "ds_configs" / config)]
-        if config.startswith("/"):
-            cfg = ["--deepspeed", config]
-        args = [*cfg, "--output_dir", str(out), "--train_file", str(self.text_file),
-                "--max_steps", str(STEPS), "--per_device_train_batch_size", str(micro), *TINY, *extra]
-        proc = launch(launcher, nproc, "recipes/pretrain.py", args)
-        assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-        self.done[name] = (out, read_jsonl(out / "metrics.jsonl"), proc)
-        return self.done[name]
-
-
-@pytest.fixture(scope="session")
-def runs(tmp_path_factory, text_file):
-    return Runs(tmp_path_factory.mktemp("runs"), text_file)
-
-
-def losses(metrics, key="loss"):
-    return [m[key] for m in metrics if key in m]
-
 
 def final_logits(out):
     model = BDHForCausalLM.from_pretrained(out / "final").eval()

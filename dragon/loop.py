@@ -1,0 +1,103 @@
+"""What every recipe does around its training step: data stream, resume, logging, evaluation,
+checkpoints and the final export. The step itself (ZeRO or pipeline) stays in the recipe."""
+
+import os
+import time
+from typing import Callable, Optional
+
+import torch
+
+from dragon import checkpoint
+from dragon.args import RecipeInputs
+from dragon.data import TrainBatches, eval_batches
+from dragon.distributed import all_reduce_mean, rank
+from dragon.metrics import MetricsLogger, Throughput, peak_tflops_per_device
+from dragon.model import BDHConfig, BDHForCausalLM
+from dragon.profile import model_profile
+
+
+def initial_model(inputs: RecipeInputs) -> BDHForCausalLM:
+    """The starting weights, identical on every rank: a save_pretrained directory or a fresh init."""
+    torch.manual_seed(inputs.train.seed)
+    if inputs.model.model_name_or_path:
+        return BDHForCausalLM.from_pretrained(inputs.model.model_name_or_path, dtype=torch.float32)
+    return BDHForCausalLM(inputs.model.config(inputs.tokenizer.vocab_size))
+
+
+class TrainingRun:
+    """Bookkeeping shared by the recipes; `step` counts optimizer steps done."""
+
+    def __init__(self, engine, inputs: RecipeInputs, config: BDHConfig, dp_rank: int, dp_world: int,
+                 devices: int):
+        args, block = inputs.train, inputs.data.block_size
+        self.engine, self.inputs, self.args, self.config = engine, inputs, args, config
+        self.micro, self.accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+        self.train_batches = TrainBatches(inputs.train_set, self.micro, dp_rank, dp_world, self.accum,
+                                          seed=args.seed)
+        self.valid_batches = eval_batches(inputs.valid_set, args.per_device_eval_batch_size, dp_rank,
+                                          dp_world, args.max_eval_samples)
+        self.save_dir = os.path.join(args.output_dir, "checkpoints")
+        self.step = 0
+        if args.resume_from_checkpoint:
+            state = checkpoint.resume(engine, *checkpoint.resolve_resume(args.resume_from_checkpoint, self.save_dir))
+            self.step = state["step"]
+            self.train_batches.load_state_dict(state["data"])
+        else:
+            torch.manual_seed(args.seed + rank())  # different dropout masks on every rank
+
+        # Each sample holds block+1 tokens and predicts block of them.
+        self.tokens_per_step = self.micro * self.accum * dp_world * block
+        profile = model_profile(config, block + 1)
+        self.throughput = Throughput(profile.train_flops_per_token * (block + 1) / block, devices,
+                                     peak_tflops_per_device(args.peak_tflops))
+        self.logger = MetricsLogger(args.output_dir, rank() == 0, engine.monitor, args.max_steps, self.step,
+                                    progress=not args.disable_tqdm)
+        self.losses: list[float] = []
+        if rank() == 0:
+            print(f"BDH: {profile.parameters:,} parameters, {len(inputs.train_set):,} train / "
+                  f"{len(inputs.valid_set):,} valid samples of {block + 1} tokens, "
+                  f"{self.tokens_per_step:,} tokens per step", flush=True)
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.args.max_steps
+
+    def due(self, every: int) -> bool:
+        return self.step % every == 0 or self.done
+
+    def end_step(self, loss: float, grad_norm: Optional[float], evaluate: Callable[[], float],
+                 already_averaged: bool = False) -> None:
+        """Count the step, then log, evaluate and save when they are due."""
+        self.step += 1
+        self.losses.append(loss)
+        self.throughput.add(self.tokens_per_step)
+        self.logger.advance()
+        record = {}
+        if self.due(self.args.logging_steps):
+            mean = sum(self.losses) / len(self.losses)
+            record.update(loss=mean if already_averaged else all_reduce_mean([mean])[0],
+                          lr=self.engine.get_lr()[0], grad_norm=None if grad_norm is None else float(grad_norm),
+                          **self.throughput.report())
+            self.losses = []
+        if self.due(self.args.eval_steps):
+            record["eval_loss"] = evaluate()
+        if record:
+            self.logger.log({"step": self.step, "epoch": self.train_batches.epoch, "time": time.time(), **record})
+        if self.due(self.args.save_steps):
+            checkpoint.save(self.engine, self.save_dir, self.step, {"data": self.train_batches.state_dict()})
+
+    def finish(self, export: Callable[[str], None]) -> str:
+        """Close the progress bar, export the model with `export(dir)`, print a sample on rank 0."""
+        self.logger.close()
+        final_dir = os.path.join(self.args.output_dir, "final")
+        export(final_dir)
+        tokenizer = self.inputs.tokenizer
+        if rank() == 0:
+            if hasattr(tokenizer, "save_pretrained"):
+                tokenizer.save_pretrained(final_dir)
+            if self.args.sample_max_new_tokens > 0:
+                model = BDHForCausalLM.from_pretrained(final_dir).eval()
+                prompt = torch.tensor([tokenizer.encode(self.args.sample_prompt)])
+                out = model.generate(prompt, max_new_tokens=self.args.sample_max_new_tokens, do_sample=True, top_k=5)
+                print(f"--- sample from {final_dir} ---\n{tokenizer.decode(out[0].tolist())}\n---", flush=True)
+        return final_dir

@@ -1,0 +1,146 @@
+"""BDH as a DeepSpeed PipelineModule: an embedding stage, n_layer uses of one tied block, a head.
+
+Every BDH layer uses the same `encoder`, `encoder_v` and `decoder`, so the layers are
+`TiedLayerSpec`s of one key: DeepSpeed builds one copy of the block per stage and all-reduces
+its gradient across the stages that hold it, every step. The loss is the plain model's.
+"""
+
+import os
+from typing import Optional
+
+import torch
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.utils import partition_balanced, partition_uniform
+from torch import nn
+
+from dragon.model import BDHConfig, BDHForCausalLM, BDHLayer, causal_lm_loss, embed_tokens, lm_logits
+from dragon.profile import parameter_count
+
+SHARED_KEY = "bdh_shared_block"
+SHARED_WEIGHTS = ["encoder", "encoder_v", "decoder"]
+PARTITION_METHODS = ("compute", "uniform", "parameters")
+
+
+class EmbedStage(nn.Module):
+    def __init__(self, config: BDHConfig):
+        super().__init__()
+        self.embed = nn.Embedding(config.vocab_size, config.n_embd)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return embed_tokens(self.embed, input_ids)
+
+
+class HeadStage(nn.Module):
+    def __init__(self, config: BDHConfig):
+        super().__init__()
+        self.lm_head = nn.Parameter(torch.zeros(config.n_embd, config.vocab_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return lm_logits(x, self.lm_head)
+
+
+def _run_shared(layer: BDHLayer, x: torch.Tensor) -> torch.Tensor:
+    return layer(x)
+
+
+def partition(config: BDHConfig, num_stages: int, method: str = "compute") -> list[int]:
+    """Stage boundaries over the specs [embed, layer_1..layer_n, head], as DeepSpeed computes them.
+
+    "compute" balances BDH layers, which all cost the same; the embedding and the head cost
+    under 1 % of one layer (D*V against 3*nh*D*N multiply-adds per token). Counting parameters
+    would mislead in general, since every stage holding a layer holds the whole shared block.
+    """
+    n = config.n_layer
+    if method == "uniform":
+        return [int(p) for p in partition_uniform(n + 2, num_stages)]
+    if method == "parameters":
+        embed = config.vocab_size * config.n_embd
+        weights = [embed] + [parameter_count(config) - 2 * embed] * n + [embed]
+    else:
+        weights = [0] + [1] * n + [0]
+    return [int(p) for p in partition_balanced(weights, num_stages)]
+
+
+def check_pipeline(config: BDHConfig, num_stages: int, method: str) -> None:
+    """One-line errors for a pipeline that cannot be built."""
+    if method not in PARTITION_METHODS:
+        raise ValueError(f"--partition_method {method!r}: valid are {', '.join(PARTITION_METHODS)}")
+    if not 1 <= num_stages <= config.n_layer:
+        raise ValueError(f"--pipeline_stages {num_stages}: must be between 1 and n_layer={config.n_layer}, "
+                         "so that every stage holds at least one BDH layer")
+    parts = partition(config, num_stages, method)
+    empty = [s for s in range(num_stages) if parts[s] == parts[s + 1]]
+    if empty:
+        raise ValueError(f"--partition_method {method} leaves stage(s) {empty} without layers; use 'compute'")
+
+
+def pipeline_specs(config: BDHConfig, parts: list[int]) -> list:
+    """The layer specs; on each stage the first use of the shared block owns it in checkpoints."""
+    # Later uses go through forward_fn, so each stage writes (and reloads) the block once
+    # instead of once per layer.
+    owners = {max(parts[s], 1) for s in range(len(parts) - 1)}
+    layers = [TiedLayerSpec(SHARED_KEY, BDHLayer, config, tied_weight_attr=SHARED_WEIGHTS,
+                            forward_fn=None if i in owners else _run_shared)
+              for i in range(1, config.n_layer + 1)]
+    return [LayerSpec(EmbedStage, config), *layers, LayerSpec(HeadStage, config)]
+
+
+def bdh_pipeline(model: BDHForCausalLM, num_stages: int, partition_method: str = "compute",
+                 activation_checkpoint_interval: int = 0) -> PipelineModule:
+    """A PipelineModule holding `model`'s weights (call after the process group exists)."""
+    config = model.config
+    check_pipeline(config, num_stages, partition_method)
+    parts = partition(config, num_stages, partition_method)
+    ds_method = "type:BDHLayer" if partition_method == "compute" else partition_method
+    pipe = PipelineModule(layers=pipeline_specs(config, parts), num_stages=num_stages, loss_fn=causal_lm_loss,
+                          partition_method=ds_method, activation_checkpoint_interval=activation_checkpoint_interval)
+    if [int(p) for p in pipe.parts] != parts:
+        raise RuntimeError(f"DeepSpeed partitioned the pipeline as {list(pipe.parts)}, expected {parts}")
+    # DeepSpeed sums gradient norms over a pipeline's stages but, Megatron-style, counts a
+    # parameter outside the first stage only if it is marked model-parallel; unmarked, the
+    # head's gradient would be left out of clipping. Every parameter lives on one stage except
+    # the shared block's later copies, which DeepSpeed marks ds_pipe_replicated.
+    for p in pipe.parameters():
+        p.model_parallel = not getattr(p, "ds_pipe_replicated", False)
+    load_into_pipeline(pipe, model)
+    return pipe
+
+
+@torch.no_grad()
+def load_into_pipeline(pipe: PipelineModule, model: BDHForCausalLM) -> None:
+    """Copy a plain model's weights into this rank's stage modules."""
+    for module in pipe.modules():
+        if isinstance(module, EmbedStage):
+            module.embed.weight.copy_(model.embed.weight)
+        elif isinstance(module, HeadStage):
+            module.lm_head.copy_(model.lm_head)
+        elif isinstance(module, BDHLayer):
+            for name in SHARED_WEIGHTS:
+                getattr(module, name).copy_(getattr(model.layer, name))
+
+
+def is_pipeline_checkpoint(tag_dir: str) -> bool:
+    return os.path.isfile(os.path.join(tag_dir, "layer_00-model_states.pt"))
+
+
+def model_from_pipeline_checkpoint(tag_dir: str, config: BDHConfig) -> BDHForCausalLM:
+    """A BDHForCausalLM (fp32) from a pipeline checkpoint's layer files."""
+    def layer_file(i: int) -> Optional[str]:
+        path = os.path.join(tag_dir, f"layer_{i:02d}-model_states.pt")
+        return path if os.path.isfile(path) else None
+
+    def load(path: str) -> dict:
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+    n = config.n_layer
+    owners = [path for path in map(layer_file, range(1, n + 1)) if path]
+    if not (layer_file(0) and layer_file(n + 1) and owners):
+        raise ValueError(f"{tag_dir}: not a BDH pipeline checkpoint with n_layer={n} "
+                         f"(need layer_00, a layer_01..layer_{n:02d} and layer_{n + 1:02d} files)")
+    shared = load(owners[0])
+    state = {"embed.weight": load(layer_file(0))["embed.weight"],
+             "lm_head": load(layer_file(n + 1))["lm_head"],
+             **{f"layer.{name}": shared[name] for name in SHARED_WEIGHTS}}
+    model = BDHForCausalLM(config)
+    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    return model

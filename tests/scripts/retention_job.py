@@ -1,0 +1,128 @@
+"""A real 2-rank job for tests/test_retention.py: many saves through attach_retention, then reloads.
+
+usage: retention_job.py zero2|accelerate OUT_DIR
+"""
+
+import json
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from dragon.retention import MetricHistory, RetentionPolicy, attach_retention, default_history_path
+
+EVAL_LOSSES = [5.0, 1.0, 4.0, 3.0, 6.0, 7.0, 8.0, 9.0]  # the best (step 2) lies far before the last two
+CONFIG = {
+    "train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+    "gradient_clipping": 0, "zero_optimization": {"stage": 2}, "steps_per_print": 10**6,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+}
+
+
+def model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step * 10 + dist.get_rank())
+    return torch.randn(2, 8, generator=g), torch.randn(2, 1, generator=g)
+
+
+def params(engine) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in engine.module.parameters()]
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def zero2(out: str) -> dict:
+    import deepspeed
+
+    from dragon import checkpoint
+
+    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=60))
+    torch.manual_seed(0)
+    net = model()
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=CONFIG)
+    attach_retention(engine, RetentionPolicy(save_total_limit=2), expected_metrics={"eval_loss"})
+    history = MetricHistory(default_history_path(out))
+    snapshots = {}
+    for step in range(1, len(EVAL_LOSSES) + 1):
+        x, y = batch(step)
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
+        if dist.get_rank() == 0:
+            history.record(step, {"eval_loss": EVAL_LOSSES[step - 1]})
+        checkpoint.save(engine, out, step, {})  # the recipes' save: rng file, then engine.save_checkpoint
+        snapshots[step] = params(engine)
+    result = {"after_run": sorted(os.listdir(out))}
+    torch.manual_seed(1)  # a fresh engine with other weights must get the saved ones back
+    fresh_net = model()
+    fresh, *_ = deepspeed.initialize(model=fresh_net, model_parameters=fresh_net.parameters(), config=CONFIG)
+    result["fresh_differs"] = not same(params(fresh), snapshots[8])
+    path, state = fresh.load_checkpoint(out, tag="step2")
+    result["best"] = {"step": state["step"], "match": same(params(fresh), snapshots[2])}
+    path, state = fresh.load_checkpoint(out)
+    result["latest"] = {"step": state["step"], "match": same(params(fresh), snapshots[8])}
+
+    # a resumed run: eval_loss is known only from the history on disk; step 9 is a new best
+    attach_retention(fresh, RetentionPolicy(save_total_limit=2), expected_metrics=())
+    x, y = batch(9)
+    fresh.backward(torch.nn.functional.mse_loss(fresh(x), y))
+    fresh.step()
+    if dist.get_rank() == 0:
+        history.record(9, {"eval_loss": 0.5})
+    checkpoint.save(fresh, out, 9, {})
+    result["after_resume"] = sorted(os.listdir(out))
+
+    # a metric the run never records fails at the first save, before anything is written
+    attach_retention(engine, RetentionPolicy(metric_for_best_model="eval_bleu"), expected_metrics={"eval_loss"})
+    try:
+        engine.save_checkpoint(out, tag="step10")
+        result["bad_metric"] = None
+    except ValueError as e:
+        result["bad_metric"] = str(e)
+    return result
+
+
+def accelerate_job(out: str) -> dict:
+    from accelerate import Accelerator, DeepSpeedPlugin
+    from accelerate.utils import DummyOptim, InitProcessGroupKwargs, ProjectConfiguration
+
+    accelerator = Accelerator(
+        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo", timeout=timedelta(seconds=60))],
+        deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=dict(CONFIG)),
+        project_config=ProjectConfiguration(project_dir=out, automatic_checkpoint_naming=True))
+    torch.manual_seed(0)
+    net = model()
+    optimizer = DummyOptim(net.parameters())  # the config's optimizer is the real one
+    engine, optimizer = accelerator.prepare(net, optimizer)
+    attach_retention(engine, RetentionPolicy(save_total_limit=2), expected_metrics={"eval_loss"})
+    history = MetricHistory(default_history_path(os.path.join(out, "checkpoints")))
+    result, snapshots = {"engine_steps": []}, {}
+    for i, loss in enumerate(EVAL_LOSSES[:5]):
+        x, y = batch(i)
+        accelerator.backward(torch.nn.functional.mse_loss(engine(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+        result["engine_steps"].append(engine.global_steps)
+        if accelerator.is_main_process:
+            history.record(engine.global_steps, {"eval_loss": loss})
+        accelerator.save_state()
+        snapshots[engine.global_steps] = params(engine)
+    # the kept best (step 2, in checkpoint_1) loads back through accelerate's own load_state
+    accelerator.load_state(os.path.join(out, "checkpoints", "checkpoint_1"))
+    result["best_match"] = same(params(engine), snapshots[2]) and not same(params(engine), snapshots[5])
+    return result
+
+
+if __name__ == "__main__":
+    mode, out = sys.argv[1], sys.argv[2]
+    result = zero2(out) if mode == "zero2" else accelerate_job(out)
+    if dist.get_rank() == 0:
+        with open(os.path.join(out, "..", f"result_{mode}.json"), "w") as f:
+            json.dump(result, f)
+    dist.barrier()
