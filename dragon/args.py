@@ -5,7 +5,9 @@ from typing import Optional
 
 from transformers import HfArgumentParser, SchedulerType
 
+from dragon.metrics import RECORDED_METRICS
 from dragon.model import BDHConfig
+from dragon.retention import RetentionPolicy
 
 
 def _help(text: str, **kwargs):
@@ -57,6 +59,11 @@ class TrainingArguments:
     eval_steps: int = _help("Evaluate every N steps (and at the end).", default=100)
     max_eval_samples: Optional[int] = _help("Validation samples used per evaluation.", default=256)
     save_steps: int = _help("Save a DeepSpeed checkpoint every N steps (and at the end).", default=500)
+    save_total_limit: int = _help("Checkpoints kept: the last N, plus the best one.", default=2)
+    metric_for_best_model: Optional[str] = _help(
+        "The metric that picks the best checkpoint (any metrics.jsonl key; 'none' keeps only the last N).",
+        default="eval_loss")
+    greater_is_better: bool = _help("The best checkpoint has the highest metric, not the lowest.", default=False)
     resume_from_checkpoint: Optional[str] = _help(
         "'latest' (output_dir/checkpoints) or a path to a checkpoint directory or tag.", default=None)
     seed: int = _help("Seed for weights, data order and dropout.", default=42)
@@ -80,8 +87,17 @@ class TrainingArguments:
         valid = [t.value for t in SchedulerType]
         if self.lr_scheduler_type not in valid:
             raise ValueError(f"--lr_scheduler_type={self.lr_scheduler_type!r}: valid are {', '.join(valid)}")
+        if self.metric_for_best_model in ("none", ""):
+            self.metric_for_best_model = None
+        if self.metric_for_best_model is not None and self.metric_for_best_model not in RECORDED_METRICS:
+            raise ValueError(f"--metric_for_best_model {self.metric_for_best_model!r} is never recorded; "
+                             f"valid are {', '.join(RECORDED_METRICS)} or none")
+        self.retention_policy()  # raises on a bad --save_total_limit
         if self.max_eval_samples is not None and self.max_eval_samples < 1:
             raise ValueError(f"--max_eval_samples={self.max_eval_samples}: must be >= 1")
+
+    def retention_policy(self) -> RetentionPolicy:
+        return RetentionPolicy(self.save_total_limit, self.metric_for_best_model, self.greater_is_better)
 
 
 @dataclass

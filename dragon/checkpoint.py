@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from dragon.distributed import rank
 from dragon.model import BDHForCausalLM
+from dragon.retention import MARKER, find_resume_checkpoint
 
 
 def rng_state() -> dict:
@@ -45,26 +46,28 @@ def save(engine, save_dir: str, step: int, client_state: dict[str, Any]) -> str:
     return tag
 
 
-def resolve_resume(resume: str, save_dir: str) -> tuple[str, Optional[str]]:
-    """Map --resume_from_checkpoint (latest, a save dir or a tag dir) to (load_dir, tag)."""
+def resolve_resume(resume: str, save_dir: str) -> tuple[str, str]:
+    """Map --resume_from_checkpoint (latest, a checkpoints dir or one tag dir) to (load_dir, tag).
+
+    A `latest` that is missing, corrupt or names a half-written tag falls back, with a warning,
+    to the newest complete checkpoint; only complete checkpoints are ever chosen.
+    """
     path = save_dir if resume == "latest" else resume
     if not os.path.isdir(path):
         raise ValueError(f"--resume_from_checkpoint {resume}: no such directory ({path})")
-    if os.path.isfile(os.path.join(path, "latest")):
-        return path, None
-    if any(name.startswith("mp_rank_") or name.startswith("layer_") for name in os.listdir(path)):
+    if os.path.isfile(os.path.join(path, MARKER)):  # one complete tag directory
         return os.path.dirname(os.path.abspath(path)), os.path.basename(os.path.normpath(path))
-    raise ValueError(f"--resume_from_checkpoint {resume}: {path} holds no 'latest' file and no DeepSpeed checkpoint")
+    try:
+        return find_resume_checkpoint(path)
+    except ValueError:
+        raise ValueError(f"--resume_from_checkpoint {resume}: {path} holds no complete checkpoint") from None
 
 
-def resume(engine, load_dir: str, tag: Optional[str]) -> dict:
+def resume(engine, load_dir: str, tag: str) -> dict:
     """Load model, optimizer, scheduler and this rank's RNG; returns the client state."""
     path, client_state = engine.load_checkpoint(load_dir, tag=tag)
     if path is None:  # DeepSpeed only warns and carries on from fresh weights
         raise RuntimeError(f"no loadable DeepSpeed checkpoint in {load_dir} (tag {tag or 'from latest'})")
-    if tag is None:
-        with open(os.path.join(load_dir, "latest")) as f:
-            tag = f.read().strip()
     rng_file = os.path.join(load_dir, tag, f"rng_state_{rank()}.pt")
     if os.path.exists(rng_file):
         set_rng_state(torch.load(rng_file, weights_only=False))

@@ -11,9 +11,10 @@ from dragon import checkpoint
 from dragon.args import RecipeInputs
 from dragon.data import TrainBatches, eval_batches
 from dragon.distributed import all_reduce_mean, rank
-from dragon.metrics import MetricsLogger, Throughput, peak_tflops_per_device
+from dragon.metrics import RECORDED_METRICS, MetricsLogger, Throughput, peak_tflops_per_device
 from dragon.model import BDHConfig, BDHForCausalLM
 from dragon.profile import model_profile
+from dragon.retention import attach_retention
 
 
 def initial_model(inputs: RecipeInputs) -> BDHForCausalLM:
@@ -37,6 +38,11 @@ class TrainingRun:
         self.valid_batches = eval_batches(inputs.valid_set, args.per_device_eval_batch_size, dp_rank,
                                           dp_world, args.max_eval_samples)
         self.save_dir = os.path.join(args.output_dir, "checkpoints")
+        if rank() == 0:  # recipes/export.py reads it to turn any checkpoint into a model
+            config.save_pretrained(self.save_dir)
+        # Retention reads the metric history from metrics.jsonl, which survives restarts.
+        attach_retention(engine, args.retention_policy(), RECORDED_METRICS,
+                         history_path=os.path.join(args.output_dir, "metrics.jsonl"))
         self.step = 0
         if args.resume_from_checkpoint:
             state = checkpoint.resume(engine, *checkpoint.resolve_resume(args.resume_from_checkpoint, self.save_dir))

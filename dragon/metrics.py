@@ -8,6 +8,9 @@ from typing import Optional
 import torch
 from tqdm.auto import tqdm
 
+# What the recipes write to metrics.jsonl (eval_loss on evaluation steps); any can pick the best checkpoint.
+RECORDED_METRICS = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_second", "mfu")
+
 # Dense bf16 peak per device, TFLOP/s (vendor datasheets). Matched by substring of the device name.
 GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "V100": 125.0}
 

@@ -23,8 +23,8 @@ DELETING = ".deleting-"
 TAG_RE = re.compile(r"^(step|global_step)(\d+)$")
 ACCEL_RE = re.compile(r"^(checkpoint_)(\d+)$")
 # Files only DeepSpeed (or dragon.checkpoint.save, which writes its RNG file first) puts in a tag dir.
-DS_FILE_RE = re.compile(r"^(mp_rank_\d+_model_states\.pt|layer_\d+-model_states\.pt|.*zero_pp_rank_\d+.*\.pt"
-                        r"|rng_state_\d+\.pt|" + re.escape(MARKER) + r")$")
+DS_FILE_RE = re.compile(r"^(.*mp_rank_\d+.*\.pt|layer_\d+-.*model_states\.pt|rng_state_\d+\.pt|"
+                        + re.escape(MARKER) + r")$")
 
 
 @dataclass

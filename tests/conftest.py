@@ -38,25 +38,28 @@ def job_env(**extra) -> dict:
     return env
 
 
-def launch(launcher: str, nproc: int, script: str, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run a recipe under a real launcher: torchrun, deepspeed, accelerate or none (plain python)."""
+def launch_command(launcher: str, nproc: int, script: str, args: list[str]) -> list[str]:
+    """The command line of a recipe under a real launcher: torchrun, deepspeed, accelerate or python."""
     port = str(free_port())
     if launcher == "torchrun":
         cmd = ["torchrun", "--nproc_per_node", str(nproc), "--master_port", port]
     elif launcher == "deepspeed":
         cmd = ["deepspeed", "--num_gpus", str(nproc), "--master_port", port]
     elif launcher == "accelerate":
-        cmd = ["accelerate", "launch", "--num_processes", str(nproc), "--main_process_port", port]
+        cmd = ["accelerate", "launch", "--num_processes", str(nproc), "--main_process_port", port,
+               "--config_file", str(REPO / "launch/accelerate" / args[0])]
+        args = args[1:]
     elif launcher == "python":
         cmd = [sys.executable]
     else:
         raise ValueError(launcher)
-    if launcher == "accelerate":
-        cmd += ["--config_file", str(REPO / "launch/accelerate" / args[0])]
-        args = args[1:]
-    proc = subprocess.run(cmd + [str(REPO / script)] + args, cwd=REPO, env=job_env(),
+    return cmd + [str(REPO / script)] + [str(a) for a in args]
+
+
+def launch(launcher: str, nproc: int, script: str, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run a recipe to completion under a real launcher."""
+    return subprocess.run(launch_command(launcher, nproc, script, args), cwd=REPO, env=job_env(),
                           capture_output=True, text=True, timeout=timeout)
-    return proc
 
 
 def read_jsonl(path) -> list[dict]:

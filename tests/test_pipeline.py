@@ -85,6 +85,11 @@ def test_trajectory_equals_single_process(runs):
         a = BDHForCausalLM.from_pretrained(out / "final")(ids).logits
         b = BDHForCausalLM.from_pretrained(single_out / "final")(ids).logits
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    exported = launch("python", 1, "recipes/export.py", ["--checkpoint", str(out / "checkpoints" / "step8"),
+                                                          "--output", str(out / "exported")])
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    with torch.no_grad():
+        torch.testing.assert_close(BDHForCausalLM.from_pretrained(out / "exported")(ids).logits, a, atol=0, rtol=0)
     # The shared block, written once by each stage, is identical on both stages.
     tag = out / "checkpoints" / f"step{STEPS}"
     owners = sorted(p.name for p in tag.glob("layer_*-model_states.pt"))

@@ -114,3 +114,15 @@ def test_accelerate_launch_equals_torchrun(runs, yaml):
     _, metrics, _ = runs(f"accelerate_{yaml}", launcher="accelerate", config=yaml)
     _, ref, _ = runs("zero2")
     assert losses(metrics) == pytest.approx(losses(ref), abs=LOSS_ATOL)
+
+
+def test_export_cli_turns_checkpoint_into_model(runs, tmp_path):
+    """recipes/export.py merges the ZeRO-3 shards of the last checkpoint into the final model."""
+    out, _, _ = runs("zero3")
+    proc = launch("python", 1, "recipes/export.py", ["--checkpoint", str(out / "checkpoints" / "step8"),
+                                                     "--output", str(tmp_path / "hf")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model = BDHForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.arange(64).view(2, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, final_logits(out), atol=0, rtol=0)

@@ -83,8 +83,8 @@ def test_k_equals_one_and_no_metric_is_pure_keep_last():
 
 
 def test_greater_is_better():
-    trace = run_saves(RetentionPolicy(save_total_limit=2, metric_for_best_model="eval_accuracy", greater_is_better=True),
-                      [(1, 0.2), (2, 0.8), (3, 0.3), (4, 0.4), (5, 0.1)])
+    policy = RetentionPolicy(save_total_limit=2, metric_for_best_model="eval_accuracy", greater_is_better=True)
+    trace = run_saves(policy, [(1, 0.2), (2, 0.8), (3, 0.3), (4, 0.4), (5, 0.1)])
     assert trace[-1] == [2, 4, 5]
 
 
@@ -188,7 +188,8 @@ def test_history_is_readable_json_lines_and_survives_a_torn_line(tmp_path):
 
 def test_default_history_path_stays_out_of_accelerates_checkpoints_folder(tmp_path):
     assert default_history_path(str(tmp_path / "out")) == str(tmp_path / "out" / "metric_history.jsonl")
-    assert default_history_path(str(tmp_path / "proj" / "checkpoints")) == str(tmp_path / "proj" / "metric_history.jsonl")
+    proj = tmp_path / "proj"
+    assert default_history_path(str(proj / "checkpoints")) == str(proj / "metric_history.jsonl")
 
 
 # ---------------------------------------------------------------- pruning real directories
@@ -325,7 +326,7 @@ def test_accelerate_layout(tmp_path):
 
 def test_pipeline_layer_files_count_as_a_checkpoint(tmp_path):
     d = str(tmp_path)
-    make_tag(d, "global_step4", 4, files=("layer_00-model_states.pt", "layer_01-model_states.pt"))
+    make_tag(d, "global_step4", 4, files=("layer_00-model_00-model_states.pt", "layer_01-model_00-model_states.pt"))
     make_tag(d, "global_step8", 8, files=("layer_00-model_states.pt", "mp_rank_00_model_states.pt"))
     assert list_checkpoints(d) == {"global_step4": 4, "global_step8": 8}
     prune(d, RetentionPolicy(save_total_limit=1, metric_for_best_model=None), {}, "global_step8")
@@ -387,6 +388,13 @@ def test_zero2_job_keeps_last_two_and_the_best_and_reloads_them(tmp_path):
     assert all(is_complete(str(out / tag)) for tag in ("step8", "step9"))
     assert "eval_bleu" in result["bad_metric"] and not (out / "step10").exists()
     assert find_resume_checkpoint(str(out)) == (str(out), "step9")
+    # node-local storage: every node's local rank 0 marked and pruned its own copy, with node 0's history
+    nodes = tmp_path / "out_nodes"
+    assert names(nodes / "node0") == sorted(ds_files + ["step2", "step3"])
+    assert names(nodes / "node1") == ["step2", "step3"]  # no `latest`, no history: rank 0 writes those
+    assert all(is_complete(str(nodes / node / tag)) for node in ("node0", "node1") for tag in ("step2", "step3"))
+    with pytest.warns(UserWarning, match="no 'latest' file"):  # DeepSpeed itself would load nothing there
+        assert find_resume_checkpoint(str(nodes / "node1")) == (str(nodes / "node1"), "step3")
 
 
 def test_accelerate_save_state_goes_through_retention(tmp_path):

@@ -1,4 +1,8 @@
-"""A real 2-rank job for tests/test_retention.py: many saves through attach_retention, then reloads.
+"""Real 2-rank jobs for tests/test_retention.py (run under torchrun); rank 0 writes ../result_<mode>.json.
+
+zero2: 8 saves through attach_retention, reloads of the latest and the best into a fresh engine, a
+resumed run, a metric that is never recorded, and node-local storage (2 simulated 1-process nodes).
+accelerate: 5 accelerator.save_state() calls (automatic checkpoint naming), then load_state of the best.
 
 usage: retention_job.py zero2|accelerate OUT_DIR
 """
@@ -85,6 +89,20 @@ def zero2(out: str) -> dict:
         result["bad_metric"] = None
     except ValueError as e:
         result["bad_metric"] = str(e)
+
+    # node-local storage, simulated as 2 nodes of 1 process: each rank is its node's local rank 0 and
+    # saves into its own directory; only node 0 holds `latest` and the history (broadcast to node 1)
+    os.environ["LOCAL_RANK"] = "0"
+    local_net = model()
+    config = dict(CONFIG, checkpoint={"use_node_local_storage": True})
+    local, *_ = deepspeed.initialize(model=local_net, model_parameters=local_net.parameters(), config=config)
+    attach_retention(local, RetentionPolicy(save_total_limit=1), expected_metrics={"eval_loss"})
+    node_dir = os.path.join(out + "_nodes", f"node{dist.get_rank()}")
+    node_history = MetricHistory(default_history_path(node_dir))
+    for step, loss in [(1, 2.0), (2, 1.0), (3, 3.0)]:
+        if dist.get_rank() == 0:
+            node_history.record(step, {"eval_loss": loss})
+        checkpoint.save(local, node_dir, step, {})
     return result
 
 
