@@ -136,6 +136,8 @@ def parse_recipe_args(extra_types: tuple = (), data_parallel_world=None) -> Reci
         _, raw_config = load_ds_config(args.deepspeed)
         ds_config = resolve_ds_config(raw_config, args, dp_world)
         train_set, valid_set, tokenizer = build_datasets(data_args)
+        if not model_args.model_name_or_path:
+            model_args.config(tokenizer.vocab_size)  # raises on sizes BDH cannot be built with
         # Both raise when the data cannot fill one step / one evaluation on every rank.
         TrainBatches(train_set, ds_config["train_micro_batch_size_per_gpu"], 0, dp_world,
                      ds_config["gradient_accumulation_steps"])

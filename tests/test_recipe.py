@@ -126,3 +126,40 @@ def test_export_cli_turns_checkpoint_into_model(runs, tmp_path):
     ids = torch.arange(64).view(2, 32)
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, final_logits(out), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("argv,env,expected", [
+    (["--train_file", "/nonexistent/corpus.txt"], {}, "'/nonexistent/corpus.txt' does not exist"),
+    (["--deepspeed", "/nonexistent.json"], {}, "--deepspeed /nonexistent.json: no such file"),
+    (["--block_size", "100000000"], {}, "shorter than one block"),
+    ([], {"WORLD_SIZE": "100000"}, "fewer than the 100000 data-parallel ranks"),
+    (["--save_total_limit", "0"], {}, "save_total_limit must be an integer >= 1"),
+    (["--metric_for_best_model", "bleu"], {}, "--metric_for_best_model 'bleu' is never recorded"),
+    (["--resume_from_checkpoint", "/nonexistent/ckpt"], {}, "no such directory"),
+    (["--lr_scheduler_type", "sideways"], {}, "valid are linear, cosine"),
+    (["--n_head", "3"], {}, "not divisible by n_head=3"),
+])
+def test_bad_input_stops_before_start(monkeypatch, text_file, tmp_path, argv, env, expected):
+    """Each mistake is one line naming the bad value, before any process group starts."""
+    import runpy
+    import sys
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    base = ["--deepspeed", str(REPO / "ds_configs/zero2.json"), "--output_dir", str(tmp_path),
+            "--train_file", str(text_file), "--n_layer", "2", "--n_embd", "32", "--n_head", "2", "--block_size", "64"]
+    monkeypatch.setattr(sys, "argv", ["recipes/pretrain.py", *base, *argv])
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(str(REPO / "recipes/pretrain.py"), run_name="__main__")
+    message = str(stop.value)
+    assert message.startswith("error: ") and expected in message and "\n" not in message, message
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["zero2_offload.json", "zero3_offload.json"])
+def test_cpu_offload_configs_train_like_zero2(runs, config):
+    """DeepSpeedCPUAdam on offloaded fp32 states follows torch AdamW's trajectory."""
+    _, metrics, _ = runs(config.removesuffix(".json"), config=config)
+    _, ref, _ = runs("zero2")
+    assert losses(metrics) == pytest.approx(losses(ref), abs=1e-4)
