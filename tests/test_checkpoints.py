@@ -27,7 +27,7 @@ def recipe_args(kind, out, text_file, steps, extra=()):
 def start(kind, out, text_file, steps, extra=()):
     script, args = recipe_args(kind, out, text_file, steps, extra)
     return subprocess.Popen(launch_command("torchrun", 2, script, args), cwd=REPO, env=job_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def finish(proc, timeout=600):
@@ -63,8 +63,30 @@ def kill_when(proc, condition, then=None, until=None, timeout=300):
         if check is condition and then is not None:
             then()
     time.sleep(0.5 if until else 0)  # let the other rank reach DeepSpeed's barrier too
-    os.killpg(proc.pid, signal.SIGKILL)
+    kill_tree(proc.pid)
     proc.wait()
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a launcher and every process below it at once (torchrun puts ranks in new sessions)."""
+    children: dict[int, list[int]] = {}
+    for stat in os.listdir("/proc"):
+        if stat.isdigit():
+            try:
+                with open(f"/proc/{stat}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            children.setdefault(ppid, []).append(int(stat))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 @pytest.mark.parametrize("kind", ["zero2", "pipeline"])
