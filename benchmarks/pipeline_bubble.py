@@ -18,7 +18,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 MODEL = ["--n_layer", "4", "--n_embd", "64", "--n_head", "2", "--mlp_internal_dim_multiplier", "16",
          "--block_size", "128", "--dropout", "0.0", "--sample_max_new_tokens", "0", "--disable_tqdm",
-         "--eval_steps", "1000", "--save_steps", "1000", "--logging_steps", "5", "--max_steps", "20"]
+         "--eval_steps", "1000", "--save_steps", "1000", "--logging_steps", "5", "--max_steps", "40"]
 STAGES, MICRO = 2, 4
 
 
@@ -27,8 +27,8 @@ def step_seconds(cmd: list[str], out: Path, tokens_per_step: int) -> float:
     subprocess.run(cmd + ["--output_dir", str(out), *MODEL], cwd=REPO, env=env, check=True,
                    capture_output=True)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    tps = [r["tokens_per_second"] for r in records[1:]]  # the first interval includes warm-up
-    return tokens_per_step / (sum(tps) / len(tps))
+    tps = sorted(r["tokens_per_second"] for r in records[1:])  # the first interval includes warm-up
+    return tokens_per_step / tps[len(tps) // 2]  # median: robust to a noisy neighbour
 
 
 def main():
