@@ -23,7 +23,8 @@ def init_distributed(timeout_s: float = 600.0) -> None:
     """Start DeepSpeed's process group (gloo on CPU, nccl on CUDA) with a bounded timeout.
 
     With no launcher, a one-process world is set up by hand; otherwise DeepSpeed would look for
-    mpi4py. On CPU each rank gets an equal share of the cores, so ranks do not oversubscribe.
+    mpi4py. On CPU each rank gets an equal share of the cores (unless OMP_NUM_THREADS says how
+    many), so ranks do not oversubscribe.
     """
     import deepspeed
     from deepspeed.accelerator import get_accelerator
@@ -33,7 +34,7 @@ def init_distributed(timeout_s: float = 600.0) -> None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     accelerator = get_accelerator()
-    if accelerator.device_name() == "cpu":
+    if accelerator.device_name() == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     else:
