@@ -1,10 +1,17 @@
 """Argument dataclasses the recipes share, named as in transformers' TrainingArguments / run_clm.py."""
 
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
 from transformers import HfArgumentParser, SchedulerType
 
+from dragon.checkpoint import resolve_resume
+from dragon.data import DataArguments, TrainBatches, build_datasets, eval_batches
+from dragon.diloco import DiLoCoArguments
+from dragon.distributed import launcher_world_size
+from dragon.ds_config import load_ds_config, resolve_ds_config
 from dragon.metrics import RECORDED_METRICS
 from dragon.model import BDHConfig
 from dragon.retention import RetentionPolicy
@@ -105,7 +112,7 @@ class RecipeInputs:
     """Everything a recipe needs that can be checked before any process group starts."""
 
     model: ModelArguments
-    data: "DataArguments"
+    data: DataArguments
     train: TrainingArguments
     extra: tuple
     ds_config: dict
@@ -120,18 +127,14 @@ def parse_recipe_args(extra_types: tuple = (), data_parallel_world=None) -> Reci
     `data_parallel_world(extra_args, world_size)` gives the data-parallel degree for recipes
     whose ranks are not all data-parallel (the pipeline); it may raise ValueError.
     """
-    import os
-    import sys
-
-    from dragon.checkpoint import resolve_resume
-    from dragon.data import DataArguments, TrainBatches, build_datasets, eval_batches
-    from dragon.distributed import launcher_world_size
-    from dragon.ds_config import load_ds_config, resolve_ds_config
-
     parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments, *extra_types))
     try:
         model_args, data_args, args, *extra = parser.parse_args_into_dataclasses()
-        world = launcher_world_size()
+        world, islands = launcher_world_size(), 1
+        diloco = next((e for e in extra if isinstance(e, DiLoCoArguments) and e.enabled), None)
+        if diloco is not None:  # every island is a world of its own; data is split over all of them
+            diloco.check_training(args)
+            world, islands = diloco.island_world(world), diloco.diloco_islands
         dp_world = data_parallel_world(extra, world) if data_parallel_world else world
         _, raw_config = load_ds_config(args.deepspeed)
         ds_config = resolve_ds_config(raw_config, args, dp_world)
@@ -139,11 +142,16 @@ def parse_recipe_args(extra_types: tuple = (), data_parallel_world=None) -> Reci
         if not model_args.model_name_or_path:
             model_args.config(tokenizer.vocab_size)  # raises on sizes BDH cannot be built with
         # Both raise when the data cannot fill one step / one evaluation on every rank.
-        TrainBatches(train_set, ds_config["train_micro_batch_size_per_gpu"], 0, dp_world,
+        TrainBatches(train_set, ds_config["train_micro_batch_size_per_gpu"], 0, dp_world * islands,
                      ds_config["gradient_accumulation_steps"])
         eval_batches(valid_set, args.per_device_eval_batch_size, 0, dp_world, args.max_eval_samples)
         if args.resume_from_checkpoint:
-            resolve_resume(args.resume_from_checkpoint, os.path.join(args.output_dir, "checkpoints"))
+            for island in diloco.local_islands() if diloco else [0]:
+                save_dir = os.path.join(diloco.output_dir(args.output_dir, island) if diloco else args.output_dir,
+                                        "checkpoints")
+                resume = diloco.resume_path(args.resume_from_checkpoint, save_dir) if diloco else \
+                    args.resume_from_checkpoint
+                resolve_resume(resume, save_dir)
     except ValueError as e:  # DataError and config errors are ValueErrors with one-line messages
         sys.exit(f"error: {e}")
     return RecipeInputs(model_args, data_args, args, tuple(extra), ds_config, train_set, valid_set, tokenizer)

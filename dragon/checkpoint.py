@@ -32,16 +32,20 @@ def tag_for(step: int) -> str:
     return f"step{step}"
 
 
-def save(engine, save_dir: str, step: int, client_state: dict[str, Any]) -> str:
-    """engine.save_checkpoint plus each rank's RNG state; returns the tag.
+def save(engine, save_dir: str, step: int, client_state: dict[str, Any],
+         rank_files: Optional[dict[str, Any]] = None) -> str:
+    """engine.save_checkpoint plus each rank's RNG state (and `rank_files`: name -> object, saved
+    as <name>_<rank>.pt); returns the tag.
 
-    The RNG files are written before DeepSpeed's files, so that by the time `latest` names
+    The per-rank files are written before DeepSpeed's files, so that by the time `latest` names
     the tag (DeepSpeed writes it last, after its barrier) the tag is complete.
     """
     tag = tag_for(step)
     path = os.path.join(save_dir, tag)
     os.makedirs(path, exist_ok=True)
     torch.save(rng_state(), os.path.join(path, f"rng_state_{rank()}.pt"))
+    for name, obj in (rank_files or {}).items():
+        torch.save(obj, os.path.join(path, f"{name}_{rank()}.pt"))
     engine.save_checkpoint(save_dir, tag=tag, client_state={"step": step, **client_state})
     return tag
 
@@ -72,6 +76,12 @@ def resume(engine, load_dir: str, tag: str) -> dict:
     if os.path.exists(rng_file):
         set_rng_state(torch.load(rng_file, weights_only=False))
     return client_state
+
+
+def load_rank_file(load_dir: str, tag: str, name: str) -> Optional[Any]:
+    """This rank's <name>_<rank>.pt of a checkpoint written by save(rank_files=...); None if absent."""
+    path = os.path.join(load_dir, tag, f"{name}_{rank()}.pt")
+    return torch.load(path, map_location="cpu", weights_only=False) if os.path.exists(path) else None
 
 
 def full_fp32_state_dict(engine) -> dict[str, torch.Tensor]:

@@ -58,9 +58,12 @@ def resolve_ds_config(cfg: dict, args, world: int) -> dict:
     if "optimizer" in cfg:
         params = cfg["optimizer"].setdefault("params", {})
         _fill(params, "lr", args.learning_rate)
-        _fill(params, "betas", [args.adam_beta1, args.adam_beta2])
-        _fill(params, "eps", args.adam_epsilon)
         _fill(params, "weight_decay", args.weight_decay)
+        # Adam's betas and eps: filled when missing only for the Adam family (torch SGD rejects them)
+        adam = any(name in str(cfg["optimizer"].get("type", "")).lower() for name in ("adam", "lamb"))
+        for key, value in (("betas", [args.adam_beta1, args.adam_beta2]), ("eps", args.adam_epsilon)):
+            if adam or params.get(key) == AUTO:
+                _fill(params, key, value)
     if "scheduler" in cfg:
         params = cfg["scheduler"].setdefault("params", {})
         for key in ("warmup_max_lr", "cos_max_lr"):

@@ -10,6 +10,8 @@ import torch
 from dragon import checkpoint
 from dragon.args import RecipeInputs
 from dragon.data import TrainBatches, eval_batches
+from dragon.diloco import STATE_FILE as DILOCO_STATE
+from dragon.diloco import DiLoCo
 from dragon.distributed import all_reduce_mean, rank
 from dragon.metrics import RECORDED_METRICS, MetricsLogger, Throughput, peak_tflops_per_device
 from dragon.model import BDHConfig, BDHForCausalLM
@@ -29,34 +31,50 @@ class TrainingRun:
     """Bookkeeping shared by the recipes; `step` counts optimizer steps done."""
 
     def __init__(self, engine, inputs: RecipeInputs, config: BDHConfig, dp_rank: int, dp_world: int,
-                 devices: int):
+                 devices: int, diloco: Optional[DiLoCo] = None):
+        """With `diloco` (several islands), the data is split over every island's ranks, and island
+        i writes its metrics.jsonl and checkpoints/ under <output_dir>/island<i>."""
         args, block = inputs.train, inputs.data.block_size
         self.engine, self.inputs, self.args, self.config = engine, inputs, args, config
+        self.diloco, self.island = diloco, diloco.topology.island if diloco else 0
         self.micro, self.accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-        self.train_batches = TrainBatches(inputs.train_set, self.micro, dp_rank, dp_world, self.accum,
+        data_rank, data_world = diloco.topology.data_shard(dp_rank, dp_world) if diloco else (dp_rank, dp_world)
+        self.train_batches = TrainBatches(inputs.train_set, self.micro, data_rank, data_world, self.accum,
                                           seed=args.seed)
         self.valid_batches = eval_batches(inputs.valid_set, args.per_device_eval_batch_size, dp_rank,
                                           dp_world, args.max_eval_samples)
-        self.save_dir = os.path.join(args.output_dir, "checkpoints")
+        self.output_dir = diloco.args.output_dir(args.output_dir, self.island) if diloco else args.output_dir
+        self.save_dir = os.path.join(self.output_dir, "checkpoints")
         if rank() == 0:  # recipes/export.py reads it to turn any checkpoint into a model
             config.save_pretrained(self.save_dir)
         # Retention reads the metric history from metrics.jsonl, which survives restarts.
         attach_retention(engine, args.retention_policy(), RECORDED_METRICS,
-                         history_path=os.path.join(args.output_dir, "metrics.jsonl"))
+                         history_path=os.path.join(self.output_dir, "metrics.jsonl"))
         self.step = 0
         if args.resume_from_checkpoint:
-            state = checkpoint.resume(engine, *checkpoint.resolve_resume(args.resume_from_checkpoint, self.save_dir))
+            resume = diloco.args.resume_path(args.resume_from_checkpoint, self.save_dir) if diloco else \
+                args.resume_from_checkpoint
+            load_dir, tag = checkpoint.resolve_resume(resume, self.save_dir)
+            state = checkpoint.resume(engine, load_dir, tag)
             self.step = state["step"]
             self.train_batches.load_state_dict(state["data"])
+            if diloco:
+                diloco.check_same_step(self.step)
+                outer_state = checkpoint.load_rank_file(load_dir, tag, DILOCO_STATE)
+                if outer_state is None:  # a checkpoint of a run without DiLoCo
+                    diloco.restart()
+                else:
+                    diloco.load_state_dict(outer_state)
         else:
-            torch.manual_seed(args.seed + rank())  # different dropout masks on every rank
+            # different dropout masks on every rank (of every island)
+            torch.manual_seed(args.seed + (diloco.topology.launch_rank if diloco else rank()))
 
         # Each sample holds block+1 tokens and predicts block of them.
         self.tokens_per_step = self.micro * self.accum * dp_world * block
         profile = model_profile(config, block + 1)
         self.throughput = Throughput(profile.train_flops_per_token * (block + 1) / block, devices,
                                      peak_tflops_per_device(args.peak_tflops))
-        self.logger = MetricsLogger(args.output_dir, rank() == 0, engine.monitor, args.max_steps, self.step,
+        self.logger = MetricsLogger(self.output_dir, rank() == 0, engine.monitor, args.max_steps, self.step,
                                     progress=not args.disable_tqdm)
         self.losses: list[float] = []
         if rank() == 0:
@@ -78,7 +96,7 @@ class TrainingRun:
         self.losses.append(loss)
         self.throughput.add(self.tokens_per_step)
         self.logger.advance()
-        record = {}
+        record = self.diloco.maybe_outer_step(self.step, final=self.done) if self.diloco else {}
         if self.due(self.args.logging_steps):
             mean = sum(self.losses) / len(self.losses)
             record.update(loss=mean if already_averaged else all_reduce_mean([mean])[0],
@@ -89,12 +107,20 @@ class TrainingRun:
             record["eval_loss"] = evaluate()
         if record:
             self.logger.log({"step": self.step, "epoch": self.train_batches.epoch, "time": time.time(), **record})
-        if self.due(self.args.save_steps):
-            checkpoint.save(self.engine, self.save_dir, self.step, {"data": self.train_batches.state_dict()})
+        if self.due(self.args.save_steps):  # with DiLoCo, save_steps is a multiple of H: an outer step
+            outer = {DILOCO_STATE: self.diloco.state_dict()} if self.diloco else None
+            checkpoint.save(self.engine, self.save_dir, self.step, {"data": self.train_batches.state_dict()}, outer)
 
-    def finish(self, export: Callable[[str], None]) -> str:
-        """Close the progress bar, export the model with `export(dir)`, print a sample on rank 0."""
+    def finish(self, export: Callable[[str], None]) -> Optional[str]:
+        """Close the progress bar, export the model with `export(dir)`, print a sample on rank 0.
+
+        With several islands (all on theta_outer after the last outer step) island 0 exports to
+        <output_dir>/final; the others return None."""
         self.logger.close()
+        if self.diloco:
+            self.diloco.close()  # every island is past its last outer step
+            if self.island != 0:
+                return None
         final_dir = os.path.join(self.args.output_dir, "final")
         export(final_dir)
         tokenizer = self.inputs.tokenizer

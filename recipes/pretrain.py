@@ -14,10 +14,12 @@ import torch
 
 from dragon import checkpoint
 from dragon.args import parse_recipe_args
+from dragon.diloco import DiLoCo, DiLoCoArguments
 from dragon.distributed import all_reduce_mean, init_distributed, rank, world_size
 from dragon.ds_config import client_optimizer_and_scheduler
 from dragon.loop import TrainingRun, initial_model
 from dragon.metrics import grad_norm_before_step
+from dragon.topology import enter_island
 
 
 @torch.no_grad()
@@ -30,8 +32,9 @@ def evaluate(engine, batches) -> float:
 
 
 def main():
-    inputs = parse_recipe_args()
-    args, ds_config = inputs.train, inputs.ds_config
+    inputs = parse_recipe_args((DiLoCoArguments,))
+    args, ds_config, diloco_args = inputs.train, inputs.ds_config, inputs.extra[0]
+    topology = enter_island(diloco_args, args.dist_timeout)  # DiLoCo: each island is a world of its own
     init_distributed(args.dist_timeout)
     model = initial_model(inputs)
 
@@ -39,7 +42,9 @@ def main():
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
                                            model_parameters=model.parameters(), config=ds_config)
 
-    run = TrainingRun(engine, inputs, model.config, dp_rank=rank(), dp_world=world_size(), devices=world_size())
+    outer = DiLoCo.from_engine(engine, diloco_args, topology)  # None unless --diloco_inner_steps
+    run = TrainingRun(engine, inputs, model.config, dp_rank=rank(), dp_world=world_size(), devices=world_size(),
+                      diloco=outer)
     engine.train()
     while not run.done:
         losses = []

@@ -18,17 +18,17 @@ import deepspeed
 import torch
 
 from dragon.args import PipelineArguments, parse_recipe_args
+from dragon.diloco import DiLoCo, DiLoCoArguments
 from dragon.distributed import init_distributed, rank, world_size
 from dragon.ds_config import client_optimizer_and_scheduler, zero_stage
 from dragon.loop import TrainingRun, initial_model
 from dragon.pipe import bdh_pipeline, check_pipeline, is_pipeline_checkpoint, model_from_pipeline_checkpoint
+from dragon.topology import enter_island, pipeline_data_parallel
 
 
 def data_parallel_world(extra, world: int) -> int:
-    stages = extra[0].pipeline_stages
-    if stages < 1 or world % stages:
-        raise ValueError(f"--pipeline_stages {stages}: the world size {world} is not divisible by it")
-    return world // stages
+    """Data-parallel ranks of one island (the whole world without DiLoCo)."""
+    return pipeline_data_parallel(world, extra[0].pipeline_stages, extra[1].diloco_islands)
 
 
 def pairs(batches):
@@ -41,8 +41,8 @@ def main():
     if os.environ.get("ACCELERATE_USE_DEEPSPEED"):
         sys.exit("error: accelerate does not drive DeepSpeed's pipeline engine; launch with "
                  "`deepspeed --num_gpus N recipes/pretrain_pipeline.py --pipeline_stages P ...` instead")
-    inputs = parse_recipe_args((PipelineArguments,), data_parallel_world)
-    args, ds_config, pipe_args = inputs.train, inputs.ds_config, inputs.extra[0]
+    inputs = parse_recipe_args((PipelineArguments, DiLoCoArguments), data_parallel_world)
+    args, ds_config, (pipe_args, diloco_args) = inputs.train, inputs.ds_config, inputs.extra
     stages, micro_batches = pipe_args.pipeline_stages, ds_config["gradient_accumulation_steps"]
     try:
         if zero_stage(ds_config) > 1:
@@ -57,6 +57,7 @@ def main():
         warnings.warn(f"{micro_batches} micro-batches (gradient_accumulation_steps) for {stages} stages: "
                       f"the pipeline bubble idles {bubble:.0%} of each step; use at least {stages}")
 
+    topology = enter_island(diloco_args, args.dist_timeout)  # DiLoCo: each island is a world of its own
     init_distributed(args.dist_timeout)
     model = initial_model(inputs)
     pipe = bdh_pipeline(model, stages, pipe_args.partition_method, pipe_args.activation_checkpoint_interval)
@@ -66,7 +67,8 @@ def main():
 
     grid = engine.grid
     run = TrainingRun(engine, inputs, model.config, dp_rank=grid.data_parallel_id,
-                      dp_world=grid.data_parallel_size, devices=world_size())
+                      dp_world=grid.data_parallel_size, devices=world_size(),
+                      diloco=DiLoCo.from_engine(engine, diloco_args, topology))  # None unless --diloco_inner_steps
 
     def evaluate() -> float:
         engine.reset_activation_shape()  # evaluation micro-batches may differ in size

@@ -1,7 +1,6 @@
 """BDH as a DeepSpeed pipeline: real 2- and 4-process jobs on CPU, checked against the plain model."""
 
 import json
-import os
 import runpy
 import shutil
 import sys

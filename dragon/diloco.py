@@ -1,0 +1,356 @@
+"""DiLoCo (Douillard et al., 2023): islands train on their own and meet every H steps for an outer step.
+
+Inside an island every step is an ordinary DeepSpeed step. Every H steps each rank takes its
+pseudo-gradient Delta = theta_outer - theta_inner, in fp32, on its own part of DeepSpeed's fp32
+MASTER weights (its partition under ZeRO-1/2/3 and the bf16 optimizer, its stage's weights in
+a pipeline, the whole model under ZeRO-0), averages Delta with rank r of every other island
+(dragon.topology), steps an outer optimizer (Nesterov SGD by default) on theta_outer with the
+average as gradient, and writes theta_outer back into the master weights and the module's
+working weights. theta_outer and the outer optimizer's state are fp32, on the master weights'
+device or on CPU (--diloco_outer_on_cpu).
+
+Modes. sync: the all-reduce blocks. delayed: the all-reduce of outer step k runs while the inner
+steps of k+1 compute and is applied at step k+1, one outer step late. An island then continues
+from theta_outer (everything applied so far) plus its own progress of the window whose average
+is still in flight: at a boundary, with a = the weights the window started from and m = the
+weights it reached, the island goes on from m + (theta_outer - a), and Delta = a - m. The
+first outer step only starts the pipeline; the last one applies both outstanding averages, so
+training ends with every island on the same theta_outer.
+
+Compression (the outer step stays fp32): bf16 all-reduces Delta in bf16; int8 quantizes Delta
+with one absmax scale per block of --diloco_int8_block values (0: per tensor) and all-gathers
+the int8 codes and scales, each rank summing the islands' dequantized Deltas in fp32 in island
+order. The relative error ||Q(Delta) - Delta|| / ||Delta|| of this island's Deltas is logged.
+Bytes on the wire per rank, for n islands and a payload of P bytes: fp32 and bf16 all-reduce
+2(n-1)/n * P, int8 all-gather (n-1) * P, so int8 beats a bf16 all-reduce only below 4 islands.
+
+Metrics of an outer step (in each island's metrics.jsonl): outer_step; outer_grad_norm (of the
+averaged pseudo-gradient applied, over the whole model); outer_bytes_sent (the most any rank of
+the island sent: measured from /proc/self/io around the blocking exchange in sync mode, the
+ring model above in delayed mode) and outer_payload_bytes (this rank's); outer_comm_seconds
+(start to completion of the exchange applied) and, delayed, outer_comm_hidden_seconds (the part
+of it that ran under inner steps); outer_compress_error; outer_seconds (the whole outer step);
+with --diloco_checksum, float64 sums and sums of squares of the working weights and of
+theta_outer over the island's ranks (equal bits on every island after a sync outer step).
+
+Inner optimizer state, LR schedule and data stream stay per island, as in DiLoCo.
+"""
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from dragon.exchange import Exchange
+from dragon.master_weights import MasterWeights
+from dragon.topology import Topology, island_size
+
+MODES = ("sync", "delayed")
+COMPRESSIONS = ("none", "bf16", "int8")
+STATE_FILE = "diloco_state"  # <tag dir>/diloco_state_<rank>.pt, written with the RNG file
+
+
+def _help(text: str, **kwargs):
+    return field(metadata={"help": text}, **kwargs)
+
+
+@dataclass
+class DiLoCoArguments:
+    diloco_inner_steps: Optional[int] = _help(
+        "H: inner steps per outer step. Setting it turns DiLoCo on (also with one island).", default=None)
+    diloco_islands: int = _help("Islands; each trains on its own between outer steps (1 and no H: off).",
+                                default=1)
+    diloco_outer_lr: float = _help("Outer learning rate.", default=0.7)
+    diloco_outer_momentum: float = _help("Outer momentum (0: plain SGD).", default=0.9)
+    diloco_nesterov: bool = _help("Nesterov outer momentum.", default=True)
+    diloco_mode: str = _help("sync, or delayed: the outer all-reduce overlaps the next H inner steps and is "
+                             "applied one outer step late.", default="sync")
+    diloco_compress: str = _help("Pseudo-gradient on the wire: none (fp32), bf16 or int8.", default="none")
+    diloco_int8_block: int = _help("Values per int8 scale (0: one scale per tensor).", default=1024)
+    diloco_outer_on_cpu: bool = _help("Keep theta_outer and the outer optimizer state on CPU.", default=False)
+    diloco_checksum: bool = _help("Log a fingerprint of the working weights after every outer step.",
+                                  default=False)
+    diloco_island_index: Optional[int] = _help(
+        "This launch's island, when each island is a launch of its own (then also --diloco_store); "
+        "default: one launch holds all islands, split into contiguous blocks of ranks.", default=None)
+    diloco_store: Optional[str] = _help("HOST:PORT of the store where islands meet (with "
+                                        "--diloco_island_index; island 0's rank 0 hosts it).", default=None)
+
+    def __post_init__(self):
+        n, h = self.diloco_islands, self.diloco_inner_steps
+        if n < 1:
+            raise ValueError(f"--diloco_islands {n}: must be >= 1")
+        if h is not None and h < 1:
+            raise ValueError(f"--diloco_inner_steps {h}: must be >= 1")
+        if n > 1 and h is None:
+            raise ValueError(f"--diloco_islands {n} needs --diloco_inner_steps H (inner steps per outer step)")
+        if self.diloco_mode not in MODES:
+            raise ValueError(f"--diloco_mode {self.diloco_mode!r}: valid are {', '.join(MODES)}")
+        if self.diloco_compress not in COMPRESSIONS:
+            raise ValueError(f"--diloco_compress {self.diloco_compress!r}: valid are {', '.join(COMPRESSIONS)}")
+        if self.diloco_int8_block < 0:
+            raise ValueError(f"--diloco_int8_block {self.diloco_int8_block}: must be >= 0 (0: per tensor)")
+        if not self.diloco_outer_lr > 0:
+            raise ValueError(f"--diloco_outer_lr {self.diloco_outer_lr}: must be > 0")
+        if not 0 <= self.diloco_outer_momentum < 1:
+            raise ValueError(f"--diloco_outer_momentum {self.diloco_outer_momentum}: must be in [0, 1)")
+        index = self.diloco_island_index
+        if index is not None and not 0 <= index < n:
+            raise ValueError(f"--diloco_island_index {index}: must be in [0, --diloco_islands {n})")
+        if (index is None) != (self.diloco_store is None):
+            raise ValueError("--diloco_island_index and --diloco_store go together (one launch per island)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.diloco_inner_steps is not None
+
+    def island_world(self, launch_world: int) -> int:
+        """Ranks per island for a launch of `launch_world` ranks (ValueError when it does not split)."""
+        if not self.enabled:
+            return launch_world
+        return island_size(self.diloco_islands, launch_world, self.diloco_island_index is not None)
+
+    def check_training(self, args) -> None:
+        """Checks against TrainingArguments: checkpoints fall on outer steps only."""
+        h = self.diloco_inner_steps
+        if self.enabled and args.save_steps % h:
+            raise ValueError(f"--save_steps {args.save_steps}: must be a multiple of --diloco_inner_steps {h} "
+                             "(checkpoints are taken at outer steps only)")
+
+    def local_islands(self) -> list[int]:
+        """The islands this launch runs."""
+        if not self.enabled:
+            return [0]
+        if self.diloco_island_index is not None:
+            return [self.diloco_island_index]
+        return list(range(self.diloco_islands))
+
+    def output_dir(self, root: str, island: int) -> str:
+        """Island i's metrics.jsonl and checkpoints/: <root>/island<i> with several islands, else root."""
+        return os.path.join(root, f"island{island}") if self.enabled and self.diloco_islands > 1 else root
+
+    def resume_path(self, resume: str, save_dir: str) -> str:
+        """--resume_from_checkpoint for one island: 'latest', or the same tag in the island's checkpoints."""
+        if not self.enabled or self.diloco_islands == 1 or resume == "latest":
+            return resume
+        return os.path.join(save_dir, os.path.basename(os.path.normpath(resume)))
+
+    def outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        """torch SGD with the outer lr and momentum (Nesterov unless momentum is 0)."""
+        momentum = self.diloco_outer_momentum
+        return torch.optim.SGD(params, lr=self.diloco_outer_lr, momentum=momentum,
+                               nesterov=self.diloco_nesterov and momentum > 0)
+
+
+class DiLoCo:
+    """The outer loop of one rank: call maybe_outer_step(step) after every inner step.
+
+    `weights` is a MasterWeights (or anything with tensors(), publish(), replicas, excluded and
+    fingerprint()); `outer_optimizer(params)` builds any torch optimizer over theta_outer.
+    """
+
+    def __init__(self, weights, args: DiLoCoArguments, topology: Topology,
+                 outer_optimizer: Optional[Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = None):
+        self.weights, self.args, self.topology = weights, args, topology
+        self.H, self.mode = args.diloco_inner_steps, args.diloco_mode
+        self.islands, self.group = topology.islands, topology.cross_group
+        masters = weights.tensors()
+        self.numels = [t.numel() for t in masters]
+        self.device = torch.device("cpu") if args.diloco_outer_on_cpu else masters[0].device
+        if self.islands > 1:  # every island starts from island 0's theta_0
+            flat = _flatten(masters)
+            self.group.broadcast(flat, 0).wait()
+            self._write(flat.split(self.numels))
+        self.outer_params = [m.detach().to(self.device, torch.float32, copy=True) for m in masters]
+        self._make_optimizer = outer_optimizer or args.outer_optimizer
+        self.optimizer = self._make_optimizer(self.outer_params)
+        # delayed: where this window started, and the average still in flight
+        self.anchor = [p.clone() for p in self.outer_params] if self.mode == "delayed" else None
+        self.pending: Optional[Exchange] = None
+        self.outer_step = 0
+
+    @classmethod
+    def from_engine(cls, engine, args: DiLoCoArguments, topology: Topology, outer_optimizer=None):
+        """The outer loop for a DeepSpeed engine; None when DiLoCo is off."""
+        return cls(MasterWeights(engine), args, topology, outer_optimizer) if args.enabled else None
+
+    def is_boundary(self, step: int, final: bool = False) -> bool:
+        return step % self.H == 0 or final
+
+    def maybe_outer_step(self, step: int, final: bool = False) -> dict:
+        """After inner step `step` (1-based): the outer step when one is due, with its metrics; else {}.
+        `final` makes the last step an outer step and, in delayed mode, applies what is in flight."""
+        if not self.is_boundary(step, final):
+            return {}
+        start = time.perf_counter()
+        self.outer_step += 1
+        masters = self.weights.tensors()
+        reference = self.anchor if self.mode == "delayed" else self.outer_params
+        delta = _flatten([r - m.to(r.device, torch.float32) for r, m in zip(reference, masters)])
+        sync = self.mode == "sync" or final
+        exchange = Exchange(delta, self.group, self.islands, self.args.diloco_compress,
+                            self.args.diloco_int8_block, self.numels, measure_bytes=self.mode == "sync")
+        del delta
+        metrics = {"outer_step": self.outer_step}
+        sent = exchange
+        applied = []
+        if self.mode == "delayed" and self.pending is not None:
+            applied.append(self.pending)
+            self._apply(self.pending.result())
+            self.pending = None
+        if sync:
+            applied.append(exchange)
+            self._apply(exchange.result())
+            new = self.outer_params
+            if self.anchor is not None:
+                for a, o in zip(self.anchor, self.outer_params):
+                    a.copy_(o)
+        else:
+            self.pending = exchange
+            # continue from theta_outer plus this window's own progress, still in flight
+            new = [m.to(o.device, torch.float32) + (o - a) for m, o, a in zip(masters, self.outer_params, self.anchor)]
+            for a, w in zip(self.anchor, new):
+                a.copy_(w)
+        self._write(new)
+
+        # metrics: one small all-reduce within the island
+        sums = [sent.error_sq, sent.norm_sq]
+        norm_sq = self._norm_sq(applied[-1].result()) if applied else 0.0
+        sums.append(norm_sq)
+        if self.args.diloco_checksum:
+            sums += self.weights.fingerprint() + self._outer_fingerprint()
+        sums = _island_reduce(sums, dist.ReduceOp.SUM)
+        bytes_max = _island_reduce([float(sent.bytes_sent)], dist.ReduceOp.MAX)[0]
+        metrics.update(outer_bytes_sent=int(bytes_max), outer_payload_bytes=sent.payload_bytes)
+        if self.args.diloco_compress != "none":
+            metrics["outer_compress_error"] = math.sqrt(sums[0] / sums[1]) if sums[1] > 0 else 0.0
+        if applied:
+            metrics["outer_grad_norm"] = math.sqrt(sums[2])
+            metrics["outer_comm_seconds"] = sum(e.seconds for e in applied)
+            if self.mode == "delayed":
+                metrics["outer_comm_hidden_seconds"] = sum(e.hidden_seconds for e in applied)
+        if self.args.diloco_checksum:
+            metrics.update(weights_sum=sums[3], weights_sumsq=sums[4], outer_sum=sums[5], outer_sumsq=sums[6])
+        metrics["outer_seconds"] = time.perf_counter() - start
+        return metrics
+
+    # -------------------------------------------------------------- pieces
+
+    def _apply(self, average: torch.Tensor) -> None:
+        """One outer optimizer step on theta_outer with the islands' average pseudo-gradient."""
+        for p, g in zip(self.outer_params, average.split(self.numels)):
+            p.grad = g.view_as(p).to(self.device)
+        self.optimizer.step()
+        for p in self.outer_params:
+            p.grad = None
+
+    @torch.no_grad()
+    def _write(self, values) -> None:
+        """theta into the fp32 master weights, then into the module's working weights."""
+        for m, v in zip(self.weights.tensors(), values):
+            m.copy_(v.view_as(m))
+        self.weights.publish()
+
+    def _norm_sq(self, flat: torch.Tensor) -> float:
+        """This rank's share of the squared norm of a flat pseudo-gradient (copies counted once)."""
+        total = float(torch.dot(flat, flat))
+        offsets = [0]
+        for n in self.numels:
+            offsets.append(offsets[-1] + n)
+        for k, start, numel in getattr(self.weights, "excluded", []):
+            piece = flat[offsets[k] + start: offsets[k] + start + numel]
+            total -= float(torch.dot(piece, piece))
+        return total / getattr(self.weights, "replicas", 1)
+
+    def _outer_fingerprint(self) -> list[float]:
+        total = sum(float(p.double().sum()) for p in self.outer_params)
+        squares = sum(float(p.double().pow(2).sum()) for p in self.outer_params)
+        return [total, squares]
+
+    # -------------------------------------------------------------- checkpoints
+
+    def state_dict(self) -> dict:
+        """theta_outer, the outer optimizer, the outer step and (delayed) the window start and the
+        average in flight (waited for here: the save point is the same on every island)."""
+        pending = self.pending.result().clone() if self.pending is not None else None
+        return {"outer_step": self.outer_step, "mode": self.mode, "numels": self.numels,
+                "outer_params": [p.detach().cpu().clone() for p in self.outer_params],
+                "optimizer": self.optimizer.state_dict(),
+                "anchor": None if self.anchor is None else [a.cpu().clone() for a in self.anchor],
+                "pending": pending}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["numels"] != self.numels or state["mode"] != self.mode:
+            raise ValueError(f"DiLoCo state for mode {state['mode']} and {len(state['numels'])} tensors does not fit "
+                             f"mode {self.mode} and {len(self.numels)} tensors; was the model, ZeRO stage or "
+                             "island size changed?")
+        with torch.no_grad():
+            for p, saved in zip(self.outer_params, state["outer_params"]):
+                p.copy_(saved)
+            if self.anchor is not None:
+                for a, saved in zip(self.anchor, state["anchor"]):
+                    a.copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.outer_step = state["outer_step"]
+        self.pending = _Resolved(state["pending"]) if state["pending"] is not None else None
+
+    def restart(self) -> None:
+        """Start the outer loop afresh from the current weights (a checkpoint saved without DiLoCo)."""
+        masters = self.weights.tensors()
+        if self.islands > 1:
+            flat = _flatten(masters)
+            self.group.broadcast(flat, 0).wait()
+            self._write(flat.split(self.numels))
+        with torch.no_grad():
+            for p, m in zip(self.outer_params, masters):
+                p.copy_(m)
+            for a, m in zip(self.anchor or [], masters):
+                a.copy_(m)
+        self.optimizer = self._make_optimizer(self.outer_params)
+        self.pending, self.outer_step = None, 0
+
+    def check_same_step(self, step: int) -> None:
+        """Raise unless every island resumed at the same step."""
+        if self.group is None:
+            return
+        t = torch.tensor([step, -step], dtype=torch.float64)
+        self.group.allreduce([t], dist.ReduceOp.MAX).wait()
+        if t[0] != -t[1]:
+            raise RuntimeError(f"islands resumed from different steps ({int(-t[1])} to {int(t[0])}); "
+                               "resume every island from the same checkpoint step")
+
+    def close(self) -> None:
+        """Wait for every island after the last outer step (so the store outlives its users)."""
+        self.topology.barrier()
+
+
+class _Resolved:
+    """A finished exchange restored from a checkpoint."""
+
+    seconds = hidden_seconds = 0.0
+
+    def __init__(self, average: torch.Tensor):
+        self.average = average
+
+    def result(self) -> torch.Tensor:
+        return self.average
+
+
+def _flatten(tensors) -> torch.Tensor:
+    """One contiguous fp32 CPU vector (gloo exchanges CPU tensors)."""
+    return torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
+
+
+def _island_reduce(values: list[float], op) -> list[float]:
+    """Reduce a few numbers over this island's world (no-op without one)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
+    from dragon.distributed import _device
+
+    t = torch.tensor(values, dtype=torch.float64, device=_device())
+    dist.all_reduce(t, op=op)
+    return t.cpu().tolist()

@@ -1,0 +1,109 @@
+"""One exchange of a flat fp32 tensor among islands (rank r of each): all-reduce in fp32 or bf16, or
+an all-gather of int8 codes with absmax scales; asynchronous, with bytes and times recorded."""
+
+import time
+from typing import Optional
+
+import torch
+
+from dragon.topology import cpu_bytes_written, ring_bytes
+
+
+def _int8_encode(x: torch.Tensor, block: int, numels: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 codes, fp32 scales): round-to-nearest of x / scale, scale = absmax / 127 per block."""
+    if block > 0:
+        blocks = -(-x.numel() // block)
+        xb = torch.nn.functional.pad(x, (0, blocks * block - x.numel())).view(blocks, block)
+        scale = xb.abs().amax(dim=1) / 127
+    else:  # one scale per tensor
+        xb = None
+        scale = torch.stack([s.abs().max() if s.numel() else s.new_zeros(()) for s in x.split(numels)]) / 127
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    if xb is not None:
+        q = (xb * inverse[:, None]).round_().clamp_(-127, 127).to(torch.int8).view(-1)
+    else:
+        q = (x * torch.repeat_interleave(inverse, torch.tensor(numels))).round_().clamp_(-127, 127).to(torch.int8)
+    return q, scale.float()
+
+
+def _int8_decode(q: torch.Tensor, scale: torch.Tensor, block: int, numels: list[int], n: int) -> torch.Tensor:
+    if block > 0:
+        return (q.view(-1, block).float() * scale[:, None]).view(-1)[:n]
+    return q.float() * torch.repeat_interleave(scale, torch.tensor(numels))
+
+
+class Exchange:
+    """One outer all-reduce of a flat fp32 pseudo-gradient among the islands (rank r of each).
+
+    Started on construction (asynchronously); result() waits and returns the islands' average,
+    identical on every island. Records its payload, the bytes sent, the compression error and
+    the times it started, completed (from the work's future) and was waited for.
+    """
+
+    def __init__(self, flat: torch.Tensor, group, islands: int, compress: str, block: int, numels: list[int],
+                 measure_bytes: bool):
+        self.compress, self.block, self.numels, self.n, self.islands = compress, block, numels, flat.numel(), islands
+        self.error_sq, self.norm_sq = 0.0, float(torch.dot(flat, flat))
+        if compress == "none":
+            payload, op = flat, "allreduce"
+        elif compress == "bf16":
+            payload, op = flat.bfloat16(), "allreduce"
+            self.error_sq = float((payload.float() - flat).pow(2).sum())
+        else:
+            q, scale = _int8_encode(flat, block, numels)
+            self.error_sq = float((_int8_decode(q, scale, block, numels, self.n) - flat).pow(2).sum())
+            payload, op = torch.cat([scale.view(torch.int8), q]), "allgather"
+            self.scale_bytes = scale.numel() * 4
+        self.payload, self.op = payload, op
+        self.payload_bytes = payload.numel() * payload.element_size()
+        self.bytes_sent = ring_bytes(op, self.payload_bytes, islands)  # a model; replaced when measured
+        self.done_at: list[float] = []
+        self._result: Optional[torch.Tensor] = None
+        before = cpu_bytes_written() if measure_bytes else None
+        self.started = time.perf_counter()
+        if group is None or islands == 1:
+            self.work, self.gathered = None, [payload]
+            self.done_at.append(self.started)
+        else:
+            if op == "allreduce":
+                self.work = group.allreduce([payload])
+            else:
+                self.gathered = [torch.empty_like(payload) for _ in range(islands)]
+                self.work = group.allgather([self.gathered], [payload])
+            self.work.get_future().then(lambda _: self.done_at.append(time.perf_counter()))
+        if measure_bytes:  # blocking: nothing else writes meanwhile, so the count is this exchange's
+            self.result()
+            after = cpu_bytes_written()
+            if before is not None and after is not None:
+                self.bytes_sent = after - before
+
+    def result(self) -> torch.Tensor:
+        """The islands' average pseudo-gradient (waits for it the first time)."""
+        if self._result is None:
+            self.waited = time.perf_counter()
+            if self.work is not None:
+                self.work.wait()
+            self.finished = time.perf_counter()
+            if self.op == "allreduce":
+                total = self.payload.float()
+            else:
+                total = torch.zeros(self.n, dtype=torch.float32)
+                cut = self.scale_bytes
+                for packed in self.gathered:  # island order: the same sum on every island
+                    scale = packed[:cut].view(torch.float32)
+                    total += _int8_decode(packed[cut:], scale, self.block, self.numels, self.n)
+            self._result = total / self.islands
+            self.payload = self.gathered = None
+        return self._result
+
+    @property
+    def seconds(self) -> float:
+        """From start to completion of the collective."""
+        done = self.done_at[0] if self.done_at else self.finished
+        return max(0.0, done - self.started)
+
+    @property
+    def hidden_seconds(self) -> float:
+        """The part of the collective that ran before anyone waited for it."""
+        done = self.done_at[0] if self.done_at else self.finished
+        return max(0.0, min(done, self.waited) - self.started)
