@@ -33,8 +33,8 @@ def step_seconds(cmd: list[str], out: Path, tokens_per_step: int) -> float:
 
 def main():
     root = Path(tempfile.mkdtemp(prefix="bubble-"))
-    print(f"| micro-batches m | single process s/step | 2-stage pipeline s/step | speed-up | "
-          f"time lost (measured) | bubble (P-1)/(m+P-1) |")
+    print("| micro-batches m | single process s/step | 2-stage pipeline s/step | speed-up | "
+          "time lost (measured) | bubble (P-1)/(m+P-1) |")
     print("|---|---|---|---|---|---|")
     for m in (1, 2, 4, 8):
         tokens = MICRO * m * 128

@@ -119,3 +119,21 @@ def runs(tmp_path_factory, text_file):
 
 def losses(metrics, key="loss"):
     return [m[key] for m in metrics if key in m]
+
+
+def run_recipe_in_process(monkeypatch, script: str, argv: list[str], env: dict | None = None) -> str:
+    """Run a recipe's main() in this process; bad input must stop it, before any process group
+    starts, with one line. Returns that line."""
+    import runpy
+
+    import torch
+
+    for key, value in (env or {}).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(str(REPO / script), run_name="__main__")
+    assert not torch.distributed.is_initialized()
+    message = str(stop.value)
+    assert message.startswith("error: ") and "\n" not in message, message
+    return message

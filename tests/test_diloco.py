@@ -3,14 +3,14 @@ several islands on every engine: equivalences, identical weights across islands,
 
 import json
 import math
-import runpy
 import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import LOSS_ATOL, REPO, STEPS, TINY, free_port, job_env, launch, losses, read_jsonl
+from conftest import (LOSS_ATOL, REPO, STEPS, TINY, free_port, job_env, launch, losses, read_jsonl,
+                      run_recipe_in_process)
 
 from dragon import BDHForCausalLM
 from dragon.diloco import DiLoCo, DiLoCoArguments
@@ -345,16 +345,6 @@ def test_zero0_bf16_with_bf16_pseudo_gradients(runs):
 
 # ------------------------------------------------------------------ bad input
 
-def run_in_process(monkeypatch, script, argv, env):
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setattr(sys, "argv", [script, *argv])
-    with pytest.raises(SystemExit) as stop:
-        runpy.run_path(str(REPO / script), run_name="__main__")
-    assert not torch.distributed.is_initialized()
-    return str(stop.value)
-
-
 @pytest.mark.parametrize("script,argv,env,expected", [
     ("recipes/pretrain.py", ["--diloco_inner_steps", "0"], {}, "--diloco_inner_steps 0: must be >= 1"),
     ("recipes/pretrain.py", ["--diloco_inner_steps", "2", "--diloco_compress", "zstd"], {},
@@ -372,5 +362,4 @@ def test_bad_input_stops_before_start(monkeypatch, text_file, tmp_path, script, 
     base = ["--deepspeed", str(REPO / "ds_configs" / ("pipeline_zero0.json" if script == PIPE else "zero2.json")),
             "--output_dir", str(tmp_path), "--train_file", str(text_file), "--n_layer", "2", "--n_embd", "32",
             "--n_head", "2", "--block_size", "64"]
-    message = run_in_process(monkeypatch, script, base + argv, env)
-    assert message.startswith("error: ") and expected in message and "\n" not in message, message
+    assert expected in run_recipe_in_process(monkeypatch, script, base + argv, env)

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import LOSS_ATOL, REPO, STEPS, TINY, launch, losses, read_jsonl
+from conftest import LOSS_ATOL, REPO, STEPS, TINY, launch, losses, read_jsonl, run_recipe_in_process
 
 from dragon import BDHForCausalLM
 
@@ -141,19 +141,9 @@ def test_export_cli_turns_checkpoint_into_model(runs, tmp_path):
 ])
 def test_bad_input_stops_before_start(monkeypatch, text_file, tmp_path, argv, env, expected):
     """Each mistake is one line naming the bad value, before any process group starts."""
-    import runpy
-    import sys
-
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
     base = ["--deepspeed", str(REPO / "ds_configs/zero2.json"), "--output_dir", str(tmp_path),
             "--train_file", str(text_file), "--n_layer", "2", "--n_embd", "32", "--n_head", "2", "--block_size", "64"]
-    monkeypatch.setattr(sys, "argv", ["recipes/pretrain.py", *base, *argv])
-    with pytest.raises(SystemExit) as stop:
-        runpy.run_path(str(REPO / "recipes/pretrain.py"), run_name="__main__")
-    message = str(stop.value)
-    assert message.startswith("error: ") and expected in message and "\n" not in message, message
-    assert not torch.distributed.is_initialized()
+    assert expected in run_recipe_in_process(monkeypatch, "recipes/pretrain.py", base + argv, env)
 
 
 @pytest.mark.slow
