@@ -363,3 +363,12 @@ def test_bad_input_stops_before_start(monkeypatch, text_file, tmp_path, script, 
             "--output_dir", str(tmp_path), "--train_file", str(text_file), "--n_layer", "2", "--n_embd", "32",
             "--n_head", "2", "--block_size", "64"]
     assert expected in run_recipe_in_process(monkeypatch, script, base + argv, env)
+
+
+def test_zero2_islands_stay_identical(runs):
+    """ZeRO-2 (fp32 partition per rank), default Nesterov outer step: identical islands after every outer step."""
+    out = islands_run(runs, "diloco_zero2", config="zero2.json", extra=DILOCO)
+    assert_islands_identical(out)
+    metrics = island_metrics(out, 0)
+    assert losses(metrics)[-1] < losses(metrics)[0] - 0.3
+    assert all(m["outer_bytes_sent"] > 0 for m in metrics if "outer_step" in m)
