@@ -1,6 +1,6 @@
 """DiLoCo (2 islands x 2 ranks) against synchronous data parallel over 4 ranks, same tokens.
 
-    python benchmarks/diloco.py [--steps 200]          (CPU: ~2-3 minutes per row)
+    python benchmarks/diloco.py [--steps 200] [--rows 10:sync:none,...]   (CPU: ~2 minutes per row)
 
 Built-in corpus, a 229k-parameter BDH, ZeRO-1, 4 ranks x micro-batch 8 x 128 tokens per step in
 every row. Prints the final validation loss (the islands' theta_outer after the last outer
@@ -39,8 +39,10 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--outer_momentum", type=float, default=0.5)
-    steps = parser.parse_args().steps
-    momentum = parser.parse_args().outer_momentum
+    parser.add_argument("--rows", default="10:sync:none,50:sync:none,10:delayed:none,50:delayed:none,"
+                        "10:sync:int8,50:sync:int8", help="DiLoCo rows as H:mode:compression, comma-separated")
+    cli = parser.parse_args()
+    steps, momentum = cli.steps, cli.outer_momentum
     root = Path(tempfile.mkdtemp(prefix="diloco-"))
     dp = run("dp", root, steps, [])
     dp_loss = dp[-1]["eval_loss"]
@@ -49,8 +51,7 @@ def main():
     print("| run | final val loss | vs DP | bytes sent per rank | vs DP |")
     print("|---|---|---|---|---|")
     print(f"| data parallel, 4 ranks | {dp_loss:.4f} | - | {dp_bytes / 1e6:.1f} MB (ring model) | 1 |")
-    rows = [(10, "sync", "none"), (50, "sync", "none"), (10, "delayed", "none"), (50, "delayed", "none"),
-            (10, "sync", "int8"), (50, "sync", "int8")]
+    rows = [row.split(":") for row in cli.rows.split(",")]
     for h, mode, compress in rows:
         metrics = run(f"h{h}-{mode}-{compress}", root, steps, [
             "--diloco_islands", "2", "--diloco_inner_steps", str(h), "--diloco_mode", mode,
