@@ -66,15 +66,11 @@ def resolve_ds_config(cfg: dict, args, world: int) -> dict:
                 _fill(params, key, value)
     if "scheduler" in cfg:
         params = cfg["scheduler"].setdefault("params", {})
-        for key in ("warmup_max_lr", "cos_max_lr"):
-            if params.get(key) == AUTO:
-                params[key] = args.learning_rate
-        for key in ("warmup_num_steps",):
-            if params.get(key) == AUTO:
-                params[key] = args.warmup_steps
-        for key in ("total_num_steps",):
-            if params.get(key) == AUTO:
-                params[key] = args.max_steps
+        sources = {"warmup_max_lr": args.learning_rate, "cos_max_lr": args.learning_rate,
+                   "warmup_num_steps": args.warmup_steps, "total_num_steps": args.max_steps}
+        for key, value in sources.items():
+            if params.get(key) == AUTO:  # only "auto": a missing key keeps DeepSpeed's default
+                params[key] = value
     for name in MONITORS:
         section = cfg.get(name)
         if isinstance(section, dict) and section.get("enabled"):

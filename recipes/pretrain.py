@@ -26,7 +26,10 @@ from dragon.topology import enter_island
 def evaluate(engine, batches) -> float:
     """Mean validation loss over every rank's fixed batches."""
     engine.eval()
-    losses = [engine(input_ids=b.to(engine.device), labels=b.to(engine.device)).loss.item() for b in batches]
+    losses = []
+    for batch in batches:
+        batch = batch.to(engine.device)
+        losses.append(engine(input_ids=batch, labels=batch).loss.item())
     engine.train()
     return all_reduce_mean([sum(losses) / len(losses)])[0]
 
