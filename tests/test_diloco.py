@@ -127,7 +127,7 @@ def simulate(mode, compress, block=256):
             applied, pending = pending, average
             if applied is not None:
                 theta, buf = nesterov(theta, buf, applied)
-            w = [w[i] + (theta - anchor[i]) for i in (0, 1)]
+            w = [theta + (w[i] - anchor[i]) / 2 for i in (0, 1)]  # eager: 1/2 of own progress
             anchor = [x.clone() for x in w]
         else:
             if pending is not None:  # the last outer step of delayed mode applies both
