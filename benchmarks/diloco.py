@@ -3,8 +3,9 @@
     python benchmarks/diloco.py [--steps 600] [--rows 10:sync:none,...]   (CPU: ~6 minutes per row)
 
 Built-in corpus, a 229k-parameter BDH, ZeRO-1, 4 ranks x micro-batch 8 x 128 tokens per step in
-every row, AdamW (beta2 --adam_beta2) with --warmup_steps of linear warm-up, then cosine. Prints the final validation loss (the islands' theta_outer after the last outer
-step) and the bytes each rank sends: DiLoCo's cross-island bytes are measured (metrics.jsonl,
+every row, AdamW (beta2 --adam_beta2) with --warmup_steps of linear warm-up, then cosine. Prints
+the final validation loss (the islands' theta_outer after the last outer step) and the bytes
+each rank sends: DiLoCo's cross-island bytes are measured (metrics.jsonl,
 outer_bytes_sent); data parallel's gradient traffic is the ring model 2(n-1)/n x fp32 size per
 step (ZeRO-1: reduce-scatter of gradients plus all-gather of parameters).
 """

@@ -131,8 +131,9 @@ def parse_recipe_args(extra_types: tuple = (), data_parallel_world=None) -> Reci
     try:
         model_args, data_args, args, *extra = parser.parse_args_into_dataclasses()
         world, islands = launcher_world_size(), 1
-        diloco = next((e for e in extra if isinstance(e, DiLoCoArguments) and e.enabled), None)
-        if diloco is not None:  # every island is a world of its own; data is split over all of them
+        # DiLoCoArguments() is DiLoCo off: its island paths are then the plain run's
+        diloco = next((e for e in extra if isinstance(e, DiLoCoArguments)), DiLoCoArguments())
+        if diloco.enabled:  # every island is a world of its own; data is split over all of them
             diloco.check_training(args)
             world, islands = diloco.island_world(world), diloco.diloco_islands
         dp_world = data_parallel_world(extra, world) if data_parallel_world else world
@@ -146,12 +147,9 @@ def parse_recipe_args(extra_types: tuple = (), data_parallel_world=None) -> Reci
                      ds_config["gradient_accumulation_steps"])
         eval_batches(valid_set, args.per_device_eval_batch_size, 0, dp_world, args.max_eval_samples)
         if args.resume_from_checkpoint:
-            for island in diloco.local_islands() if diloco else [0]:
-                save_dir = os.path.join(diloco.output_dir(args.output_dir, island) if diloco else args.output_dir,
-                                        "checkpoints")
-                resume = diloco.resume_path(args.resume_from_checkpoint, save_dir) if diloco else \
-                    args.resume_from_checkpoint
-                resolve_resume(resume, save_dir)
+            for island in diloco.local_islands():
+                save_dir = os.path.join(diloco.output_dir(args.output_dir, island), "checkpoints")
+                resolve_resume(diloco.resume_path(args.resume_from_checkpoint, save_dir), save_dir)
     except ValueError as e:  # DataError and config errors are ValueErrors with one-line messages
         sys.exit(f"error: {e}")
     return RecipeInputs(model_args, data_args, args, tuple(extra), ds_config, train_set, valid_set, tokenizer)

@@ -164,10 +164,7 @@ class DiLoCo:
         masters = weights.tensors()
         self.numels = [t.numel() for t in masters]
         self.device = torch.device("cpu") if args.diloco_outer_on_cpu else masters[0].device
-        if self.islands > 1:  # every island starts from island 0's theta_0
-            flat = _flatten(masters)
-            self.group.broadcast(flat, 0).wait()
-            self._write(flat.split(self.numels))
+        self._adopt_island0_weights()
         self.outer_params = [m.detach().to(self.device, torch.float32, copy=True) for m in masters]
         self._make_optimizer = outer_optimizer or args.outer_optimizer
         self.optimizer = self._make_optimizer(self.outer_params)
@@ -244,6 +241,13 @@ class DiLoCo:
 
     # -------------------------------------------------------------- pieces
 
+    def _adopt_island0_weights(self) -> None:
+        """Every island starts from island 0's weights (rank r of each island holds the same shard)."""
+        if self.islands > 1:
+            flat = _flatten(self.weights.tensors())
+            self.group.broadcast(flat, 0).wait()
+            self._write(flat.split(self.numels))
+
     def _apply(self, average: torch.Tensor) -> None:
         """One outer optimizer step on theta_outer with the islands' average pseudo-gradient."""
         for p, g in zip(self.outer_params, average.split(self.numels)):
@@ -304,11 +308,8 @@ class DiLoCo:
 
     def restart(self) -> None:
         """Start the outer loop afresh from the current weights (a checkpoint saved without DiLoCo)."""
+        self._adopt_island0_weights()
         masters = self.weights.tensors()
-        if self.islands > 1:
-            flat = _flatten(masters)
-            self.group.broadcast(flat, 0).wait()
-            self._write(flat.split(self.numels))
         with torch.no_grad():
             for p, m in zip(self.outer_params, masters):
                 p.copy_(m)

@@ -97,13 +97,16 @@ class Exchange:
         return self._result
 
     @property
+    def _done(self) -> float:
+        """When the collective completed: from its future, else when the wait returned."""
+        return self.done_at[0] if self.done_at else self.finished
+
+    @property
     def seconds(self) -> float:
         """From start to completion of the collective."""
-        done = self.done_at[0] if self.done_at else self.finished
-        return max(0.0, done - self.started)
+        return max(0.0, self._done - self.started)
 
     @property
     def hidden_seconds(self) -> float:
         """The part of the collective that ran before anyone waited for it."""
-        done = self.done_at[0] if self.done_at else self.finished
-        return max(0.0, min(done, self.waited) - self.started)
+        return max(0.0, min(self._done, self.waited) - self.started)
