@@ -103,12 +103,12 @@ def client_optimizer_and_scheduler(params, cfg: dict, args):
     import torch
     from transformers import get_scheduler
 
-    optimizer = lr_scheduler = None
+    def schedule(opt):
+        return get_scheduler(args.lr_scheduler_type, opt, num_warmup_steps=args.warmup_steps,
+                             num_training_steps=args.max_steps)
+
+    optimizer = None
     if "optimizer" not in cfg:
         optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay,
                                       betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
-    if "scheduler" not in cfg:
-        def lr_scheduler(opt):
-            return get_scheduler(args.lr_scheduler_type, opt, num_warmup_steps=args.warmup_steps,
-                                 num_training_steps=args.max_steps)
-    return optimizer, lr_scheduler
+    return optimizer, (schedule if "scheduler" not in cfg else None)

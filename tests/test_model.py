@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
-import dragon
 from dragon.convert import (
     REFERENCE_KEYS,
     model_from_reference,
