@@ -308,6 +308,24 @@ def test_pipeline_islands_stay_identical(runs):
     assert (out / "final" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
+def test_pipeline_with_data_parallel_islands_ship_half_a_stage(runs):
+    """2 islands x (2 stages x 2 data-parallel ranks, ZeRO-1), 8 processes: rank r of an island ships
+    only its ZeRO partition of its stage, half of what the same stage ships without data parallel."""
+    args = ["--bf16", "--pipeline_stages", "2", "--gradient_accumulation_steps", "2", *DILOCO]
+    out = islands_run(runs, "diloco_pipe_dp2", nproc=8, micro=2, config="pipeline_zero1.json",
+                      script=PIPE, extra=args)
+    assert_islands_identical(out)
+    metrics = island_metrics(out, 0)
+    assert losses(metrics)[-1] < losses(metrics)[0] - 0.3
+    whole_stage = island_metrics(islands_run(runs, "diloco_pipe", nproc=4, micro=4, config="pipeline_zero0.json",
+                                             script=PIPE, extra=args), 0)
+    payload = {m["outer_payload_bytes"] for m in metrics if "outer_step" in m}
+    stage = {m["outer_payload_bytes"] for m in whole_stage if "outer_step" in m}
+    assert len(payload) == len(stage) == 1
+    assert payload.pop() == pytest.approx(stage.pop() / 2, rel=0.01)  # rel: ZeRO's alignment padding
+
+
 def test_delayed_mode_resumes_exactly(runs, tmp_path):
     """ZeRO-0 fp32, delayed outer steps with dropout on: resuming at step 4 (an average in flight) replays
     steps 5-8 of both islands bit for bit; theta_outer agrees across islands at every outer step."""
