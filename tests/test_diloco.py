@@ -297,11 +297,19 @@ def test_zero3_bf16_int8_islands_stay_identical_and_learn(runs):
     assert sorted(p.name for p in (out / "island1" / "checkpoints").iterdir() if p.is_dir()) == ["step4", "step8"]
 
 
+PIPE_ISLANDS = ["--bf16", "--pipeline_stages", "2", "--gradient_accumulation_steps", "2", *DILOCO]
+
+
+def pipeline_islands(runs):
+    """2 islands x a 2-stage bf16 pipeline, one rank per stage (ZeRO-0): 4 processes."""
+    return islands_run(runs, "diloco_pipe", nproc=4, micro=4, config="pipeline_zero0.json", script=PIPE,
+                       extra=PIPE_ISLANDS)
+
+
 @pytest.mark.slow
 def test_pipeline_islands_stay_identical(runs):
     """2 islands x a 2-stage bf16 pipeline: each stage ships its own weights; the tied block stays tied."""
-    out = islands_run(runs, "diloco_pipe", nproc=4, micro=4, config="pipeline_zero0.json", script=PIPE,
-                     extra=["--bf16", "--pipeline_stages", "2", "--gradient_accumulation_steps", "2", *DILOCO])
+    out = pipeline_islands(runs)
     assert_islands_identical(out)
     metrics = island_metrics(out, 0)
     assert losses(metrics)[-1] < losses(metrics)[0] - 0.3
@@ -312,14 +320,12 @@ def test_pipeline_islands_stay_identical(runs):
 def test_pipeline_with_data_parallel_islands_ship_half_a_stage(runs):
     """2 islands x (2 stages x 2 data-parallel ranks, ZeRO-1), 8 processes: rank r of an island ships
     only its ZeRO partition of its stage, half of what the same stage ships without data parallel."""
-    args = ["--bf16", "--pipeline_stages", "2", "--gradient_accumulation_steps", "2", *DILOCO]
     out = islands_run(runs, "diloco_pipe_dp2", nproc=8, micro=2, config="pipeline_zero1.json",
-                      script=PIPE, extra=args)
+                      script=PIPE, extra=PIPE_ISLANDS)
     assert_islands_identical(out)
     metrics = island_metrics(out, 0)
     assert losses(metrics)[-1] < losses(metrics)[0] - 0.3
-    whole_stage = island_metrics(islands_run(runs, "diloco_pipe", nproc=4, micro=4, config="pipeline_zero0.json",
-                                             script=PIPE, extra=args), 0)
+    whole_stage = island_metrics(pipeline_islands(runs), 0)
     payload = {m["outer_payload_bytes"] for m in metrics if "outer_step" in m}
     stage = {m["outer_payload_bytes"] for m in whole_stage if "outer_step" in m}
     assert len(payload) == len(stage) == 1
