@@ -6,6 +6,7 @@ import math
 import shutil
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -62,6 +63,15 @@ def test_outer_nesterov_step_equals_hand_computation():
     again.load_state_dict(state)
     torch.testing.assert_close(again.optimizer.state_dict()["state"][0]["momentum_buffer"],
                                outer.optimizer.state_dict()["state"][0]["momentum_buffer"], rtol=0, atol=0)
+
+
+def test_delayed_mode_with_outer_momentum_warns():
+    with pytest.warns(UserWarning, match="--diloco_outer_momentum 0.9"):
+        DiLoCoArguments(diloco_inner_steps=50, diloco_mode="delayed")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DiLoCoArguments(diloco_inner_steps=50, diloco_mode="delayed", diloco_outer_momentum=0.0)
+        DiLoCoArguments(diloco_inner_steps=50)
 
 
 def test_any_torch_optimizer_as_outer_optimizer():
