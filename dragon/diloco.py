@@ -10,15 +10,17 @@ working weights. theta_outer and the outer optimizer's state are fp32, on the ma
 device or on CPU (--diloco_outer_on_cpu).
 
 Modes. sync: the all-reduce blocks. delayed: the all-reduce of outer step k runs while the inner
-steps of k+1 compute and is applied at step k+1, one outer step late. Meanwhile an island
-continues from theta_outer (everything applied so far) plus its own share, 1/n for n islands, of
-its progress in the window whose average is still in flight: the "eager" proxy of Kale et al.
-(2025) for that average. At a boundary, with a = the weights the window started from and m = the
-weights it reached, the island goes on from theta_outer + (m - a) / n, and Delta = a - m. (Going
-on from its whole own progress, theta_outer + m - a, lets islands drift apart for two windows
-instead of one: on the benchmark's 600 steps that cost 5 % more validation loss.) The first
-outer step only starts the pipeline; the last one applies both outstanding averages, so training
-ends with every island on the same theta_outer.
+steps of k+1 compute and is applied at step k+1, one outer step late, with the "eager updates" of
+Kale et al. (2025): each island keeps its own theta_outer and outer optimizer, and at outer step k
+feeds it the average that just arrived (of step k-1) with this island's share of it, Delta_{k-1}/n,
+replaced by its fresh Delta_k/n (n islands). Each island's own progress thus passes through the
+outer optimizer, momentum included, as soon as it is made; only the other islands' part is late.
+(An earlier version stepped one shared theta_outer on the late averages and added the island's
+share raw: with the default Nesterov outer step, +44 % validation loss at H=50 against +14 % now;
+with plain averaging the two are the same algorithm.) The
+first outer step only starts the pipeline (the average of step 0 is zero); the last one replaces
+the fresh share with the blocking average of the last window and then averages theta_outer over
+the islands (their momenta differ), so training ends with every island on the same weights.
 
 Compression (the outer step stays fp32): bf16 all-reduces Delta in bf16; int8 quantizes Delta
 with one absmax scale per block of --diloco_int8_block values (0: per tensor) and all-gathers
@@ -30,9 +32,9 @@ Bytes on the wire per rank, for n islands and a payload of P bytes: fp32 and bf1
 Metrics of an outer step (in each island's metrics.jsonl): outer_step; outer_grad_norm (of the
 averaged pseudo-gradient applied, over the whole model); outer_bytes_sent (the most any rank of
 the island sent: measured from /proc/self/io around the blocking exchange in sync mode, the
-ring model above in delayed mode) and outer_payload_bytes (this rank's); outer_comm_seconds
-(start to completion of the exchange applied) and, delayed, outer_comm_hidden_seconds (the part
-of it that ran under inner steps); outer_compress_error; outer_seconds (the whole outer step);
+ring model above in delayed mode, whose last step adds the average of theta_outer) and
+outer_payload_bytes (this rank's); outer_comm_seconds (start to completion of the exchange
+applied) and, delayed, outer_comm_hidden_seconds (the part of it that ran under inner steps); outer_compress_error; outer_seconds (the whole outer step);
 with --diloco_checksum, float64 sums and sums of squares of the working weights and of
 theta_outer over the island's ranks (equal bits on every island after a sync outer step).
 
@@ -108,7 +110,7 @@ class DiLoCoArguments:
         if (index is None) != (self.diloco_store is None):
             raise ValueError("--diloco_island_index and --diloco_store go together (one launch per island)")
         if self.diloco_mode == "delayed" and self.diloco_outer_momentum > 0:
-            # measured (README benchmark, H=50, 3600 steps): +44 % validation loss vs +2.2 % at momentum 0
+            # measured (README benchmark, H=50, 3600 steps): +14 % validation loss vs +2.2 % at momentum 0
             warnings.warn(f"--diloco_mode delayed with --diloco_outer_momentum {self.diloco_outer_momentum}: "
                           "momentum on one-step-late averages degraded training in our benchmark; "
                           "--diloco_outer_lr 1 --diloco_outer_momentum 0 did far better")
@@ -174,8 +176,8 @@ class DiLoCo:
         self.outer_params = [m.detach().to(self.device, torch.float32, copy=True) for m in masters]
         self._make_optimizer = outer_optimizer or args.outer_optimizer
         self.optimizer = self._make_optimizer(self.outer_params)
-        # delayed: where this window started, and the average still in flight
-        self.anchor = [p.clone() for p in self.outer_params] if self.mode == "delayed" else None
+        # delayed: this island's pseudo-gradient in flight, and the exchange carrying it
+        self.previous = torch.zeros(sum(self.numels)) if self.mode == "delayed" else None
         self.pending: Optional[Exchange] = None
         self.outer_step = 0
 
@@ -195,44 +197,34 @@ class DiLoCo:
         start = time.perf_counter()
         self.outer_step += 1
         masters = self.weights.tensors()
-        reference = self.anchor if self.mode == "delayed" else self.outer_params
-        delta = _flatten([r - m.to(r.device, torch.float32) for r, m in zip(reference, masters)])
-        sync = self.mode == "sync" or final
+        delta = _flatten([o - m.to(o.device, torch.float32) for o, m in zip(self.outer_params, masters)])
+        own = delta.clone() if self.mode == "delayed" else None  # an fp32 all-reduce works in place
         exchange = Exchange(delta, self.group, self.islands, self.args.diloco_compress,
                             self.args.diloco_int8_block, self.numels, measure_bytes=self.mode == "sync")
         del delta
         metrics = {"outer_step": self.outer_step}
-        sent = exchange
         applied = []
-        if self.mode == "delayed" and self.pending is not None:
-            applied.append(self.pending)
-            self._apply(self.pending.result())
-            self.pending = None
-        if sync:
+        if self.mode == "sync":
             applied.append(exchange)
             self._apply(exchange.result())
-            new = self.outer_params
-            if self.anchor is not None:
-                for a, o in zip(self.anchor, self.outer_params):
-                    a.copy_(o)
         else:
-            self.pending = exchange
-            # continue from theta_outer plus this island's 1/n share of the window still in flight
-            new = [o + (m.to(o.device, torch.float32) - a) / self.islands
-                   for m, o, a in zip(masters, self.outer_params, self.anchor)]
-            for a, w in zip(self.anchor, new):
-                a.copy_(w)
-        self._write(new)
+            applied += [e for e in (self.pending, exchange if final else None) if e is not None]
+            self._apply(self._eager_gradient(own, exchange, final))
+            # after the last step nothing is in flight: a run extended past it starts its pipeline afresh
+            self.previous, self.pending = (torch.zeros_like(own), None) if final else (own, exchange)
+            if final:
+                exchange.bytes_sent += self._average_islands()
+        self._write(self.outer_params)
 
         # metrics: one small all-reduce within the island
-        sums = [sent.error_sq, sent.norm_sq]
+        sums = [exchange.error_sq, exchange.norm_sq]
         norm_sq = self._norm_sq(applied[-1].result()) if applied else 0.0
         sums.append(norm_sq)
         if self.args.diloco_checksum:
             sums += self.weights.fingerprint() + self._outer_fingerprint()
         sums = _island_reduce(sums, dist.ReduceOp.SUM)
-        bytes_max = _island_reduce([float(sent.bytes_sent)], dist.ReduceOp.MAX)[0]
-        metrics.update(outer_bytes_sent=int(bytes_max), outer_payload_bytes=sent.payload_bytes)
+        bytes_max = _island_reduce([float(exchange.bytes_sent)], dist.ReduceOp.MAX)[0]
+        metrics.update(outer_bytes_sent=int(bytes_max), outer_payload_bytes=exchange.payload_bytes)
         if self.args.diloco_compress != "none":
             metrics["outer_compress_error"] = math.sqrt(sums[0] / sums[1]) if sums[1] > 0 else 0.0
         if applied:
@@ -253,6 +245,24 @@ class DiLoCo:
             flat = _flatten(self.weights.tensors())
             self.group.broadcast(flat, 0).wait()
             self._write(flat.split(self.numels))
+
+    def _eager_gradient(self, own: torch.Tensor, exchange: Exchange, final: bool) -> torch.Tensor:
+        """Kale et al.'s eager outer gradient: the late average with this island's share of it swapped
+        for its fresh one (at the last step, for the whole fresh average)."""
+        late = self.pending.result() if self.pending is not None else torch.zeros_like(own)
+        fresh = exchange.result() if final else own / self.islands
+        return late - self.previous / self.islands + fresh
+
+    def _average_islands(self) -> int:
+        """theta_outer averaged over the islands (each stepped its own momentum); returns bytes sent."""
+        if self.islands == 1:
+            return 0
+        average = Exchange(_flatten(self.outer_params), self.group, self.islands, "none", 0, self.numels,
+                           measure_bytes=False)
+        with torch.no_grad():
+            for p, a in zip(self.outer_params, average.result().split(self.numels)):
+                p.copy_(a.view_as(p))
+        return average.bytes_sent
 
     def _apply(self, average: torch.Tensor) -> None:
         """One outer optimizer step on theta_outer with the islands' average pseudo-gradient."""
@@ -288,13 +298,14 @@ class DiLoCo:
     # -------------------------------------------------------------- checkpoints
 
     def state_dict(self) -> dict:
-        """theta_outer, the outer optimizer, the outer step and (delayed) the window start and the
-        average in flight (waited for here: the save point is the same on every island)."""
+        """theta_outer, the outer optimizer, the outer step and (delayed) this island's last
+        pseudo-gradient and the average in flight (waited for here: the save point is the same on
+        every island)."""
         pending = self.pending.result().clone() if self.pending is not None else None
         return {"outer_step": self.outer_step, "mode": self.mode, "numels": self.numels,
                 "outer_params": [p.detach().cpu().clone() for p in self.outer_params],
                 "optimizer": self.optimizer.state_dict(),
-                "anchor": None if self.anchor is None else [a.cpu().clone() for a in self.anchor],
+                "previous": None if self.previous is None else self.previous.clone(),
                 "pending": pending}
 
     def load_state_dict(self, state: dict) -> None:
@@ -305,12 +316,23 @@ class DiLoCo:
         with torch.no_grad():
             for p, saved in zip(self.outer_params, state["outer_params"]):
                 p.copy_(saved)
-            if self.anchor is not None:
-                for a, saved in zip(self.anchor, state["anchor"]):
-                    a.copy_(saved)
+            if self.previous is not None:
+                self.previous.copy_(self._previous(state))
         self.optimizer.load_state_dict(state["optimizer"])
         self.outer_step = state["outer_step"]
         self.pending = _Resolved(state["pending"]) if state["pending"] is not None else None
+
+    def _previous(self, state: dict) -> torch.Tensor:
+        """This island's last pseudo-gradient from a saved state; a state of the earlier delayed mode
+        (one shared theta_outer, the island on from `anchor` = theta_outer - previous / n) is converted."""
+        if state.get("previous") is not None:
+            return state["previous"]
+        anchor = [a.to(p.device) for a, p in zip(state["anchor"], self.outer_params)]
+        previous = _flatten([(p - a) * self.islands for p, a in zip(self.outer_params, anchor)])
+        with torch.no_grad():
+            for p, a in zip(self.outer_params, anchor):  # the island's own theta_outer: where it went on from
+                p.copy_(a)
+        return previous
 
     def restart(self) -> None:
         """Start the outer loop afresh from the current weights (a checkpoint saved without DiLoCo)."""
@@ -319,8 +341,8 @@ class DiLoCo:
         with torch.no_grad():
             for p, m in zip(self.outer_params, masters):
                 p.copy_(m)
-            for a, m in zip(self.anchor or [], masters):
-                a.copy_(m)
+            if self.previous is not None:
+                self.previous.zero_()
         self.optimizer = self._make_optimizer(self.outer_params)
         self.pending, self.outer_step = None, 0
 

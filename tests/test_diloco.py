@@ -65,6 +65,45 @@ def test_outer_nesterov_step_equals_hand_computation():
                                outer.optimizer.state_dict()["state"][0]["momentum_buffer"], rtol=0, atol=0)
 
 
+def test_one_island_delayed_equals_sync_also_past_a_final_step():
+    """With one island the eager update has nothing late (the average is its own fresh pseudo-
+    gradient), so delayed equals sync under Nesterov, also when a run ended at step 4 goes on."""
+    runs = {}
+    for mode in ("sync", "delayed"):
+        outer = DiLoCo(toy.Weights(toy.initial_weights()), DiLoCoArguments(diloco_inner_steps=2, diloco_mode=mode),
+                       Topology())
+        for step in range(1, 9):
+            with torch.no_grad():
+                for t, ci in zip(outer.weights.tensors(), toy.centre(0)):
+                    t.sub_(0.3 * (t - ci))
+            outer.maybe_outer_step(step, final=step == 4)
+        runs[mode] = outer.weights.tensors()
+    for got, want in zip(runs["delayed"], runs["sync"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_delayed_state_of_the_shared_theta_version_is_converted():
+    """A delayed-mode state saved before the per-island eager step (one shared theta_outer, the island
+    going on from `anchor`) loads as the island's theta_outer = anchor, previous = n (theta - anchor)."""
+    args = DiLoCoArguments(diloco_inner_steps=2, diloco_mode="delayed", diloco_outer_lr=1.0,
+                           diloco_outer_momentum=0.0)
+    outer = DiLoCo(toy.Weights(toy.initial_weights()), args, Topology())
+    for step in range(1, 5):
+        with torch.no_grad():
+            for t, ci in zip(outer.weights.tensors(), toy.centre(0)):
+                t.sub_(0.3 * (t - ci))
+        outer.maybe_outer_step(step)
+    state = outer.state_dict()
+    previous = state["previous"].split(outer.numels)
+    old = dict(state, previous=None, anchor=state["outer_params"],
+               outer_params=[a + d.view_as(a) for a, d in zip(state["outer_params"], previous)])
+    again = DiLoCo(toy.Weights(toy.initial_weights()), args, Topology())
+    again.load_state_dict(old)
+    torch.testing.assert_close(again.previous, state["previous"], rtol=1e-6, atol=1e-6)
+    for got, want in zip(again.outer_params, state["outer_params"]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_delayed_mode_with_outer_momentum_warns():
     with pytest.warns(UserWarning, match="--diloco_outer_momentum 0.9"):
         DiLoCoArguments(diloco_inner_steps=50, diloco_mode="delayed")
@@ -111,17 +150,21 @@ def int8_error_bound(x: torch.Tensor, block: int, numels: list[int]) -> float:
 
 
 def simulate(mode, compress, block=256):
-    """Both islands and the outer loop in fp32 by hand: per outer step, each island's weights, theta_outer,
-    and the compression error and average norm the loop should report."""
+    """Both islands and the outer loop in fp32 by hand: per outer step, each island's weights and
+    theta_outer, and the compression error and average norm the loop should report. Delayed mode is
+    Kale et al.'s eager update: each island steps its own Nesterov on the late average with its own
+    share of it swapped for its fresh one."""
     numels = [math.prod(s) for s in toy.SHAPES]
     theta = torch.cat([t.flatten() for t in toy.initial_weights()])
     centres = [torch.cat([t.flatten() for t in toy.centre(i)]) for i in (0, 1)]
-    w, anchor, buf, pending, steps = [theta.clone(), theta.clone()], [theta.clone(), theta.clone()], None, None, []
+    thetas, bufs, previous = [theta.clone(), theta.clone()], [None, None], [torch.zeros_like(theta)] * 2
+    pending, steps = None, []
     for k in range(1, toy.OUTER_STEPS + 1):
+        w = [x.clone() for x in thetas]
         for i in (0, 1):
             for _ in range(toy.INNER_STEPS):
                 w[i] = w[i] - toy.INNER_LR * (w[i] - centres[i])
-        deltas = [(anchor[i] if mode == "delayed" else theta) - w[i] for i in (0, 1)]
+        deltas = [thetas[i] - w[i] for i in (0, 1)]
         if compress == "none":
             sent, average = deltas, (deltas[0] + deltas[1]) / 2
         elif compress == "bf16":  # bf16 on the wire, summed in bf16 by the all-reduce
@@ -132,20 +175,22 @@ def simulate(mode, compress, block=256):
             average = (sent[0] + sent[1]) / 2
         errors = [((s - d).norm() / d.norm()).item() for s, d in zip(sent, deltas)]
         bounds = [int8_error_bound(d, block, numels) if compress == "int8" else 2 ** -9 for d in deltas]
-        applied = average
-        if mode == "delayed" and k < toy.OUTER_STEPS:
-            applied, pending = pending, average
-            if applied is not None:
-                theta, buf = nesterov(theta, buf, applied)
-            w = [theta + (w[i] - anchor[i]) / 2 for i in (0, 1)]  # eager: 1/2 of own progress
-            anchor = [x.clone() for x in w]
+        final = k == toy.OUTER_STEPS
+        if mode == "sync":
+            applied = average
+            theta, bufs[0] = nesterov(thetas[0], bufs[0], average)
+            thetas = [theta, theta]
         else:
-            if pending is not None:  # the last outer step of delayed mode applies both
-                theta, buf = nesterov(theta, buf, pending)
-            theta, buf = nesterov(theta, buf, average)
-            w, anchor = [theta.clone(), theta.clone()], [theta.clone(), theta.clone()]
-        steps.append({"weights": [x.clone() for x in w], "outer": theta.clone(), "errors": errors,
-                      "bounds": bounds, "norm": None if applied is None else applied.norm().item()})
+            applied = average if final else pending
+            late = torch.zeros_like(theta) if pending is None else pending
+            for i in (0, 1):  # the fresh share of this island; at the end, the whole fresh average
+                eager = late - previous[i] / 2 + (average if final else deltas[i] / 2)
+                thetas[i], bufs[i] = nesterov(thetas[i], bufs[i], eager)
+            previous, pending = deltas, average
+            if final:  # the islands' momenta differ: theta_outer is averaged over them
+                thetas = [(thetas[0] + thetas[1]) / 2] * 2
+        steps.append({"weights": [x.clone() for x in thetas], "outer": [x.clone() for x in thetas],
+                      "errors": errors, "bounds": bounds, "norm": None if applied is None else applied.norm().item()})
     return steps
 
 
@@ -181,18 +226,20 @@ def test_two_islands_equal_hand_simulation(two_islands, index):
             if compress == "int8":
                 # An fp32 rounding difference may move a value across a rounding boundary of its
                 # int8 code; all but a few values agree to fp32 precision, none by more than 2 codes.
-                for value, ref in ((theta, want["outer"]), (weights, want["weights"][island])):
+                for value, ref in ((theta, want["outer"][island]), (weights, want["weights"][island])):
                     close = torch.isclose(value, ref, rtol=1e-5, atol=1e-6)
                     assert close.float().mean() >= 0.99, (k, close.float().mean())
                     assert (value - ref).abs().max() <= 2 * 1.5 * ref.abs().max() / 127
             else:
-                torch.testing.assert_close(theta, want["outer"], rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(theta, want["outer"][island], rtol=1e-5, atol=1e-6)
                 torch.testing.assert_close(weights, want["weights"][island], rtol=1e-5, atol=1e-6)
             m = got["metrics"]
             assert m["outer_step"] == k
             assert payload <= m["outer_payload_bytes"] <= payload * 1.06  # + int8 scales and padding
-            # one peer: gloo sends each byte of the payload once (measured in sync mode, a model in delayed)
-            assert m["outer_payload_bytes"] <= m["outer_bytes_sent"] <= m["outer_payload_bytes"] + 1024
+            # one peer: gloo sends each byte of the payload once (measured in sync mode, a model in delayed),
+            # and delayed mode's last step the 4000 bytes of theta_outer it averages
+            averaged = 4000 if mode == "delayed" and k == toy.OUTER_STEPS else 0
+            assert m["outer_payload_bytes"] <= m["outer_bytes_sent"] - averaged <= m["outer_payload_bytes"] + 1024
             if compress != "none":
                 assert m["outer_compress_error"] == pytest.approx(want["errors"][island], rel=0.05)
                 assert 0 < m["outer_compress_error"] <= want["bounds"][island]
@@ -203,8 +250,9 @@ def test_two_islands_equal_hand_simulation(two_islands, index):
             if mode == "delayed" and want["norm"] is not None:
                 assert 0 <= m["outer_comm_hidden_seconds"] <= m["outer_comm_seconds"]
     if mode == "delayed":  # islands differ between outer steps (own progress), agree at the end
-        last = [flat(two_islands[i][index]["outer_steps"][-1]["weights"]) for i in (0, 1)]
-        assert torch.equal(last[0], last[1])
+        for key in ("weights", "outer"):
+            last = [flat(two_islands[i][index]["outer_steps"][-1][key]) for i in (0, 1)]
+            assert torch.equal(last[0], last[1])
 
 
 def test_data_of_islands_is_one_data_parallel_job():
@@ -344,12 +392,14 @@ def test_pipeline_with_data_parallel_islands_ship_half_a_stage(runs):
 
 def test_delayed_mode_resumes_exactly(runs, tmp_path):
     """ZeRO-0 fp32, delayed outer steps with dropout on: resuming at step 4 (an average in flight) replays
-    steps 5-8 of both islands bit for bit; theta_outer agrees across islands at every outer step."""
+    steps 5-8 of both islands bit for bit. Each island steps its own theta_outer (eager updates); the
+    last outer step applies everything and averages them, so the islands end on the same weights."""
     extra = ["--dropout", "0.2", *DILOCO, "--diloco_mode", "delayed"]
     full_out = islands_run(runs, "diloco_delayed", config="zero0.json", extra=extra)
-    assert_islands_identical(full_out, keys=("outer_sum", "outer_sumsq"))
     full = [island_metrics(full_out, i) for i in (0, 1)]
-    assert full[0][-1]["weights_sum"] == full[1][-1]["weights_sum"]  # the last outer step applies everything
+    assert full[0][1]["outer_sum"] != full[1][1]["outer_sum"]  # step 2: each island's own fresh share
+    for key in ("weights_sum", "weights_sumsq", "outer_sum", "outer_sumsq"):
+        assert full[0][-1][key] == full[1][-1][key]
     hidden = [m["outer_comm_hidden_seconds"] for m in full[0] if "outer_comm_hidden_seconds" in m]
     assert len(hidden) == 3 and all(h >= 0 for h in hidden)
     resumed_out = tmp_path / "resumed"
