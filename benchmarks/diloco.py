@@ -1,6 +1,6 @@
 """DiLoCo (2 islands x 2 ranks) against synchronous data parallel over 4 ranks, same tokens.
 
-    python benchmarks/diloco.py [--steps 600] [--rows 10:sync:none,...]   (CPU: ~6 minutes per row)
+    python benchmarks/diloco.py [--steps 600] [--seed 42] [--rows 10:sync:none,...]   (CPU: ~6 minutes per row)
 
 Built-in corpus, a 229k-parameter BDH, ZeRO-1, 4 ranks x micro-batch 8 x 128 tokens per step in
 every row, AdamW (beta2 --adam_beta2) with --warmup_steps of linear warm-up, then cosine. Prints
@@ -44,12 +44,14 @@ def main():
     parser.add_argument("--adam_beta2", type=float, default=0.95)
     parser.add_argument("--outer_lr", type=float, default=1.0)
     parser.add_argument("--outer_momentum", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=42, help="the recipe's --seed, for every run")
     parser.add_argument("--rows", default="10:sync:none,50:sync:none,10:delayed:none,50:delayed:none,"
                         "10:sync:int8,50:sync:int8", help="DiLoCo rows as H:mode:compression, comma-separated")
     cli = parser.parse_args()
     steps, warmup, beta2 = cli.steps, cli.warmup_steps, cli.adam_beta2
     root = Path(tempfile.mkdtemp(prefix="diloco-"))
-    dp = run("dp", root, steps, warmup, beta2, [])
+    seed = ["--seed", str(cli.seed)]
+    dp = run("dp", root, steps, warmup, beta2, seed)
     dp_loss = dp[-1]["eval_loss"]
     dp_bytes = steps * 2 * 3 / 4 * PARAMS * 4
     print(f"{steps} steps x {4 * 8 * 128:,} tokens, AdamW beta2 {beta2}, {warmup} warm-up steps then cosine; "
@@ -62,7 +64,7 @@ def main():
         metrics = run(f"h{h}-{mode}-{compress}", root, steps, warmup, beta2, [
             "--diloco_islands", "2", "--diloco_inner_steps", str(h), "--diloco_mode", mode,
             "--diloco_compress", compress, "--diloco_outer_lr", str(cli.outer_lr),
-            "--diloco_outer_momentum", str(cli.outer_momentum)])
+            "--diloco_outer_momentum", str(cli.outer_momentum), *seed])
         loss = metrics[-1]["eval_loss"]
         sent = sum(m.get("outer_bytes_sent", 0) for m in metrics)
         hidden = sum(m.get("outer_comm_hidden_seconds", 0) for m in metrics)

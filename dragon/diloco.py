@@ -5,9 +5,9 @@ pseudo-gradient Delta = theta_outer - theta_inner, in fp32, on its own part of D
 MASTER weights (its partition under ZeRO-1/2/3 and the bf16 optimizer, its stage's weights in
 a pipeline, the whole model under ZeRO-0), averages Delta with rank r of every other island
 (dragon.topology), steps an outer optimizer (Nesterov SGD by default) on theta_outer with the
-average as gradient, and writes theta_outer back into the master weights and the module's
-working weights. theta_outer and the outer optimizer's state are fp32, on the master weights'
-device or on CPU (--diloco_outer_on_cpu).
+average as gradient (delayed mode: see below), and writes theta_outer back into the master
+weights and the module's working weights. theta_outer and the outer optimizer's state are fp32,
+on the master weights' device or on CPU (--diloco_outer_on_cpu).
 
 Modes. sync: the all-reduce blocks. delayed: the all-reduce of outer step k runs while the inner
 steps of k+1 compute and is applied at step k+1, one outer step late, with the "eager updates" of
@@ -17,8 +17,8 @@ replaced by its fresh Delta_k/n (n islands). Each island's own progress thus pas
 outer optimizer, momentum included, as soon as it is made; only the other islands' part is late.
 (An earlier version stepped one shared theta_outer on the late averages and added the island's
 share raw: with the default Nesterov outer step, +44 % validation loss at H=50 against +14 % now;
-with plain averaging the two are the same algorithm.) The
-first outer step only starts the pipeline (the average of step 0 is zero); the last one replaces
+with plain averaging the two are the same algorithm.) At the first outer step no average has
+arrived yet, so the island steps on its fresh share alone; the last one replaces
 the fresh share with the blocking average of the last window and then averages theta_outer over
 the islands (their momenta differ), so training ends with every island on the same weights.
 
@@ -30,11 +30,13 @@ Bytes on the wire per rank, for n islands and a payload of P bytes: fp32 and bf1
 2(n-1)/n * P, int8 all-gather (n-1) * P, so int8 beats a bf16 all-reduce only below 4 islands.
 
 Metrics of an outer step (in each island's metrics.jsonl): outer_step; outer_grad_norm (of the
-averaged pseudo-gradient applied, over the whole model); outer_bytes_sent (the most any rank of
-the island sent: measured from /proc/self/io around the blocking exchange in sync mode, the
-ring model above in delayed mode, whose last step adds the average of theta_outer) and
-outer_payload_bytes (this rank's); outer_comm_seconds (start to completion of the exchange
-applied) and, delayed, outer_comm_hidden_seconds (the part of it that ran under inner steps); outer_compress_error; outer_seconds (the whole outer step);
+islands' average applied at this step, over the whole model; in delayed mode the late one, and
+absent at the first step); outer_bytes_sent (the most any rank of the island sent: measured from
+/proc/self/io around the blocking exchange in sync mode, the ring model above in delayed mode,
+whose last step adds the average of theta_outer) and outer_payload_bytes (this rank's);
+outer_comm_seconds (start to completion of the exchanges of averages applied; not the last
+step's average of theta_outer) and, delayed, outer_comm_hidden_seconds (the part of it that ran
+under inner steps); outer_compress_error; outer_seconds (the whole outer step);
 with --diloco_checksum, float64 sums and sums of squares of the working weights and of
 theta_outer over the island's ranks (equal bits on every island after a sync outer step).
 
@@ -265,7 +267,7 @@ class DiLoCo:
         return average.bytes_sent
 
     def _apply(self, average: torch.Tensor) -> None:
-        """One outer optimizer step on theta_outer with the islands' average pseudo-gradient."""
+        """One outer optimizer step on theta_outer with `average` as its gradient."""
         for p, g in zip(self.outer_params, average.split(self.numels)):
             p.grad = g.view_as(p).to(self.device)
         self.optimizer.step()

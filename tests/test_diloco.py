@@ -244,7 +244,7 @@ def test_two_islands_equal_hand_simulation(two_islands, index):
                 assert m["outer_compress_error"] == pytest.approx(want["errors"][island], rel=0.05)
                 assert 0 < m["outer_compress_error"] <= want["bounds"][island]
             if want["norm"] is None:
-                assert "outer_grad_norm" not in m  # delayed: the first outer step only starts the pipeline
+                assert "outer_grad_norm" not in m  # delayed: no average has arrived at the first outer step
             else:
                 assert m["outer_grad_norm"] == pytest.approx(want["norm"], rel=1e-3)
             if mode == "delayed" and want["norm"] is not None:
