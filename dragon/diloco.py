@@ -112,7 +112,7 @@ class DiLoCoArguments:
         if (index is None) != (self.diloco_store is None):
             raise ValueError("--diloco_island_index and --diloco_store go together (one launch per island)")
         if self.diloco_mode == "delayed" and self.diloco_outer_momentum > 0:
-            # measured (README benchmark, H=50, 3600 steps): +14 % validation loss vs +2.2 % at momentum 0
+            # measured (README benchmark, H=50, 3600 steps): +14 % validation loss vs +1.9-2.1 % at momentum 0
             warnings.warn(f"--diloco_mode delayed with --diloco_outer_momentum {self.diloco_outer_momentum}: "
                           "momentum on one-step-late averages degraded training in our benchmark; "
                           "--diloco_outer_lr 1 --diloco_outer_momentum 0 did far better")
