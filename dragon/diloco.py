@@ -318,23 +318,22 @@ class DiLoCo:
         with torch.no_grad():
             for p, saved in zip(self.outer_params, state["outer_params"]):
                 p.copy_(saved)
-            if self.previous is not None:
-                self.previous.copy_(self._previous(state))
+            if self.previous is not None and state.get("previous") is None:  # the earlier delayed mode
+                self._convert_shared_theta(state["anchor"])
+            elif self.previous is not None:
+                self.previous.copy_(state["previous"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.outer_step = state["outer_step"]
         self.pending = _Resolved(state["pending"]) if state["pending"] is not None else None
 
-    def _previous(self, state: dict) -> torch.Tensor:
-        """This island's last pseudo-gradient from a saved state; a state of the earlier delayed mode
-        (one shared theta_outer, the island on from `anchor` = theta_outer - previous / n) is converted."""
-        if state.get("previous") is not None:
-            return state["previous"]
-        anchor = [a.to(p.device) for a, p in zip(state["anchor"], self.outer_params)]
-        previous = _flatten([(p - a) * self.islands for p, a in zip(self.outer_params, anchor)])
-        with torch.no_grad():
-            for p, a in zip(self.outer_params, anchor):  # the island's own theta_outer: where it went on from
-                p.copy_(a)
-        return previous
+    @torch.no_grad()
+    def _convert_shared_theta(self, anchor: list[torch.Tensor]) -> None:
+        """A state of the earlier delayed mode, its shared theta_outer already loaded: the island went
+        on from `anchor` = theta_outer - previous / n, which becomes the island's own theta_outer."""
+        anchor = [a.to(p.device) for a, p in zip(anchor, self.outer_params)]
+        self.previous.copy_(_flatten([(p - a) * self.islands for p, a in zip(self.outer_params, anchor)]))
+        for p, a in zip(self.outer_params, anchor):
+            p.copy_(a)
 
     def restart(self) -> None:
         """Start the outer loop afresh from the current weights (a checkpoint saved without DiLoCo)."""

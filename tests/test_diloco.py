@@ -31,6 +31,22 @@ def nesterov(theta, buf, grad, lr=0.7, mu=0.9):
     return theta - lr * (grad + mu * buf), buf
 
 
+@torch.no_grad()
+def inner_step(weights) -> None:
+    """The toy inner step of island 0: a gradient step of 0.3 towards its centre."""
+    for t, ci in zip(weights.tensors(), toy.centre(0)):
+        t.sub_(0.3 * (t - ci))
+
+
+def toy_outer_loop(args: DiLoCoArguments, steps: int, final_step: int = 0) -> DiLoCo:
+    """One island on toy weights: `steps` inner steps, each followed by maybe_outer_step."""
+    outer = DiLoCo(toy.Weights(toy.initial_weights()), args, Topology())
+    for step in range(1, steps + 1):
+        inner_step(outer.weights)
+        outer.maybe_outer_step(step, final=step == final_step)
+    return outer
+
+
 def test_outer_nesterov_step_equals_hand_computation():
     """One island, three outer steps of Nesterov SGD (lr 0.7, momentum 0.9) on toy weights."""
     w = toy.initial_weights()
@@ -39,9 +55,7 @@ def test_outer_nesterov_step_equals_hand_computation():
     theta, buf = torch.cat([t.flatten() for t in w]).double(), None
     c = torch.cat([t.flatten() for t in toy.centre(0)]).double()
     for step in range(1, 7):
-        with torch.no_grad():
-            for t, ci in zip(weights.tensors(), toy.centre(0)):
-                t.sub_(0.3 * (t - ci))
+        inner_step(weights)
         metrics = outer.maybe_outer_step(step)
         if step % 2:
             assert metrics == {}
@@ -68,16 +82,8 @@ def test_outer_nesterov_step_equals_hand_computation():
 def test_one_island_delayed_equals_sync_also_past_a_final_step():
     """With one island the eager update has nothing late (the average is its own fresh pseudo-
     gradient), so delayed equals sync under Nesterov, also when a run ended at step 4 goes on."""
-    runs = {}
-    for mode in ("sync", "delayed"):
-        outer = DiLoCo(toy.Weights(toy.initial_weights()), DiLoCoArguments(diloco_inner_steps=2, diloco_mode=mode),
-                       Topology())
-        for step in range(1, 9):
-            with torch.no_grad():
-                for t, ci in zip(outer.weights.tensors(), toy.centre(0)):
-                    t.sub_(0.3 * (t - ci))
-            outer.maybe_outer_step(step, final=step == 4)
-        runs[mode] = outer.weights.tensors()
+    runs = {mode: toy_outer_loop(DiLoCoArguments(diloco_inner_steps=2, diloco_mode=mode), 8, final_step=4)
+            .weights.tensors() for mode in ("sync", "delayed")}
     for got, want in zip(runs["delayed"], runs["sync"]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
@@ -87,12 +93,7 @@ def test_delayed_state_of_the_shared_theta_version_is_converted():
     going on from `anchor`) loads as the island's theta_outer = anchor, previous = n (theta - anchor)."""
     args = DiLoCoArguments(diloco_inner_steps=2, diloco_mode="delayed", diloco_outer_lr=1.0,
                            diloco_outer_momentum=0.0)
-    outer = DiLoCo(toy.Weights(toy.initial_weights()), args, Topology())
-    for step in range(1, 5):
-        with torch.no_grad():
-            for t, ci in zip(outer.weights.tensors(), toy.centre(0)):
-                t.sub_(0.3 * (t - ci))
-        outer.maybe_outer_step(step)
+    outer = toy_outer_loop(args, 4)
     state = outer.state_dict()
     previous = state["previous"].split(outer.numels)
     old = dict(state, previous=None, anchor=state["outer_params"],
@@ -121,9 +122,8 @@ def test_any_torch_optimizer_as_outer_optimizer():
     reference = [t.clone() for t in toy.initial_weights()]
     adam = torch.optim.Adam(reference, lr=0.05)
     for step in range(1, 4):
+        inner_step(weights)
         with torch.no_grad():
-            for t, ci in zip(weights.tensors(), toy.centre(0)):
-                t.sub_(0.3 * (t - ci))
             for r, t in zip(reference, weights.tensors()):
                 r.grad = r - t  # the pseudo-gradient, before the outer step overwrites t
         outer.maybe_outer_step(step)
