@@ -88,23 +88,6 @@ def test_one_island_delayed_equals_sync_also_past_a_final_step():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_delayed_state_of_the_shared_theta_version_is_converted():
-    """A delayed-mode state saved before the per-island eager step (one shared theta_outer, the island
-    going on from `anchor`) loads as the island's theta_outer = anchor, previous = n (theta - anchor)."""
-    args = DiLoCoArguments(diloco_inner_steps=2, diloco_mode="delayed", diloco_outer_lr=1.0,
-                           diloco_outer_momentum=0.0)
-    outer = toy_outer_loop(args, 4)
-    state = outer.state_dict()
-    previous = state["previous"].split(outer.numels)
-    old = dict(state, previous=None, anchor=state["outer_params"],
-               outer_params=[a + d.view_as(a) for a, d in zip(state["outer_params"], previous)])
-    again = DiLoCo(toy.Weights(toy.initial_weights()), args, Topology())
-    again.load_state_dict(old)
-    torch.testing.assert_close(again.previous, state["previous"], rtol=1e-6, atol=1e-6)
-    for got, want in zip(again.outer_params, state["outer_params"]):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-
-
 def test_delayed_mode_with_outer_momentum_warns():
     with pytest.warns(UserWarning, match="--diloco_outer_momentum 0.9"):
         DiLoCoArguments(diloco_inner_steps=50, diloco_mode="delayed")
@@ -149,7 +132,7 @@ def int8_error_bound(x: torch.Tensor, block: int, numels: list[int]) -> float:
     return math.sqrt(sum(p.numel() * (p.abs().max().item() / 254) ** 2 for p in pieces)) / x.norm().item()
 
 
-def simulate(mode, compress, block=256):
+def simulate(mode, compress, block=256, lr=0.7, mu=0.9):
     """Both islands and the outer loop in fp32 by hand: per outer step, each island's weights and
     theta_outer, and the compression error and average norm the loop should report. Delayed mode is
     Kale et al.'s eager update: each island steps its own Nesterov on the late average with its own
@@ -178,14 +161,14 @@ def simulate(mode, compress, block=256):
         final = k == toy.OUTER_STEPS
         if mode == "sync":
             applied = average
-            theta, bufs[0] = nesterov(thetas[0], bufs[0], average)
+            theta, bufs[0] = nesterov(thetas[0], bufs[0], average, lr, mu)
             thetas = [theta, theta]
         else:
             applied = average if final else pending
             late = torch.zeros_like(theta) if pending is None else pending
             for i in (0, 1):  # the fresh share of this island; at the end, the whole fresh average
                 eager = late - previous[i] / 2 + (average if final else deltas[i] / 2)
-                thetas[i], bufs[i] = nesterov(thetas[i], bufs[i], eager)
+                thetas[i], bufs[i] = nesterov(thetas[i], bufs[i], eager, lr, mu)
             previous, pending = deltas, average
             if final:  # the islands' momenta differ: theta_outer is averaged over them
                 thetas = [(thetas[0] + thetas[1]) / 2] * 2
@@ -214,11 +197,13 @@ def flat(lists):
 
 @pytest.mark.parametrize("index", range(len(toy.SCENARIOS)))
 def test_two_islands_equal_hand_simulation(two_islands, index):
-    """Sync and delayed schedules, fp32 / bf16 / int8 on the wire, against the hand simulation."""
+    """Sync and delayed schedules, fp32 / bf16 / int8 on the wire, against the hand simulation; and a
+    delayed state saved in the earlier shared-theta format, loaded mid-run, against the same."""
     scenario = toy.SCENARIOS[index]
     mode, compress = scenario["diloco_mode"], scenario["diloco_compress"]
     block = scenario.get("diloco_int8_block", 256)
-    expected = simulate(mode, compress, block)
+    expected = simulate(mode, compress, block, scenario.get("diloco_outer_lr", 0.7),
+                        scenario.get("diloco_outer_momentum", 0.9))
     payload = {"none": 4000, "bf16": 2000, "int8": 1000}[compress]
     for island in (0, 1):
         for k, (got, want) in enumerate(zip(two_islands[island][index]["outer_steps"], expected), 1):
@@ -249,6 +234,9 @@ def test_two_islands_equal_hand_simulation(two_islands, index):
                 assert m["outer_grad_norm"] == pytest.approx(want["norm"], rel=1e-3)
             if mode == "delayed" and want["norm"] is not None:
                 assert 0 <= m["outer_comm_hidden_seconds"] <= m["outer_comm_seconds"]
+    if "convert_at" in scenario:  # the old format's theta_outer was one for all islands
+        old = [flat(two_islands[i][index]["outer_steps"][scenario["convert_at"] - 1]["old_outer"]) for i in (0, 1)]
+        torch.testing.assert_close(old[0], old[1], rtol=1e-6, atol=1e-6)
     if mode == "delayed":  # islands differ between outer steps (own progress), agree at the end
         for key in ("weights", "outer"):
             last = [flat(two_islands[i][index]["outer_steps"][-1][key]) for i in (0, 1)]
