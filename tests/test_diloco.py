@@ -91,9 +91,12 @@ def test_one_island_delayed_equals_sync_also_past_a_final_step():
 def test_delayed_mode_with_outer_momentum_warns():
     with pytest.warns(UserWarning, match="--diloco_outer_momentum 0.9"):
         DiLoCoArguments(diloco_inner_steps=50, diloco_mode="delayed")
+    with pytest.warns(UserWarning, match="--diloco_outer_lr 1 --diloco_outer_momentum 0.3 did best"):
+        DiLoCoArguments(diloco_inner_steps=50, diloco_mode="delayed", diloco_outer_lr=1.0, diloco_outer_momentum=0.5)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         DiLoCoArguments(diloco_inner_steps=50, diloco_mode="delayed", diloco_outer_momentum=0.0)
+        DiLoCoArguments(diloco_inner_steps=50, diloco_mode="delayed", diloco_outer_lr=1.0, diloco_outer_momentum=0.3)
         DiLoCoArguments(diloco_inner_steps=50)
 
 
