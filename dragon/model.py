@@ -5,16 +5,16 @@ The math is the reference's (pathwaycom/bdh, bdh.py): one block of weights (`enc
 RoPE-rotated sparse activations, strictly causal, LayerNorm without affine parameters.
 """
 
-import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutput
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
-ROPE_THETA = 2.0**16
+from dragon.attention import DEFAULT_CHUNK_SIZE, FORMS, BDHCache, attention, rope, rope_frequencies
+
 
 
 class BDHConfig(PretrainedConfig):
@@ -36,6 +36,9 @@ class BDHConfig(PretrainedConfig):
         mlp_internal_dim_multiplier: int = 128,
         dropout: float = 0.1,
         vocab_size: int = 256,
+        attention: str = "auto",
+        attention_chunk_size: int = DEFAULT_CHUNK_SIZE,
+        use_cache: bool = True,
         **kwargs,
     ):
         self.n_layer = n_layer
@@ -44,7 +47,9 @@ class BDHConfig(PretrainedConfig):
         self.mlp_internal_dim_multiplier = mlp_internal_dim_multiplier
         self.dropout = dropout
         self.vocab_size = vocab_size
-        kwargs.setdefault("use_cache", False)
+        self.attention = attention
+        self.attention_chunk_size = attention_chunk_size
+        self.use_cache = use_cache  # generate() carries the state cache
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
         self.validate_sizes()
@@ -69,27 +74,20 @@ class BDHConfig(PretrainedConfig):
             raise ValueError(f"BDHConfig: N={self.n_neurons} must be even (RoPE rotates pairs)")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"BDHConfig.dropout={self.dropout}: must be in [0, 1)")
-
-
-def rope_frequencies(n: int, device=None) -> torch.Tensor:
-    """Frequencies 1/theta^(2*floor(i/2)/n) / 2pi, in fp32, shaped (1, 1, 1, n)."""
-    q = (torch.arange(n, dtype=torch.float32, device=device) / 2).floor() * 2
-    return (1.0 / (ROPE_THETA ** (q / n)) / (2 * math.pi)).view(1, 1, 1, n)
-
-
-def rope(phases: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs of v by 2pi * (phases mod 1), with cos/sin in fp32."""
-    v_rot = torch.stack((-v[..., 1::2], v[..., ::2]), dim=-1).view(*v.size())
-    phases = (phases % 1) * (2 * math.pi)
-    return (v * torch.cos(phases)).to(v.dtype) + (v_rot * torch.sin(phases)).to(v.dtype)
+        if self.attention not in FORMS:
+            raise ValueError(f"BDHConfig.attention={self.attention!r}: valid are {', '.join(FORMS)}")
+        chunk = self.attention_chunk_size
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"BDHConfig.attention_chunk_size={chunk!r}: must be a positive integer")
 
 
 class Attention(nn.Module):
-    """Quadratic linear attention: Q = K = rope(x_sparse), V = x, scores strictly causal."""
+    """Linear attention: Q = K = rope(x_sparse), V = x, strictly causal, in the configured form."""
 
     def __init__(self, config: BDHConfig):
         super().__init__()
         self.n = config.n_neurons
+        self.form, self.chunk = config.attention, config.attention_chunk_size
         self.register_buffer("freqs", rope_frequencies(self.n))
 
     def _apply(self, fn, recurse=True):
@@ -99,12 +97,14 @@ class Attention(nn.Module):
         self.freqs = rope_frequencies(self.n, device=self.freqs.device)
         return self
 
-    def forward(self, x_sparse: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_sparse: torch.Tensor, v: torch.Tensor, state: Optional[torch.Tensor] = None,
+                position: int = 0, return_state: bool = False):
+        """(B, nh, T, N), (B, 1, T, D) -> (B, nh, T, D); with return_state also the state after
+        the last position. `state` is what positions before `position` wrote."""
         T = x_sparse.size(-2)
-        positions = torch.arange(T, device=self.freqs.device, dtype=torch.float32).view(1, 1, T, 1)
-        qr = rope(positions * self.freqs, x_sparse)
-        scores = (qr @ qr.mT).tril(diagonal=-1)
-        return scores @ v
+        positions = torch.arange(position, position + T, device=self.freqs.device, dtype=torch.float32)
+        q = rope(positions.view(1, 1, T, 1) * self.freqs, x_sparse)
+        return attention(q, v, self.form, self.chunk, state, return_state)
 
 
 class BDHLayer(nn.Module):
@@ -119,14 +119,19 @@ class BDHLayer(nn.Module):
         self.attn = Attention(config)
         self.drop = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: Optional[torch.Tensor] = None, position: int = 0,
+                return_state: bool = False):
+        """x (B, 1, T, D) -> the next x; with return_state also this layer's attention state."""
         B, _, T, D = x.shape
         x_sparse = F.relu(x @ self.encoder)  # (B, nh, T, N)
-        y_kv = layer_norm(self.attn(x_sparse, x))  # (B, nh, T, D)
+        attn = self.attn(x_sparse, x, state, position, return_state)
+        attn, state = attn if return_state else (attn, None)
+        y_kv = layer_norm(attn)  # (B, nh, T, D)
         y_sparse = F.relu(y_kv @ self.encoder_v)
         xy_sparse = self.drop(x_sparse * y_sparse)
         y_mlp = xy_sparse.transpose(1, 2).reshape(B, 1, T, -1) @ self.decoder  # (B, 1, T, D)
-        return layer_norm(x + layer_norm(y_mlp))
+        x = layer_norm(x + layer_norm(y_mlp))
+        return (x, state) if return_state else x
 
 
 def layer_norm(x: torch.Tensor) -> torch.Tensor:
@@ -191,18 +196,47 @@ class BDHForCausalLM(BDHPreTrainedModel, GenerationMixin):
         labels: Optional[torch.Tensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
         logits_to_keep: int = 0,
+        cache: Optional[BDHCache] = None,
+        past_key_values: Optional[BDHCache] = None,
+        use_cache: Optional[bool] = None,
         **kwargs,
-    ) -> CausalLMOutput:
-        # attention_mask is accepted for generate(); BDH has no padding support, as the reference.
+    ) -> CausalLMOutputWithPast:
+        """Logits (and the loss with labels). With a cache, input_ids continue the stream it holds.
+
+        `cache` and `past_key_values` are the same argument (transformers' new and old names).
+        use_cache defaults to: a cache was given, or config.use_cache in eval mode without labels.
+        attention_mask is accepted for generate(); BDH has no padding support, as the reference.
+        """
+        cache = cache if cache is not None else past_key_values
+        if use_cache is None:
+            use_cache = cache is not None or (self.config.use_cache and labels is None and not self.training)
+        if use_cache and cache is None:
+            cache = BDHCache(self.config.n_layer)
         x = embed_tokens(self.embed, input_ids)
-        for _ in range(self.config.n_layer):
-            x = self.layer(x)
+        if use_cache:
+            for i in range(self.config.n_layer):
+                x, cache.states[i] = self.layer(x, cache.states[i], cache.position, return_state=True)
+            cache.position += input_ids.size(1)
+        else:
+            for _ in range(self.config.n_layer):
+                x = self.layer(x)
         logits = lm_logits(x, self.lm_head)
         loss = causal_lm_loss(logits, labels) if labels is not None else None
         if logits_to_keep:
             logits = logits[:, -logits_to_keep:]
-        return CausalLMOutput(loss=loss, logits=logits)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache if use_cache else None)
 
-    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, **kwargs) -> dict:
-        # No KV state yet: every new token reruns the whole sequence, as the reference does.
-        return {"input_ids": input_ids}
+    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, cache: Optional[BDHCache] = None,
+                                      use_cache: bool = True, **kwargs) -> dict:
+        """With the state cache only the positions it has not seen go in (the whole prompt first,
+        then one token per step); without it every step reruns the whole sequence."""
+        cache = cache if cache is not None else kwargs.get("past_key_values")
+        if not use_cache:
+            return {"input_ids": input_ids, "use_cache": False}
+        if cache is None:
+            cache = BDHCache(self.config.n_layer)
+        return {"input_ids": input_ids[:, cache.position:], "cache": cache, "use_cache": True}
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # generate() must not build a DynamicCache: the state cache is made above

@@ -1,7 +1,8 @@
-"""Theoretical cost of BDH: parameters and FLOPs per token, for MFU."""
+"""Theoretical cost of BDH: parameters and FLOPs per token of each attention form, for MFU."""
 
 from dataclasses import dataclass
 
+from dragon.attention import CAUSAL_BLOCK, resolve_form
 from dragon.model import BDHConfig
 
 
@@ -22,14 +23,42 @@ def parameter_count(config: BDHConfig) -> int:
     return 3 * nh * D * N + 2 * V * D
 
 
-def model_profile(config: BDHConfig, seq_len: int) -> ModelProfile:
-    """FLOPs per token of the quadratic form at sequence length seq_len (2 FLOPs per multiply-add).
+def causal_pairs(T: int, block: int = CAUSAL_BLOCK) -> int:
+    """(row, column) score pairs the quadratic form computes for T positions: all T x T up to
+    one block, else each block of rows against the positions up to its end."""
+    if T <= block:
+        return T * T
+    return sum((min(s + block, T) - s) * min(s + block, T) for s in range(0, T, block))
 
-    Per layer and token: encoder, encoder_v and decoder matmuls (3 * nh*D*N MACs), attention
-    scores and output over the full T x T product as computed (nh*T*(N+D) MACs; the causal mask
-    does not skip work); plus the lm_head (D*V MACs). Backward costs twice the forward.
+
+def attention_macs_per_token(config: BDHConfig, seq_len: int, form: str = "") -> float:
+    """Multiply-adds per token and layer of one attention form as computed, over seq_len positions.
+
+    quadratic: the score pairs computed (causal_pairs), each a dot over N and a product with V.
+    chunked (chunk C, T padded up to whole chunks): the quadratic form inside each chunk, plus
+    each chunk's state write and state read (N x D per position each).
+    recurrent: one state read and one write per position.
+    """
+    nh, D, N, T = config.n_head, config.n_embd, config.n_neurons, seq_len
+    C = config.attention_chunk_size
+    form = resolve_form(form or config.attention, T, C, has_state=False)
+    if form == "chunked" and T > C:
+        chunks = -(-T // C)
+        return nh * chunks * (causal_pairs(C) * (N + D) + 2 * C * N * D) / T
+    if form == "recurrent":
+        return 2 * nh * N * D
+    return nh * causal_pairs(T) * (N + D) / T
+
+
+def model_profile(config: BDHConfig, seq_len: int, form: str = "") -> ModelProfile:
+    """FLOPs per token at sequence length seq_len (2 FLOPs per multiply-add) for `form` (default:
+    the config's, "auto" resolved for seq_len), without a returned state.
+
+    Per layer and token: encoder, encoder_v and decoder matmuls (3 * nh*D*N MACs) and the
+    attention (attention_macs_per_token); plus the lm_head (D*V MACs). Backward costs twice the
+    forward.
     """
     nh, D, N, V = config.n_head, config.n_embd, config.n_neurons, config.vocab_size
-    per_layer = 3 * nh * D * N + nh * seq_len * (N + D)
+    per_layer = 3 * nh * D * N + attention_macs_per_token(config, seq_len, form)
     forward = 2.0 * (config.n_layer * per_layer + D * V)
     return ModelProfile(parameter_count(config), forward, 2.0 * forward)

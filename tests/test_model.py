@@ -238,8 +238,15 @@ def test_model_profile():
 
     m = BDHForCausalLM(config).eval()
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        m(torch.zeros(2, 16, dtype=torch.long))
+        m(torch.zeros(2, 16, dtype=torch.long), use_cache=False)
     assert counter.get_total_flops() / (2 * 16) == p.forward_flops_per_token
+
+    # and for every attention form, T a multiple of the chunk or not
+    for form, T in (("chunked", 16), ("chunked", 23), ("recurrent", 9), ("auto", 40), ("quadratic", 300)):
+        c = BDHConfig(**{**TINY, "n_layer": 2, "attention": form, "attention_chunk_size": 8})
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            BDHForCausalLM(c).eval()(torch.zeros(1, T, dtype=torch.long), use_cache=False)
+        assert counter.get_total_flops() / T == pytest.approx(model_profile(c, T).forward_flops_per_token)
 
 
 def test_config_errors():

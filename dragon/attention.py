@@ -1,0 +1,253 @@
+"""BDH's attention in three exact forms, and the state cache that carries it across calls.
+
+BDH's attention has no softmax: with Q = K = rope(x_sparse) and V = x, position t reads
+sum_{s<t} (q_t . q_s) v_s. That is a linear recurrence over a per-head state
+rho (N x D): out_t = q_t rho, then rho += q_t^T v_t (read before write: strictly causal).
+
+- quadratic: the reference's form, the (T x T) score matrix masked below the diagonal.
+- chunked: quadratic inside chunks of C positions, rho carried from chunk to chunk; every
+  chunk's state comes from one prefix sum, so there is no Python loop over chunks.
+- recurrent: one position at a time (what a cached generation step is).
+
+Every form takes an incoming state and a start position (RoPE positions continue the stream)
+and can return the outgoing state. States are fp32 under bf16 compute: updates are accumulated
+in fp32, and read back in the compute dtype. Imports nothing from dragon.
+"""
+
+import math
+from typing import Optional
+
+import torch
+from transformers.cache_utils import Cache
+
+ROPE_THETA = 2.0**16
+FORMS = ("auto", "quadratic", "chunked", "recurrent")
+DEFAULT_CHUNK_SIZE = 512
+# "auto" takes the quadratic form up to this many positions, the chunked form above it.
+AUTO_CROSSOVER = 1024
+# Rows of scores computed at once; each block of rows skips the positions after its end.
+CAUSAL_BLOCK = 128
+
+
+def rope_frequencies(n: int, device=None) -> torch.Tensor:
+    """Frequencies 1/theta^(2*floor(i/2)/n) / 2pi, in fp32, shaped (1, 1, 1, n)."""
+    q = (torch.arange(n, dtype=torch.float32, device=device) / 2).floor() * 2
+    return (1.0 / (ROPE_THETA ** (q / n)) / (2 * math.pi)).view(1, 1, 1, n)
+
+
+def rope(phases: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs of v by 2pi * (phases mod 1), with cos/sin in fp32."""
+    v_rot = torch.stack((-v[..., 1::2], v[..., ::2]), dim=-1).view(*v.size())
+    phases = (phases % 1) * (2 * math.pi)
+    return (v * torch.cos(phases)).to(v.dtype) + (v_rot * torch.sin(phases)).to(v.dtype)
+
+
+def resolve_form(form: str, T: int, chunk: int, has_state: bool) -> str:
+    """The form "auto" stands for at T positions (an explicit form stays): the recurrent form for
+    one position after a state, the quadratic form up to the measured crossover (or one chunk,
+    where the two are the same), the chunked form beyond (benchmarks/README.md)."""
+    if form != "auto":
+        return form
+    if T == 1 and has_state:
+        return "recurrent"
+    return "quadratic" if T <= max(AUTO_CROSSOVER, chunk) else "chunked"
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """States are at least fp32 (bf16 and fp16 compute keeps an fp32 state)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _state_update(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q^T v over the positions, at least in fp32: (..., T, N), (..., T, D) -> (..., N, D)."""
+    dtype = state_dtype(q.dtype)
+    return q.to(dtype).mT @ v.to(dtype)
+
+
+def _read(q: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    return q @ state.to(q.dtype)
+
+
+def causal_scores(q: torch.Tensor, v: torch.Tensor, block: int = CAUSAL_BLOCK) -> torch.Tensor:
+    """sum_{s<t} (q_t . q_s) v_s over the positions (dim -2) of q (..., T, N), v (..., T, D).
+
+    Above `block` positions the scores are computed one block of rows at a time, each against
+    only the positions before its end, so the work above the diagonal is mostly skipped.
+    """
+    if q.size(-2) <= block:
+        return (q @ q.mT).tril(diagonal=-1) @ v
+    return _BlockCausal.apply(q, v, block)
+
+
+def _row_blocks(T: int, block: int):
+    return [(start, min(start + block, T)) for start in range(0, T, block)]
+
+
+class _BlockCausal(torch.autograd.Function):
+    """causal_scores by blocks of rows, with a backward that adds each block's gradients into
+    one buffer in place (autograd's own would materialise a full-size gradient per slice)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, v: torch.Tensor, block: int) -> torch.Tensor:
+        scores, rows = [], []
+        for start, end in _row_blocks(q.size(-2), block):
+            s = (q[..., start:end, :] @ q[..., :end, :].mT).tril(diagonal=start - 1)
+            scores.append(s)
+            rows.append(s @ v[..., :end, :])
+        ctx.block = block
+        ctx.save_for_backward(q, v, *scores)
+        return torch.cat(rows, dim=-2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        q, v, *scores = ctx.saved_tensors
+        dq = torch.zeros_like(q)
+        dv = torch.zeros(*torch.broadcast_shapes(q.shape[:-2], v.shape[:-2]), *v.shape[-2:],
+                         dtype=v.dtype, device=v.device)
+        for (start, end), s in zip(_row_blocks(q.size(-2), ctx.block), scores):
+            g = grad[..., start:end, :]
+            ds = (g @ v[..., :end, :].mT).tril(diagonal=start - 1)
+            dv[..., :end, :] += s.mT @ g
+            dq[..., start:end, :] += ds @ q[..., :end, :]
+            dq[..., :end, :] += ds.mT @ q[..., start:end, :]
+        return dq, dv.sum_to_size(v.shape), None
+
+
+def quadratic(q: torch.Tensor, v: torch.Tensor, state: Optional[torch.Tensor] = None,
+              return_state: bool = False):
+    """(B, nh, T, N) rotated activations, (B, 1, T, D) values -> (B, nh, T, D) [, state]."""
+    out = causal_scores(q, v)
+    if state is not None:
+        out = out + _read(q, state)
+    if not return_state:
+        return out
+    update = _state_update(q, v)
+    return out, update if state is None else state + update
+
+
+def chunked(q: torch.Tensor, v: torch.Tensor, chunk: int, state: Optional[torch.Tensor] = None,
+            return_state: bool = False):
+    """The chunked form: quadratic inside each chunk of `chunk` positions, plus each chunk's
+    read of the state that all earlier chunks (and `state`) wrote. Any T; the last chunk is
+    zero-padded, which adds nothing to any state."""
+    B, nh, T, N = q.shape
+    D = v.size(-1)
+    if T <= chunk:
+        return quadratic(q, v, state, return_state)
+    n_chunks = -(-T // chunk)
+    pad = n_chunks * chunk - T
+    if pad:
+        q = torch.nn.functional.pad(q, (0, 0, 0, pad))
+        v = torch.nn.functional.pad(v, (0, 0, 0, pad))
+    qc = q.view(B, nh, n_chunks, chunk, N)
+    vc = v.view(v.size(0), 1, n_chunks, chunk, D)
+    updates = _state_update(qc, vc)  # (B, nh, n_chunks, N, D): what each chunk writes
+    # The state each chunk reads: everything written before it (an exclusive prefix sum).
+    before = torch.cat([torch.zeros_like(updates[:, :, :1]), updates[:, :, :-1].cumsum(dim=2)], dim=2)
+    if state is not None:
+        before = before + state.unsqueeze(2)
+    out = (causal_scores(qc, vc) + _read(qc, before)).view(B, nh, n_chunks * chunk, D)[:, :, :T]
+    if not return_state:
+        return out
+    return out, before[:, :, -1] + updates[:, :, -1]
+
+
+def recurrent(q: torch.Tensor, v: torch.Tensor, state: Optional[torch.Tensor] = None,
+              return_state: bool = False):
+    """One position at a time: out_t = q_t rho, then rho += q_t^T v_t."""
+    B, nh, T, N = q.shape
+    rho = state if state is not None else q.new_zeros(B, nh, N, v.size(-1), dtype=state_dtype(q.dtype))
+    outs = []
+    for t in range(T):
+        q_t, v_t = q[:, :, t: t + 1], v[:, :, t: t + 1]
+        outs.append(_read(q_t, rho))
+        rho = rho + _state_update(q_t, v_t)
+    out = torch.cat(outs, dim=2)
+    return (out, rho) if return_state else out
+
+
+def attention(q: torch.Tensor, v: torch.Tensor, form: str, chunk: int,
+              state: Optional[torch.Tensor] = None, return_state: bool = False):
+    """Dispatch to one form (after resolving "auto" for this T)."""
+    form = resolve_form(form, q.size(-2), chunk, state is not None)
+    if form == "quadratic":
+        return quadratic(q, v, state, return_state)
+    if form == "chunked":
+        return chunked(q, v, chunk, state, return_state)
+    if form == "recurrent":
+        return recurrent(q, v, state, return_state)
+    raise ValueError(f"attention form {form!r}: valid are {', '.join(FORMS)}")
+
+
+class BDHCache(Cache):
+    """Each layer's attention state rho (B, nh, N, D) in fp32, and the positions seen so far.
+
+    The object generate() carries between steps, and what continues a stream by hand:
+    `out = model(ids[:, :t], use_cache=True)` then
+    `model(ids[:, t:], past_key_values=out.past_key_values)`. Every row of the batch is at the
+    same position. A recurrent state cannot be rolled back, so crop() is refused.
+    """
+
+    def __init__(self, n_layer: int):
+        super().__init__(layers=[])
+        self.n_layer = n_layer
+        self.states: list[Optional[torch.Tensor]] = [None] * n_layer
+        self.position = 0
+
+    def __len__(self) -> int:
+        return self.n_layer
+
+    def __repr__(self) -> str:
+        return f"BDHCache(n_layer={self.n_layer}, position={self.position})"
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.position
+
+    def get_max_length(self, layer_idx: Optional[int] = None) -> int:
+        return -1  # a state has no length limit
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [True] * self.n_layer
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.states[0] is not None
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    @property
+    def batch_size(self) -> int:
+        return -1 if self.states[0] is None else self.states[0].size(0)
+
+    def _map(self, fn) -> None:
+        self.states = [None if s is None else fn(s) for s in self.states]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map(lambda s: s.index_select(0, beam_idx.to(s.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map(lambda s: s.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map(lambda s: s[indices])
+
+    def detach_(self) -> "BDHCache":
+        """Stop gradients at this point of the stream (truncated backpropagation)."""
+        self._map(lambda s: s.detach())
+        return self
+
+    def reset(self) -> None:
+        self.states, self.position = [None] * self.n_layer, 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("BDHCache: a recurrent state cannot be cropped back to an earlier position")
+
+    def activate_past_recording(self) -> None:
+        raise NotImplementedError("BDHCache: assisted generation needs a croppable cache")
