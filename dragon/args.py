@@ -13,6 +13,7 @@ from dragon.diloco import DiLoCoArguments
 from dragon.distributed import launcher_world_size
 from dragon.ds_config import load_ds_config, resolve_ds_config
 from dragon.metrics import RECORDED_METRICS
+from dragon.attention import DEFAULT_CHUNK_SIZE
 from dragon.model import BDHConfig
 from dragon.retention import RetentionPolicy
 
@@ -31,6 +32,13 @@ class ModelArguments:
     n_head: int = _help("Heads nh.", default=4)
     mlp_internal_dim_multiplier: int = _help("N = multiplier * D / nh neurons per head.", default=128)
     dropout: float = _help("Dropout on the sparse product.", default=0.1)
+    attention: str = _help(
+        "Attention form: auto (by sequence length), quadratic, chunked or recurrent; all exact. "
+        "Also applies to --model_name_or_path.", default="auto")
+    attention_chunk_size: int = _help("Positions per chunk of the chunked form.", default=DEFAULT_CHUNK_SIZE)
+
+    def attention_kwargs(self) -> dict:
+        return {"attention": self.attention, "attention_chunk_size": self.attention_chunk_size}
 
     def config(self, vocab_size: int) -> BDHConfig:
         return BDHConfig(
@@ -40,6 +48,7 @@ class ModelArguments:
             mlp_internal_dim_multiplier=self.mlp_internal_dim_multiplier,
             dropout=self.dropout,
             vocab_size=vocab_size,
+            **self.attention_kwargs(),
         )
 
 
@@ -74,6 +83,8 @@ class TrainingArguments:
     resume_from_checkpoint: Optional[str] = _help(
         "'latest' (output_dir/checkpoints) or a path to a checkpoint directory or tag.", default=None)
     seed: int = _help("Seed for weights, data order and dropout.", default=42)
+    torch_compile: bool = _help("torch.compile the model (engine.compile()); losses equal eager's.",
+                                default=False)
     peak_tflops: Optional[float] = _help("Peak TFLOP/s per device for MFU (default: detected).", default=None)
     sample_prompt: str = _help("Prompt for the sample printed at the end.", default="def ")
     sample_max_new_tokens: int = _help("Tokens in the final sample (0: none).", default=200)
@@ -140,6 +151,7 @@ def parse_recipe_args(extra_types: tuple = (), data_parallel_world=None) -> Reci
         _, raw_config = load_ds_config(args.deepspeed)
         ds_config = resolve_ds_config(raw_config, args, dp_world)
         train_set, valid_set, tokenizer = build_datasets(data_args)
+        BDHConfig(**model_args.attention_kwargs())  # raises on an unknown form or chunk size
         if not model_args.model_name_or_path:
             model_args.config(tokenizer.vocab_size)  # raises on sizes BDH cannot be built with
         # Both raise when the data cannot fill one step / one evaluation on every rank.

@@ -23,7 +23,8 @@ def initial_model(inputs: RecipeInputs) -> BDHForCausalLM:
     """The starting weights, identical on every rank: a save_pretrained directory or a fresh init."""
     torch.manual_seed(inputs.train.seed)
     if inputs.model.model_name_or_path:
-        return BDHForCausalLM.from_pretrained(inputs.model.model_name_or_path, dtype=torch.float32)
+        return BDHForCausalLM.from_pretrained(inputs.model.model_name_or_path, dtype=torch.float32,
+                                              **inputs.model.attention_kwargs())
     return BDHForCausalLM(inputs.model.config(inputs.tokenizer.vocab_size))
 
 

@@ -87,7 +87,7 @@ class Attention(nn.Module):
     def __init__(self, config: BDHConfig):
         super().__init__()
         self.n = config.n_neurons
-        self.form, self.chunk = config.attention, config.attention_chunk_size
+        self.config = config  # the form is read at every call, so it can be switched on a model
         self.register_buffer("freqs", rope_frequencies(self.n))
 
     def _apply(self, fn, recurse=True):
@@ -104,7 +104,7 @@ class Attention(nn.Module):
         T = x_sparse.size(-2)
         positions = torch.arange(position, position + T, device=self.freqs.device, dtype=torch.float32)
         q = rope(positions.view(1, 1, T, 1) * self.freqs, x_sparse)
-        return attention(q, v, self.form, self.chunk, state, return_state)
+        return attention(q, v, self.config.attention, self.config.attention_chunk_size, state, return_state)
 
 
 class BDHLayer(nn.Module):

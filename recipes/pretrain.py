@@ -44,6 +44,8 @@ def main():
     optimizer, lr_scheduler = client_optimizer_and_scheduler(model.parameters(), ds_config, args)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
                                            model_parameters=model.parameters(), config=ds_config)
+    if args.torch_compile:
+        engine.compile()
 
     outer = DiLoCo.from_engine(engine, diloco_args, topology)  # None unless --diloco_inner_steps
     run = TrainingRun(engine, inputs, model.config, dp_rank=rank(), dp_world=world_size(), devices=world_size(),

@@ -64,6 +64,8 @@ def main():
     optimizer, lr_scheduler = client_optimizer_and_scheduler(pipe.parameters(), ds_config, args)
     engine, _, _, _ = deepspeed.initialize(model=pipe, optimizer=optimizer, lr_scheduler=lr_scheduler,
                                            model_parameters=pipe.parameters(), config=ds_config)
+    if args.torch_compile:
+        engine.compile()  # each stage's layers, in place
 
     grid = engine.grid
     run = TrainingRun(engine, inputs, model.config, dp_rank=grid.data_parallel_id,

@@ -148,6 +148,15 @@ def test_bad_input_stops_before_start(monkeypatch, text_file, tmp_path, argv, en
     assert expected in run_recipe_in_process(monkeypatch, PIPE, base + argv, env)
 
 
+def test_chunked_attention_pipeline_trains_like_quadratic(runs):
+    """The stages run the model's own layer code: the chunked form there gives the same losses."""
+    _, chunked, _ = pipeline_run(runs, "pipe2_chunked", extra=["--attention", "chunked",
+                                                               "--attention_chunk_size", "16"])
+    _, ref, _ = pipeline_run(runs, "pipe2")
+    assert losses(chunked) == pytest.approx(losses(ref), abs=LOSS_ATOL)
+    assert losses(chunked, "eval_loss") == pytest.approx(losses(ref, "eval_loss"), abs=LOSS_ATOL)
+
+
 def test_zero1_pipeline_equals_zero0(runs):
     _, zero1, _ = runs("pipe2_zero1", config="pipeline_zero1.json", script=PIPE, micro=4,
                        extra=["--pipeline_stages", "2", "--gradient_accumulation_steps", "4"])

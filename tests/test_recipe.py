@@ -100,6 +100,25 @@ def test_main_job_on_builtin_corpus(tmp_path):
     assert len(read_jsonl(out / "metrics.jsonl")) == 3
 
 
+def test_chunked_attention_trains_like_quadratic(runs):
+    """2 ranks with the chunked form (4 chunks of 16 per 65-token sample, the last one padded)
+    follow the run whose "auto" form is quadratic at this length."""
+    out, chunked, _ = runs("zero2_chunked", extra=["--attention", "chunked", "--attention_chunk_size", "16"])
+    _, ref, _ = runs("zero2")
+    assert losses(chunked) == pytest.approx(losses(ref), abs=LOSS_ATOL)
+    assert losses(chunked, "eval_loss") == pytest.approx(losses(ref, "eval_loss"), abs=LOSS_ATOL)
+    assert BDHForCausalLM.from_pretrained(out / "final").config.attention == "chunked"
+
+
+@pytest.mark.slow
+def test_torch_compile_trains_like_eager(runs):
+    """--torch_compile (engine.compile(), inductor on CPU) gives eager's losses: the compiled
+    kernels fuse and reorder fp32 sums, so within 1e-4 rather than bit for bit."""
+    _, compiled, _ = runs("zero2_compiled", extra=["--torch_compile"])
+    _, ref, _ = runs("zero2")
+    assert losses(compiled) == pytest.approx(losses(ref), abs=1e-4)
+
+
 @pytest.mark.slow
 def test_deepspeed_launcher_equals_torchrun(runs):
     _, metrics, _ = runs("deepspeed", launcher="deepspeed")
@@ -138,6 +157,7 @@ def test_export_cli_turns_checkpoint_into_model(runs, tmp_path):
     (["--resume_from_checkpoint", "/nonexistent/ckpt"], {}, "no such directory"),
     (["--lr_scheduler_type", "sideways"], {}, "valid are linear, cosine"),
     (["--n_head", "3"], {}, "not divisible by n_head=3"),
+    (["--attention", "flash"], {}, "BDHConfig.attention='flash': valid are auto, quadratic"),
 ])
 def test_bad_input_stops_before_start(monkeypatch, text_file, tmp_path, argv, env, expected):
     """Each mistake is one line naming the bad value, before any process group starts."""
