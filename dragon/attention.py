@@ -154,14 +154,26 @@ def chunked(q: torch.Tensor, v: torch.Tensor, chunk: int, state: Optional[torch.
 
 def recurrent(q: torch.Tensor, v: torch.Tensor, state: Optional[torch.Tensor] = None,
               return_state: bool = False):
-    """One position at a time: out_t = q_t rho, then rho += q_t^T v_t."""
+    """One position at a time: out_t = q_t rho, then rho += q_t^T v_t.
+
+    Without autograd (generation) the given state is updated in place, in one fused pass over
+    it: a decoding step is bound by reading and writing the state, not by arithmetic.
+    """
     B, nh, T, N = q.shape
-    rho = state if state is not None else q.new_zeros(B, nh, N, v.size(-1), dtype=state_dtype(q.dtype))
+    D = v.size(-1)
+    rho = state if state is not None else q.new_zeros(B, nh, N, D, dtype=state_dtype(q.dtype))
+    in_place = state is not None and not (torch.is_grad_enabled() and (q.requires_grad or v.requires_grad
+                                                                         or rho.requires_grad))
     outs = []
     for t in range(T):
         q_t, v_t = q[:, :, t: t + 1], v[:, :, t: t + 1]
         outs.append(_read(q_t, rho))
-        rho = rho + _state_update(q_t, v_t)
+        if in_place:
+            flat = rho.view(B * nh, N, D)
+            flat.baddbmm_(q_t.to(rho.dtype).reshape(B * nh, N, 1), v_t.to(rho.dtype).expand(B, nh, 1, D)
+                          .reshape(B * nh, 1, D))
+        else:
+            rho = rho + _state_update(q_t, v_t)
     out = torch.cat(outs, dim=2)
     return (out, rho) if return_state else out
 
