@@ -10,7 +10,7 @@ Prints markdown tables, each ours next to its baseline from the same run:
    position);
 2. generation tokens/s with the state cache against full recompute (greedy, identical text);
 3. peak memory of each (the process's peak resident set above what it held before);
-4. achieved FLOP/s of the FLOPs each form really does (dragon.profile) against this
+4. achieved FLOP/s of the FLOPs each form really does (dragon.cost) against this
    machine's measured fp32 matmul FLOP/s;
 5. one-process DeepSpeed ZeRO-0 step time against a plain PyTorch loop on the same model, and
    torch.compile against eager;
@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from dragon import BDHConfig, BDHForCausalLM  # noqa: E402
 from dragon.attention import resolve_form  # noqa: E402
-from dragon.profile import model_profile  # noqa: E402
+from dragon.cost import model_profile  # noqa: E402
 
 DIMS = dict(n_layer=6, n_embd=256, n_head=4, mlp_internal_dim_multiplier=16, dropout=0.0)
 TOKENS_PER_STEP = 1024  # batch = this / T (at least 1): small tensors keep allocator noise down
@@ -111,8 +111,11 @@ def measure_training(form: str, T: int, reps: int) -> dict:
         step()
         times.append(time.perf_counter() - start)
     tps = B * T / statistics.median(times[1:])
-    return {"tokens_per_second": tps, "peak_bytes": peak_rss_bytes() - before,
-            "flops": tps * train_flops_per_token(model.config, form, T)}
+    return {
+        "tokens_per_second": tps,
+        "peak_bytes": peak_rss_bytes() - before,
+        "flops": tps * train_flops_per_token(model.config, form, T),
+    }
 
 
 @torch.no_grad()
@@ -122,16 +125,26 @@ def measure_generation(use_cache: bool, new_tokens: int) -> dict:
     prompt = torch.randint(0, 256, (1, 16))
     before = rss_bytes()
     start = time.perf_counter()
-    out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                         use_cache=use_cache)
+    out = model.generate(
+        prompt,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        use_cache=use_cache,
+    )
     seconds = time.perf_counter() - start
-    return {"tokens_per_second": new_tokens / seconds, "peak_bytes": peak_rss_bytes() - before,
-            "text": out[0].tolist()}
+    return {
+        "tokens_per_second": new_tokens / seconds,
+        "peak_bytes": peak_rss_bytes() - before,
+        "text": out[0].tolist(),
+    }
 
 
 @torch.no_grad()
 def bf16_error(T: int = 4096) -> dict:
-    """Relative L2 error of bf16 logits against fp32 at length T, chunked (fp32 state) and quadratic."""
+    """Relative L2 error of bf16 logits against fp32 at length T, chunked (fp32 state) and
+    quadratic.
+    """
     torch.manual_seed(0)
     model = BDHForCausalLM(BDHConfig(**DIMS)).eval()
     ids = torch.randint(0, 256, (1, T))
@@ -177,11 +190,17 @@ def engine_overhead(steps: int = 8) -> dict:
     config = BDHConfig(**DIMS)
     plain, wrapped = BDHForCausalLM(config), BDHForCausalLM(config)
     wrapped.load_state_dict(plain.state_dict())
-    ds_config = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-                 "gradient_clipping": 0.0, "zero_optimization": {"stage": 0}}
+    ds_config = {
+        "train_batch_size": 2,
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": 0},
+    }
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
-    engine, *_ = deepspeed.initialize(model=wrapped, optimizer=torch.optim.AdamW(wrapped.parameters(), lr=1e-3),
-                                      config=ds_config)
+    engine, *_ = deepspeed.initialize(
+        model=wrapped, optimizer=torch.optim.AdamW(wrapped.parameters(), lr=1e-3), config=ds_config
+    )
     ids = torch.randint(0, 256, (2, 512))
 
     def plain_step():
@@ -235,11 +254,17 @@ def zero_bytes(stage: int, bf16: bool) -> dict:
     init_distributed(120)
     torch.manual_seed(0)
     model = BDHForCausalLM(BDHConfig(**DIMS))
-    ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-                 "train_batch_size": torch.distributed.get_world_size(), "bf16": {"enabled": bf16},
-                 "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                      config=ds_config)
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "train_batch_size": torch.distributed.get_world_size(),
+        "bf16": {"enabled": bf16},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), config=ds_config
+    )
     ids = torch.randint(0, 256, (1, 32))
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     engine.step()
@@ -249,14 +274,28 @@ def zero_bytes(stage: int, bf16: bool) -> dict:
     stored = [getattr(p, "ds_tensor", p.data) for p in engine.module.parameters()]
     stored += MasterWeights(engine).tensors()
     inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
-    stored += [t for state in inner.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in stored if t.numel()}
+    stored += [
+        t for state in inner.state.values() for t in state.values() if isinstance(t, torch.Tensor)
+    ]
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in stored if t.numel()
+    }
     return {"bytes": sum(storages.values())}
 
 
 def zero_bytes_on_two_ranks(stage: int, bf16: bool) -> int:
-    cmd = ["torchrun", "--nproc_per_node", "2", "--master_port", str(29650 + stage + 10 * bf16), __file__,
-           "--worker", "zero_bytes", str(stage), str(int(bf16))]
+    cmd = [
+        "torchrun",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(29650 + stage + 10 * bf16),
+        __file__,
+        "--worker",
+        "zero_bytes",
+        str(stage),
+        str(int(bf16)),
+    ]
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
@@ -268,7 +307,9 @@ def zero_bytes_on_two_ranks(stage: int, bf16: bool) -> int:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="T up to 1024 and 256 new tokens only")
-    parser.add_argument("--reps", type=int, default=3, help="timed steps per measurement (after a warm-up)")
+    parser.add_argument(
+        "--reps", type=int, default=3, help="timed steps per measurement (after a warm-up)"
+    )
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -295,47 +336,74 @@ def report(args) -> None:
     new_tokens = (256,) if args.quick else (256, 1024)
     config = BDHConfig(**DIMS)
     peak = matmul_flops()
-    print(f"`python benchmarks/model_speed.py{' --quick' if args.quick else ''}` on {cpu_name()}"
-          f", {torch.get_num_threads()} threads, torch {torch.__version__}; BDH {DIMS} "
-          f"(N={config.n_neurons} per head, {model_profile(config, 1).parameters:,} parameters), fp32, "
-          f"{TOKENS_PER_STEP} tokens per step; measured fp32 matmul peak {peak / 1e9:.1f} GFLOP/s\n")
-    print("| T | reference tokens/s | quadratic | chunked | auto picks | peak memory reference / quadratic / "
-          "chunked | MFU reference / quadratic / chunked |")
+    print(
+        f"`python benchmarks/model_speed.py{' --quick' if args.quick else ''}` on {cpu_name()}"
+        f", {torch.get_num_threads()} threads, torch {torch.__version__}; BDH {DIMS} "
+        f"(N={config.n_neurons} per head, {model_profile(config, 1).parameters:,} parameters), "
+        "fp32, "
+        f"{TOKENS_PER_STEP} tokens per step; measured fp32 matmul peak {peak / 1e9:.1f} GFLOP/s\n"
+    )
+    print(
+        "| T | reference tokens/s | quadratic | chunked | auto picks | "
+        "peak memory reference / quadratic / chunked | MFU reference / quadratic / chunked |"
+    )
     print("|---|---|---|---|---|---|---|")
     for T in lengths:
         r = {form: worker("train", form, str(T), str(args.reps)) for form in FORMS}
         base = r["reference"]["tokens_per_second"]
-        speed = [f"{r[f]['tokens_per_second']:.0f} ({r[f]['tokens_per_second'] / base:.2f}x)" for f in FORMS[1:]]
+        speed = [
+            f"{r[f]['tokens_per_second']:.0f} ({r[f]['tokens_per_second'] / base:.2f}x)"
+            for f in FORMS[1:]
+        ]
         memory = " / ".join(f"{r[f]['peak_bytes'] / 2**20:.0f}" for f in FORMS)
         mfu = " / ".join(f"{r[f]['flops'] / peak:.0%}" for f in FORMS)
         pick = resolve_form("auto", T, config.attention_chunk_size, False)
-        print(f"| {T} | {base:.0f} | {' | '.join(speed)} | {pick} | {memory} MiB | {mfu} |", flush=True)
-    print("\n| new tokens | cached tokens/s | recompute tokens/s | speed-up | cached peak | recompute peak |"
-          " same text |")
+        print(
+            f"| {T} | {base:.0f} | {' | '.join(speed)} | {pick} | {memory} MiB | {mfu} |",
+            flush=True,
+        )
+    print(
+        "\n| new tokens | cached tokens/s | recompute tokens/s | speed-up | cached peak | "
+        "recompute peak | same text |"
+    )
     print("|---|---|---|---|---|---|---|")
     for n in new_tokens:
         cached, full = worker("generate", "1", str(n)), worker("generate", "0", str(n))
-        print(f"| {n} | {cached['tokens_per_second']:.1f} | {full['tokens_per_second']:.2f} | "
-              f"{cached['tokens_per_second'] / full['tokens_per_second']:.0f}x | "
-              f"{cached['peak_bytes'] / 2**20:.0f} MiB | {full['peak_bytes'] / 2**20:.0f} MiB | "
-              f"{cached['text'] == full['text']} |", flush=True)
+        print(
+            f"| {n} | {cached['tokens_per_second']:.1f} | {full['tokens_per_second']:.2f} | "
+            f"{cached['tokens_per_second'] / full['tokens_per_second']:.0f}x | "
+            f"{cached['peak_bytes'] / 2**20:.0f} MiB | {full['peak_bytes'] / 2**20:.0f} MiB | "
+            f"{cached['text'] == full['text']} |",
+            flush=True,
+        )
     e = worker("engine")
-    print(f"\n| one process, T=512, batch 2 | plain PyTorch loop | DeepSpeed ZeRO-0 | ratio |\n|---|---|---|---|\n"
-          f"| s/step (median of 8) | {e['plain']:.3f} | {e['deepspeed']:.3f} | "
-          f"{e['deepspeed'] / e['plain']:.3f}x |")
+    print(
+        "\n| one process, T=512, batch 2 | plain PyTorch loop | DeepSpeed ZeRO-0 | ratio |\n"
+        "|---|---|---|---|\n"
+        f"| s/step (median of 8) | {e['plain']:.3f} | {e['deepspeed']:.3f} | "
+        f"{e['deepspeed'] / e['plain']:.3f}x |"
+    )
     c = worker("compile")
-    print(f"\n| one process, T=512, batch 2 | eager | torch.compile | ratio |\n|---|---|---|---|\n"
-          f"| s/step (median of 6; compiling took {c['compile_seconds']:.0f} s) | {c['eager']:.3f} | "
-          f"{c['compiled']:.3f} | {c['eager'] / c['compiled']:.2f}x faster |")
+    print(
+        f"\n| one process, T=512, batch 2 | eager | torch.compile | ratio |\n|---|---|---|---|\n"
+        f"| s/step (median of 6; compiling took {c['compile_seconds']:.0f} s) | {c['eager']:.3f} | "
+        f"{c['compiled']:.3f} | {c['eager'] / c['compiled']:.2f}x faster |"
+    )
     if not args.quick:
         err = worker("bf16")
-        print(f"\nbf16 against fp32 logits at T=4096 (relative L2 error): chunked with its fp32 state "
-              f"{err['chunked']:.2e}, quadratic {err['quadratic']:.2e}")
+        print(
+            "\nbf16 against fp32 logits at T=4096 (relative L2 error): "
+            "chunked with its fp32 state "
+            f"{err['chunked']:.2e}, quadratic {err['quadratic']:.2e}"
+        )
     print("\n| 2 ranks, per rank | ZeRO-0 | ZeRO-3 | ratio |\n|---|---|---|---|")
     for bf16 in (False, True):
         z0, z3 = zero_bytes_on_two_ranks(0, bf16), zero_bytes_on_two_ranks(3, bf16)
-        print(f"| parameters + optimizer, {'bf16' if bf16 else 'fp32'} | {z0 / 2**20:.1f} MiB | "
-              f"{z3 / 2**20:.1f} MiB | {z3 / z0:.2f}x |", flush=True)
+        print(
+            f"| parameters + optimizer, {'bf16' if bf16 else 'fp32'} | {z0 / 2**20:.1f} MiB | "
+            f"{z3 / 2**20:.1f} MiB | {z3 / z0:.2f}x |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

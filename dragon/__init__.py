@@ -3,7 +3,7 @@
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from dragon.model import BDHConfig, BDHForCausalLM
-from dragon.profile import ModelProfile, model_profile
+from dragon.cost import ModelProfile, model_profile
 
 AutoConfig.register("bdh", BDHConfig, exist_ok=True)
 AutoModelForCausalLM.register(BDHConfig, BDHForCausalLM, exist_ok=True)

@@ -102,8 +102,12 @@ class _BlockCausal(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         q, v, *scores = ctx.saved_tensors
         dq = torch.zeros_like(q)
-        dv = torch.zeros(*torch.broadcast_shapes(q.shape[:-2], v.shape[:-2]), *v.shape[-2:],
-                         dtype=v.dtype, device=v.device)
+        dv = torch.zeros(
+            *torch.broadcast_shapes(q.shape[:-2], v.shape[:-2]),
+            *v.shape[-2:],
+            dtype=v.dtype,
+            device=v.device,
+        )
         for (start, end), s in zip(_row_blocks(q.size(-2), ctx.block), scores):
             g = grad[..., start:end, :]
             ds = (g @ v[..., :end, :].mT).tril(diagonal=start - 1)
@@ -113,8 +117,12 @@ class _BlockCausal(torch.autograd.Function):
         return dq, dv.sum_to_size(v.shape), None
 
 
-def quadratic(q: torch.Tensor, v: torch.Tensor, state: Optional[torch.Tensor] = None,
-              return_state: bool = False):
+def quadratic(
+    q: torch.Tensor,
+    v: torch.Tensor,
+    state: Optional[torch.Tensor] = None,
+    return_state: bool = False,
+):
     """(B, nh, T, N) rotated activations, (B, 1, T, D) values -> (B, nh, T, D) [, state]."""
     out = causal_scores(q, v)
     if state is not None:
@@ -125,8 +133,13 @@ def quadratic(q: torch.Tensor, v: torch.Tensor, state: Optional[torch.Tensor] = 
     return out, update if state is None else state + update
 
 
-def chunked(q: torch.Tensor, v: torch.Tensor, chunk: int, state: Optional[torch.Tensor] = None,
-            return_state: bool = False):
+def chunked(
+    q: torch.Tensor,
+    v: torch.Tensor,
+    chunk: int,
+    state: Optional[torch.Tensor] = None,
+    return_state: bool = False,
+):
     """The chunked form: quadratic inside each chunk of `chunk` positions, plus each chunk's
     read of the state that all earlier chunks (and `state`) wrote. Any T; the last chunk is
     zero-padded, which adds nothing to any state."""
@@ -143,7 +156,9 @@ def chunked(q: torch.Tensor, v: torch.Tensor, chunk: int, state: Optional[torch.
     vc = v.view(v.size(0), 1, n_chunks, chunk, D)
     updates = _state_update(qc, vc)  # (B, nh, n_chunks, N, D): what each chunk writes
     # The state each chunk reads: everything written before it (an exclusive prefix sum).
-    before = torch.cat([torch.zeros_like(updates[:, :, :1]), updates[:, :, :-1].cumsum(dim=2)], dim=2)
+    before = torch.cat(
+        [torch.zeros_like(updates[:, :, :1]), updates[:, :, :-1].cumsum(dim=2)], dim=2
+    )
     if state is not None:
         before = before + state.unsqueeze(2)
     out = (causal_scores(qc, vc) + _read(qc, before)).view(B, nh, n_chunks * chunk, D)[:, :, :T]
@@ -152,8 +167,12 @@ def chunked(q: torch.Tensor, v: torch.Tensor, chunk: int, state: Optional[torch.
     return out, before[:, :, -1] + updates[:, :, -1]
 
 
-def recurrent(q: torch.Tensor, v: torch.Tensor, state: Optional[torch.Tensor] = None,
-              return_state: bool = False):
+def recurrent(
+    q: torch.Tensor,
+    v: torch.Tensor,
+    state: Optional[torch.Tensor] = None,
+    return_state: bool = False,
+):
     """One position at a time: out_t = q_t rho, then rho += q_t^T v_t.
 
     Without autograd (generation) the given state is updated in place, in one fused pass over
@@ -162,24 +181,33 @@ def recurrent(q: torch.Tensor, v: torch.Tensor, state: Optional[torch.Tensor] = 
     B, nh, T, N = q.shape
     D = v.size(-1)
     rho = state if state is not None else q.new_zeros(B, nh, N, D, dtype=state_dtype(q.dtype))
-    in_place = state is not None and not (torch.is_grad_enabled() and (q.requires_grad or v.requires_grad
-                                                                         or rho.requires_grad))
+    in_place = state is not None and not (
+        torch.is_grad_enabled() and (q.requires_grad or v.requires_grad or rho.requires_grad)
+    )
     outs = []
     for t in range(T):
-        q_t, v_t = q[:, :, t: t + 1], v[:, :, t: t + 1]
+        q_t, v_t = q[:, :, t : t + 1], v[:, :, t : t + 1]
         outs.append(_read(q_t, rho))
         if in_place:
             flat = rho.view(B * nh, N, D)
-            flat.baddbmm_(q_t.to(rho.dtype).reshape(B * nh, N, 1), v_t.to(rho.dtype).expand(B, nh, 1, D)
-                          .reshape(B * nh, 1, D))
+            flat.baddbmm_(
+                q_t.to(rho.dtype).reshape(B * nh, N, 1),
+                v_t.to(rho.dtype).expand(B, nh, 1, D).reshape(B * nh, 1, D),
+            )
         else:
             rho = rho + _state_update(q_t, v_t)
     out = torch.cat(outs, dim=2)
     return (out, rho) if return_state else out
 
 
-def attention(q: torch.Tensor, v: torch.Tensor, form: str, chunk: int,
-              state: Optional[torch.Tensor] = None, return_state: bool = False):
+def attention(
+    q: torch.Tensor,
+    v: torch.Tensor,
+    form: str,
+    chunk: int,
+    state: Optional[torch.Tensor] = None,
+    return_state: bool = False,
+):
     """Dispatch to one form (after resolving "auto" for this T)."""
     form = resolve_form(form, q.size(-2), chunk, state is not None)
     if form == "quadratic":
@@ -259,7 +287,9 @@ class BDHCache(Cache):
         self.states, self.position = [None] * self.n_layer, 0
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("BDHCache: a recurrent state cannot be cropped back to an earlier position")
+        raise NotImplementedError(
+            "BDHCache: a recurrent state cannot be cropped back to an earlier position"
+        )
 
     def activate_past_recording(self) -> None:
         raise NotImplementedError("BDHCache: assisted generation needs a croppable cache")

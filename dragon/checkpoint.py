@@ -1,4 +1,6 @@
-"""DeepSpeed checkpoints with everything resuming needs, resume, and the Hugging Face export."""
+"""DeepSpeed checkpoints with everything resuming needs (RNG, data position, rank files), and
+resume.
+"""
 
 import os
 import random
@@ -6,15 +8,17 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from dragon.distributed import rank
-from dragon.model import BDHForCausalLM
 from dragon.retention import MARKER, find_resume_checkpoint
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -32,8 +36,13 @@ def tag_for(step: int) -> str:
     return f"step{step}"
 
 
-def save(engine, save_dir: str, step: int, client_state: dict[str, Any],
-         rank_files: Optional[dict[str, Any]] = None) -> str:
+def save(
+    engine,
+    save_dir: str,
+    step: int,
+    client_state: dict[str, Any],
+    rank_files: Optional[dict[str, Any]] = None,
+) -> str:
     """engine.save_checkpoint plus each rank's RNG state (and `rank_files`: name -> object, saved
     as <name>_<rank>.pt); returns the tag.
 
@@ -64,14 +73,18 @@ def resolve_resume(resume: str, save_dir: str) -> tuple[str, str]:
     try:
         return find_resume_checkpoint(path)
     except ValueError:
-        raise ValueError(f"--resume_from_checkpoint {resume}: {path} holds no complete checkpoint") from None
+        raise ValueError(
+            f"--resume_from_checkpoint {resume}: {path} holds no complete checkpoint"
+        ) from None
 
 
 def resume(engine, load_dir: str, tag: str) -> dict:
     """Load model, optimizer, scheduler and this rank's RNG; returns the client state."""
     path, client_state = engine.load_checkpoint(load_dir, tag=tag)
     if path is None:  # DeepSpeed only warns and carries on from fresh weights
-        raise RuntimeError(f"no loadable DeepSpeed checkpoint in {load_dir} (tag {tag or 'from latest'})")
+        raise RuntimeError(
+            f"no loadable DeepSpeed checkpoint in {load_dir} (tag {tag or 'from latest'})"
+        )
     rng_file = os.path.join(load_dir, tag, f"rng_state_{rank()}.pt")
     if os.path.exists(rng_file):
         set_rng_state(torch.load(rng_file, weights_only=False))
@@ -79,30 +92,9 @@ def resume(engine, load_dir: str, tag: str) -> dict:
 
 
 def load_rank_file(load_dir: str, tag: str, name: str) -> Optional[Any]:
-    """This rank's <name>_<rank>.pt of a checkpoint written by save(rank_files=...); None if absent."""
+    """This rank's <name>_<rank>.pt of a checkpoint written by save(rank_files=...); None if absent.
+    """
     path = os.path.join(load_dir, tag, f"{name}_{rank()}.pt")
-    return torch.load(path, map_location="cpu", weights_only=False) if os.path.exists(path) else None
-
-
-def full_fp32_state_dict(engine) -> dict[str, torch.Tensor]:
-    """The module's full fp32 weights from DeepSpeed's master copy; a collective under ZeRO-3."""
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    state = {}
-    for name, param in engine.module.named_parameters():
-        full = safe_get_full_fp32_param(param)
-        state[name] = (full if full is not None else param.detach()).float().cpu().clone()
-    for name, buf in engine.module.named_buffers():
-        state[name] = buf.detach().float().cpu().clone()
-    return state
-
-
-def export_pretrained(engine, config, out_dir: str) -> None:
-    """save_pretrained of the trained fp32 weights into out_dir (rank 0 writes; every rank calls)."""
-    state = full_fp32_state_dict(engine)
-    if rank() == 0:
-        model = BDHForCausalLM(config)
-        model.load_state_dict(state)
-        model.save_pretrained(out_dir)
-    if dist.is_initialized():
-        dist.barrier()
+    return (
+        torch.load(path, map_location="cpu", weights_only=False) if os.path.exists(path) else None
+    )

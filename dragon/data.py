@@ -6,6 +6,7 @@ given), concatenated, and cut into samples of block_size+1 ids, so input = ids[:
 target = ids[1:]. The last blocks are held out for validation, contiguously, as the
 reference's 90/10 split of one byte stream does.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,23 +33,32 @@ class DataError(ValueError):
 @dataclass
 class DataArguments:
     dataset_name: Optional[str] = field(
-        default=None, metadata={"help": "Hub dataset to load (load_dataset(name, config))."})
+        default=None, metadata={"help": "Hub dataset to load (load_dataset(name, config))."}
+    )
     dataset_config_name: Optional[str] = field(
-        default=None, metadata={"help": "Configuration name of --dataset_name."})
+        default=None, metadata={"help": "Configuration name of --dataset_name."}
+    )
     train_file: Optional[str] = field(
-        default=None, metadata={"help": "Local .txt, .json, .jsonl or .parquet file."})
+        default=None, metadata={"help": "Local .txt, .json, .jsonl or .parquet file."}
+    )
     text_column_name: str = field(
-        default="text", metadata={"help": "Column holding the text (json/parquet/hub data)."})
+        default="text", metadata={"help": "Column holding the text (json/parquet/hub data)."}
+    )
     tokenizer_name: Optional[str] = field(
-        default=None, metadata={"help": "Local path to a HF tokenizer; default: UTF-8 bytes."})
+        default=None, metadata={"help": "Local path to a HF tokenizer; default: UTF-8 bytes."}
+    )
     block_size: int = field(
-        default=512, metadata={"help": "Tokens predicted per sample (samples hold block_size+1)."})
+        default=512, metadata={"help": "Tokens predicted per sample (samples hold block_size+1)."}
+    )
     validation_split_percentage: float = field(
-        default=10.0, metadata={"help": "Percent of packed blocks held out (the last ones)."})
+        default=10.0, metadata={"help": "Percent of packed blocks held out (the last ones)."}
+    )
     preprocessing_num_workers: Optional[int] = field(
-        default=None, metadata={"help": "Processes for tokenization/packing."})
+        default=None, metadata={"help": "Processes for tokenization/packing."}
+    )
     cache_dir: Optional[str] = field(
-        default=None, metadata={"help": "datasets cache directory (default: datasets' own)."})
+        default=None, metadata={"help": "datasets cache directory (default: datasets' own)."}
+    )
 
 
 def _one_line(error: BaseException, limit: int = 200) -> str:
@@ -58,6 +68,7 @@ def _one_line(error: BaseException, limit: int = 200) -> str:
 
 
 # ---------------------------------------------------------------- tokenizers
+
 
 class ByteTokenizer:
     """The reference's tokenizer: UTF-8 bytes, vocab 256."""
@@ -104,8 +115,10 @@ def load_tokenizer(args: DataArguments) -> Union[ByteTokenizer, HFTokenizer]:
         return ByteTokenizer()
     path = args.tokenizer_name
     if not os.path.isdir(path):
-        raise DataError(f"tokenizer_name {path!r} is not a local directory; "
-                        "give a path saved with tokenizer.save_pretrained(), or omit it for bytes")
+        raise DataError(
+            f"tokenizer_name {path!r} is not a local directory; "
+            "give a path saved with tokenizer.save_pretrained(), or omit it for bytes"
+        )
     from transformers import AutoTokenizer  # deferred: importing transformers is slow
 
     try:
@@ -116,6 +129,7 @@ def load_tokenizer(args: DataArguments) -> Union[ByteTokenizer, HFTokenizer]:
 
 
 # ---------------------------------------------------------------- raw text
+
 
 def builtin_corpus_files() -> list[str]:
     """The interpreter's standard library .py files, without site-packages and test dirs, sorted."""
@@ -139,44 +153,59 @@ def _load_file(path: str, cache_dir: Optional[str]) -> Dataset:
     ext = os.path.splitext(path)[1].lower()
     builder = _EXTENSION_BUILDERS.get(ext)
     if builder is None:
-        raise DataError(f"train_file {path!r} has extension {ext or '(none)'!r}; "
-                        f"valid extensions are {', '.join(_EXTENSION_BUILDERS)}")
+        raise DataError(
+            f"train_file {path!r} has extension {ext or '(none)'!r}; "
+            f"valid extensions are {', '.join(_EXTENSION_BUILDERS)}"
+        )
     # A whole .txt file is one document, so its byte stream stays contiguous like the reference.
     kwargs = {"sample_by": "document"} if builder == "text" else {}
     try:
-        return datasets.load_dataset(builder, data_files=[path], split="train",
-                                     cache_dir=cache_dir, **kwargs)
+        return datasets.load_dataset(
+            builder, data_files=[path], split="train", cache_dir=cache_dir, **kwargs
+        )
     except Exception as e:  # decoding/parsing errors arrive wrapped in DatasetGenerationError
         cause = e.__cause__ or e
-        raise DataError(f"train_file {path!r} could not be read as {builder}: "
-                        f"{_one_line(cause)}") from e
+        raise DataError(
+            f"train_file {path!r} could not be read as {builder}: {_one_line(cause)}"
+        ) from e
 
 
 def load_text(args: DataArguments) -> Dataset:
     """The raw documents as a Dataset with the single string column "text"."""
     if args.dataset_name is not None and args.train_file is not None:
-        raise DataError(f"both dataset_name {args.dataset_name!r} and train_file "
-                        f"{args.train_file!r} are given; give at most one")
+        raise DataError(
+            f"both dataset_name {args.dataset_name!r} and train_file "
+            f"{args.train_file!r} are given; give at most one"
+        )
     column = args.text_column_name
     if args.train_file is not None:
         ds = _load_file(args.train_file, args.cache_dir)
         source = f"train_file {args.train_file!r}"
     elif args.dataset_name is not None:
         try:
-            ds = datasets.load_dataset(args.dataset_name, args.dataset_config_name,
-                                       split="train", cache_dir=args.cache_dir)
+            ds = datasets.load_dataset(
+                args.dataset_name, args.dataset_config_name, split="train", cache_dir=args.cache_dir
+            )
         except Exception as e:
-            raise DataError(f"dataset {args.dataset_name!r} could not be loaded: "
-                            f"{_one_line(e)}") from e
+            raise DataError(
+                f"dataset {args.dataset_name!r} could not be loaded: {_one_line(e)}"
+            ) from e
         source = f"dataset {args.dataset_name!r}"
     else:
-        ds = datasets.load_dataset("text", data_files=builtin_corpus_files(), split="train",
-                                   sample_by="document", cache_dir=args.cache_dir)
+        ds = datasets.load_dataset(
+            "text",
+            data_files=builtin_corpus_files(),
+            split="train",
+            sample_by="document",
+            cache_dir=args.cache_dir,
+        )
         source, column = "the builtin corpus", "text"
 
     if column not in ds.column_names:
-        raise DataError(f"text column {column!r} not found in {source}; "
-                        f"available columns: {ds.column_names} (set --text_column_name)")
+        raise DataError(
+            f"text column {column!r} not found in {source}; "
+            f"available columns: {ds.column_names} (set --text_column_name)"
+        )
     feature = ds.features[column]
     if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
         raise DataError(f"text column {column!r} of {source} has type {feature}, not string")
@@ -191,6 +220,7 @@ def load_text(args: DataArguments) -> Dataset:
 
 # ---------------------------------------------------------------- packing
 
+
 def _pack_batch(batch: dict[str, list], tokenizer: Any, block_size: int) -> dict[str, Any]:
     """Tokenize a batch of documents, concatenate them, cut into rows of block_size+1 ids."""
     pieces = [np.asarray(tokenizer.encode(text), dtype=np.int64) for text in batch["text"]]
@@ -200,12 +230,17 @@ def _pack_batch(batch: dict[str, list], tokenizer: Any, block_size: int) -> dict
     return {"input_ids": stream[: rows * width].reshape(rows, width)}
 
 
-def pack(texts: Dataset, tokenizer: Any, block_size: int, num_proc: Optional[int] = None,
-         batch_size: int = PACK_BATCH_SIZE) -> Dataset:
+def pack(
+    texts: Dataset,
+    tokenizer: Any,
+    block_size: int,
+    num_proc: Optional[int] = None,
+    batch_size: int = PACK_BATCH_SIZE,
+) -> Dataset:
     """Token blocks of exactly block_size+1 ids in column "input_ids" (cached datasets.map)."""
     # int16 halves int32 storage for byte-level and small vocabularies; formatted torch rows
     # are converted with .long() by the batch readers below.
-    dtype = "int16" if tokenizer.vocab_size <= 2 ** 15 else "int32"
+    dtype = "int16" if tokenizer.vocab_size <= 2**15 else "int32"
     return texts.map(
         _pack_batch,
         batched=True,
@@ -227,8 +262,10 @@ def split_blocks(blocks: Dataset, validation_percentage: float) -> tuple[Dataset
     # round() first so that e.g. 10% of 30 is 3, not ceil(3.0000000000000004) = 4.
     n_val = math.ceil(round(n * pct / 100, 9))
     if pct > 0 and (n_val == 0 or n_val == n):
-        raise DataError(f"validation_split_percentage {pct} of {n} blocks leaves {n - n_val} "
-                        f"train and {n_val} validation blocks; lower --block_size or add data")
+        raise DataError(
+            f"validation_split_percentage {pct} of {n} blocks leaves {n - n_val} "
+            f"train and {n_val} validation blocks; lower --block_size or add data"
+        )
     # datasets rejects select(range(n, n)) (IndexError), so an empty split is range(0).
     validation = blocks.select(range(n - n_val, n) if n_val else range(0))
     return blocks.select(range(n - n_val)), validation
@@ -256,108 +293,13 @@ def build_datasets(args: DataArguments) -> tuple[Dataset, Dataset, Any]:
         n_tokens = sum(len(tokenizer.encode(t)) for t in texts["text"])
         width = args.block_size + 1
         if n_tokens >= width:  # long enough overall, but no map batch of documents was
-            raise DataError(f"data has {n_tokens} tokens but no batch of {PACK_BATCH_SIZE} "
-                            f"documents reaches block_size+1={width} tokens; lower --block_size")
-        raise DataError(f"data has {n_tokens} tokens, shorter than one block of "
-                        f"block_size+1={width} tokens; lower --block_size or add data")
+            raise DataError(
+                f"data has {n_tokens} tokens but no batch of {PACK_BATCH_SIZE} "
+                f"documents reaches block_size+1={width} tokens; lower --block_size"
+            )
+        raise DataError(
+            f"data has {n_tokens} tokens, shorter than one block of "
+            f"block_size+1={width} tokens; lower --block_size or add data"
+        )
     train, validation = split_blocks(blocks, args.validation_split_percentage)
     return train, validation, tokenizer
-
-
-# ---------------------------------------------------------------- batches
-
-def shard_indices(n: int, rank: int, world: int) -> range:
-    """One rank's strided share (rank::world) of n items: disjoint, complete, sizes within 1."""
-    if world < 1 or not 0 <= rank < world:
-        raise DataError(f"rank {rank} is not in [0, world={world})")
-    return range(rank, n, world)
-
-
-def _torch_rows(dataset: Dataset) -> Dataset:
-    return dataset.with_format("torch", columns=["input_ids"])
-
-
-class TrainBatches:
-    """Deterministic, resumable stream of training micro-batches for one data-parallel rank."""
-
-    def __init__(self, dataset: Dataset, micro_batch_size: int, dp_rank: int, dp_world: int,
-                 grad_accum: int = 1, seed: int = 0):
-        for name, value in (("micro_batch_size", micro_batch_size), ("dp_world", dp_world),
-                            ("grad_accum", grad_accum)):
-            if value < 1:
-                raise DataError(f"{name} {value} is invalid; it must be >= 1")
-        if not 0 <= dp_rank < dp_world:
-            raise DataError(f"dp_rank {dp_rank} is not in [0, dp_world={dp_world})")
-        n = len(dataset)
-        if n // micro_batch_size < dp_world:
-            raise DataError(f"{n} samples make only {n // micro_batch_size} micro-batches of "
-                            f"{micro_batch_size}, fewer than the {dp_world} data-parallel ranks; "
-                            "lower --block_size or the micro batch size, or add data")
-        self.global_batch = micro_batch_size * dp_world * grad_accum
-        if n < self.global_batch:
-            raise DataError(f"{n} samples are fewer than one global batch of {self.global_batch} "
-                            f"(micro batch {micro_batch_size} x {dp_world} ranks x {grad_accum} "
-                            "gradient accumulation steps); lower one of them or add data")
-        self.data = _torch_rows(dataset)
-        self.micro_batch_size, self.dp_rank, self.dp_world = micro_batch_size, dp_rank, dp_world
-        self.grad_accum, self.seed = grad_accum, seed
-        self.steps_per_epoch = n // self.global_batch
-        self.micro_steps_per_epoch = self.steps_per_epoch * grad_accum  # per rank
-        self.epoch, self.micro_step = 0, 0
-        self._perm: Optional[torch.Tensor] = None
-        self._perm_key: Optional[tuple[int, int]] = None
-
-    def permutation(self, epoch: int) -> torch.Tensor:
-        """The order of all sample indices in an epoch (the same on every rank)."""
-        if self._perm_key != (self.seed, epoch):
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perm = torch.randperm(len(self.data), generator=g)
-            self._perm_key = (self.seed, epoch)
-        return self._perm
-
-    def __iter__(self) -> "TrainBatches":
-        return self
-
-    def __next__(self) -> torch.Tensor:
-        if self.micro_step >= self.micro_steps_per_epoch:
-            self.epoch, self.micro_step = self.epoch + 1, 0
-        step, accum = divmod(self.micro_step, self.grad_accum)
-        # Chunk a*W + r: for any W, micro-step a covers the same samples of the global batch
-        # (in rank order), so changing dp_world at fixed global batch keeps the data identical.
-        chunk = accum * self.dp_world + self.dp_rank
-        start = step * self.global_batch + chunk * self.micro_batch_size
-        indices = self.permutation(self.epoch)[start: start + self.micro_batch_size]
-        self.micro_step += 1
-        return self.data[indices.tolist()]["input_ids"].long()
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "micro_step": self.micro_step, "seed": self.seed}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue exactly where the stream that saved `state` stopped (its seed included)."""
-        epoch, micro_step = int(state["epoch"]), int(state["micro_step"])
-        if epoch < 0 or not 0 <= micro_step <= self.micro_steps_per_epoch:
-            raise DataError(f"data state epoch={epoch} micro_step={micro_step} does not fit "
-                            f"{self.micro_steps_per_epoch} micro-batches per epoch; was the "
-                            "dataset, batch size or world size changed?")
-        self.epoch, self.micro_step, self.seed = epoch, micro_step, int(state["seed"])
-
-
-def eval_batches(dataset: Dataset, micro_batch_size: int, dp_rank: int, dp_world: int,
-                 max_samples: Optional[int] = None) -> list[torch.Tensor]:
-    """This rank's fixed validation micro-batches; every rank gets the same number of them."""
-    if micro_batch_size < 1:
-        raise DataError(f"micro_batch_size {micro_batch_size} is invalid; it must be >= 1")
-    n = len(dataset) if max_samples is None else min(len(dataset), max_samples)
-    num_batches = n // micro_batch_size
-    mine = shard_indices(num_batches, dp_rank, dp_world)
-    # Equal counts matter: under ZeRO-3 each forward is collective, so a rank with an extra
-    # batch would wait forever for the others.
-    per_rank = num_batches // dp_world
-    if per_rank == 0:
-        raise DataError(f"validation set has {n} samples, fewer than one micro-batch per rank "
-                        f"({micro_batch_size} x {dp_world}); lower the micro batch size or "
-                        "--block_size, or raise --validation_split_percentage")
-    data = _torch_rows(dataset)
-    return [data[b * micro_batch_size: (b + 1) * micro_batch_size]["input_ids"].long()
-            for b in mine[:per_rank]]

@@ -50,10 +50,6 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def is_main() -> bool:
-    return rank() == 0
-
-
 def all_reduce_mean(values: list[float], weights: list[float] | None = None) -> list[float]:
     """Weighted mean of per-rank values over all ranks (one small all-reduce)."""
     weights = weights or [1.0] * len(values)

@@ -1,4 +1,5 @@
-"""DeepSpeed JSON configs: the file is the source of truth; "auto" values come from the arguments."""
+"""DeepSpeed JSON configs: the file is the source of truth; "auto" values come from the arguments.
+"""
 
 import json
 import os
@@ -9,10 +10,14 @@ MONITORS = ("tensorboard", "csv_monitor", "wandb", "comet")
 
 
 def load_ds_config(path: str | None) -> tuple[str, dict]:
-    """Read the config named by --deepspeed, or by accelerate's config when launched by accelerate."""
+    """Read the config named by --deepspeed, or by accelerate's config when launched by accelerate.
+    """
     path = path or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     if not path:
-        raise ValueError("no DeepSpeed config: pass --deepspeed ds_configs/zero2.json (or another file in ds_configs/)")
+        raise ValueError(
+            "no DeepSpeed config: pass --deepspeed ds_configs/zero2.json "
+            "(or another file in ds_configs/)"
+        )
     if not os.path.isfile(path):
         raise ValueError(f"--deepspeed {path}: no such file")
     try:
@@ -30,8 +35,14 @@ def _fill(section: dict, key: str, value: Any) -> None:
 
 def resolve_batch_sizes(cfg: dict, micro: int, accum: int, world: int) -> None:
     """Make the batch triple explicit; values the file sets win over the arguments."""
-    given = {k: cfg.get(k, AUTO) for k in
-             ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")}
+    given = {
+        k: cfg.get(k, AUTO)
+        for k in (
+            "train_batch_size",
+            "train_micro_batch_size_per_gpu",
+            "gradient_accumulation_steps",
+        )
+    }
     tbs, m, a = given.values()
     if tbs != AUTO and (m == AUTO) != (a == AUTO):  # derive the one left open from the total
         if m == AUTO:
@@ -44,14 +55,19 @@ def resolve_batch_sizes(cfg: dict, micro: int, accum: int, world: int) -> None:
     if m < 1 or a < 1 or m * a * world != tbs:
         raise ValueError(
             f"DeepSpeed config: train_batch_size={tbs} != train_micro_batch_size_per_gpu={m} x "
-            f"gradient_accumulation_steps={a} x world size {world}")
-    cfg.update(train_batch_size=tbs, train_micro_batch_size_per_gpu=m, gradient_accumulation_steps=a)
+            f"gradient_accumulation_steps={a} x world size {world}"
+        )
+    cfg.update(
+        train_batch_size=tbs, train_micro_batch_size_per_gpu=m, gradient_accumulation_steps=a
+    )
 
 
 def resolve_ds_config(cfg: dict, args, world: int) -> dict:
     """A copy of cfg with every "auto" filled from TrainingArguments `args` for `world` ranks."""
     cfg = json.loads(json.dumps(cfg))
-    resolve_batch_sizes(cfg, args.per_device_train_batch_size, args.gradient_accumulation_steps, world)
+    resolve_batch_sizes(
+        cfg, args.per_device_train_batch_size, args.gradient_accumulation_steps, world
+    )
     _fill(cfg, "gradient_clipping", args.max_grad_norm)  # DeepSpeed would clip at 1.0 if missing
     if cfg.get("bf16", {}).get("enabled") == AUTO:
         cfg["bf16"]["enabled"] = args.bf16
@@ -59,15 +75,25 @@ def resolve_ds_config(cfg: dict, args, world: int) -> dict:
         params = cfg["optimizer"].setdefault("params", {})
         _fill(params, "lr", args.learning_rate)
         _fill(params, "weight_decay", args.weight_decay)
-        # Adam's betas and eps: filled when missing only for the Adam family (torch SGD rejects them)
-        adam = any(name in str(cfg["optimizer"].get("type", "")).lower() for name in ("adam", "lamb"))
-        for key, value in (("betas", [args.adam_beta1, args.adam_beta2]), ("eps", args.adam_epsilon)):
+        # Adam's betas and eps: filled when missing only for the Adam family (torch SGD rejects
+        # them)
+        adam = any(
+            name in str(cfg["optimizer"].get("type", "")).lower() for name in ("adam", "lamb")
+        )
+        for key, value in (
+            ("betas", [args.adam_beta1, args.adam_beta2]),
+            ("eps", args.adam_epsilon),
+        ):
             if adam or params.get(key) == AUTO:
                 _fill(params, key, value)
     if "scheduler" in cfg:
         params = cfg["scheduler"].setdefault("params", {})
-        sources = {"warmup_max_lr": args.learning_rate, "cos_max_lr": args.learning_rate,
-                   "warmup_num_steps": args.warmup_steps, "total_num_steps": args.max_steps}
+        sources = {
+            "warmup_max_lr": args.learning_rate,
+            "cos_max_lr": args.learning_rate,
+            "warmup_num_steps": args.warmup_steps,
+            "total_num_steps": args.max_steps,
+        }
         for key, value in sources.items():
             if params.get(key) == AUTO:  # only "auto": a missing key keeps DeepSpeed's default
                 params[key] = value
@@ -77,7 +103,9 @@ def resolve_ds_config(cfg: dict, args, world: int) -> dict:
             _fill(section, "output_path", os.path.join(args.output_dir, "monitor"))
     leftover = [k for k, v in _walk(cfg) if v == AUTO]
     if leftover:
-        raise ValueError(f"DeepSpeed config: no argument fills 'auto' at {', '.join(leftover)}; set a value")
+        raise ValueError(
+            f"DeepSpeed config: no argument fills 'auto' at {', '.join(leftover)}; set a value"
+        )
     return cfg
 
 
@@ -91,24 +119,3 @@ def _walk(d: dict, prefix: str = ""):
 
 def zero_stage(cfg: dict) -> int:
     return int(cfg.get("zero_optimization", {}).get("stage", 0))
-
-
-def bf16_enabled(cfg: dict) -> bool:
-    return bool(cfg.get("bf16", {}).get("enabled", False))
-
-
-def client_optimizer_and_scheduler(params, cfg: dict, args):
-    """What to pass to deepspeed.initialize: the JSON's optimizer and scheduler win; without them,
-    torch's AdamW and transformers' schedule (warm-up then cosine by default) from the arguments."""
-    import torch
-    from transformers import get_scheduler
-
-    def schedule(opt):
-        return get_scheduler(args.lr_scheduler_type, opt, num_warmup_steps=args.warmup_steps,
-                             num_training_steps=args.max_steps)
-
-    optimizer = None
-    if "optimizer" not in cfg:
-        optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay,
-                                      betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
-    return optimizer, (schedule if "scheduler" not in cfg else None)

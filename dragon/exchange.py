@@ -1,15 +1,44 @@
 """One exchange of a flat fp32 tensor among islands (rank r of each): all-reduce in fp32 or bf16, or
-an all-gather of int8 codes with absmax scales; asynchronous, with bytes and times recorded."""
+an all-gather of int8 codes with absmax scales; asynchronous, with the bytes it sends (measured or
+modelled) and its times recorded."""
 
 import time
 from typing import Optional
 
 import torch
 
-from dragon.topology import cpu_bytes_written, ring_bytes
+
+def cpu_bytes_written() -> Optional[int]:
+    """Bytes this process has passed to write()/send() so far (Linux /proc/self/io wchar), else
+    None.
+
+    gloo's TCP transport writes through these calls, so around a blocking collective with nothing
+    else running the difference is the bytes this rank put on the wire (payload plus headers).
+    """
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("wchar:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
 
 
-def _int8_encode(x: torch.Tensor, block: int, numels: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_bytes(op: str, payload_bytes: int, members: int) -> int:
+    """Bytes one member sends in gloo's ring algorithms (measured equal on CPU: see tests)."""
+    if members <= 1:
+        return 0
+    if op == "allreduce":
+        return 2 * (members - 1) * payload_bytes // members
+    if op == "allgather":
+        return (members - 1) * payload_bytes
+    raise ValueError(op)
+
+
+def _int8_encode(
+    x: torch.Tensor, block: int, numels: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 codes, fp32 scales): round-to-nearest of x / scale, scale = absmax / 127 per block."""
     if block > 0:
         blocks = -(-x.numel() // block)
@@ -17,16 +46,26 @@ def _int8_encode(x: torch.Tensor, block: int, numels: list[int]) -> tuple[torch.
         scale = xb.abs().amax(dim=1) / 127
     else:  # one scale per tensor
         xb = None
-        scale = torch.stack([s.abs().max() if s.numel() else s.new_zeros(()) for s in x.split(numels)]) / 127
+        scale = (
+            torch.stack([s.abs().max() if s.numel() else s.new_zeros(()) for s in x.split(numels)])
+            / 127
+        )
     inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
     if xb is not None:
         q = (xb * inverse[:, None]).round_().clamp_(-127, 127).to(torch.int8).view(-1)
     else:
-        q = (x * torch.repeat_interleave(inverse, torch.tensor(numels))).round_().clamp_(-127, 127).to(torch.int8)
+        q = (
+            (x * torch.repeat_interleave(inverse, torch.tensor(numels)))
+            .round_()
+            .clamp_(-127, 127)
+            .to(torch.int8)
+        )
     return q, scale.float()
 
 
-def _int8_decode(q: torch.Tensor, scale: torch.Tensor, block: int, numels: list[int], n: int) -> torch.Tensor:
+def _int8_decode(
+    q: torch.Tensor, scale: torch.Tensor, block: int, numels: list[int], n: int
+) -> torch.Tensor:
     if block > 0:
         return (q.view(-1, block).float() * scale[:, None]).view(-1)[:n]
     return q.float() * torch.repeat_interleave(scale, torch.tensor(numels))
@@ -40,9 +79,23 @@ class Exchange:
     the times it started, completed (from the work's future) and was waited for.
     """
 
-    def __init__(self, flat: torch.Tensor, group, islands: int, compress: str, block: int, numels: list[int],
-                 measure_bytes: bool):
-        self.compress, self.block, self.numels, self.n, self.islands = compress, block, numels, flat.numel(), islands
+    def __init__(
+        self,
+        flat: torch.Tensor,
+        group,
+        islands: int,
+        compress: str,
+        block: int,
+        numels: list[int],
+        measure_bytes: bool,
+    ):
+        self.compress, self.block, self.numels, self.n, self.islands = (
+            compress,
+            block,
+            numels,
+            flat.numel(),
+            islands,
+        )
         self.error_sq, self.norm_sq = 0.0, float(torch.dot(flat, flat))
         if compress == "none":
             payload, op = flat, "allreduce"
@@ -51,12 +104,16 @@ class Exchange:
             self.error_sq = float((payload.float() - flat).pow(2).sum())
         else:
             q, scale = _int8_encode(flat, block, numels)
-            self.error_sq = float((_int8_decode(q, scale, block, numels, self.n) - flat).pow(2).sum())
+            self.error_sq = float(
+                (_int8_decode(q, scale, block, numels, self.n) - flat).pow(2).sum()
+            )
             payload, op = torch.cat([scale.view(torch.int8), q]), "allgather"
             self.scale_bytes = scale.numel() * 4
         self.payload, self.op = payload, op
         self.payload_bytes = payload.numel() * payload.element_size()
-        self.bytes_sent = ring_bytes(op, self.payload_bytes, islands)  # a model; replaced when measured
+        self.bytes_sent = ring_bytes(
+            op, self.payload_bytes, islands
+        )  # a model; replaced when measured
         self.done_at: list[float] = []
         self._result: Optional[torch.Tensor] = None
         before = cpu_bytes_written() if measure_bytes else None
@@ -71,7 +128,9 @@ class Exchange:
                 self.gathered = [torch.empty_like(payload) for _ in range(islands)]
                 self.work = group.allgather([self.gathered], [payload])
             self.work.get_future().then(lambda _: self.done_at.append(time.perf_counter()))
-        if measure_bytes:  # blocking: nothing else writes meanwhile, so the count is this exchange's
+        if (
+            measure_bytes
+        ):  # blocking: nothing else writes meanwhile, so the count is this exchange's
             self.result()
             after = cpu_bytes_written()
             if before is not None and after is not None:

@@ -25,26 +25,36 @@ class MasterWeights:
         opt = engine.optimizer
         self.replicas = 1
         if isinstance(opt, (DeepSpeedZeroOptimizer, BF16_Optimizer)):
-            self.kind = "partitioned"  # ZeRO-1/2, and bf16 without ZeRO in a pipeline: fp32 partitions
+            self.kind = (
+                "partitioned"  # ZeRO-1/2, and bf16 without ZeRO in a pipeline: fp32 partitions
+            )
         elif isinstance(opt, DeepSpeedZeroOptimizer_Stage3):
-            if getattr(opt, "swap_optimizer", False) or any(t is None for t in opt.fp16_partitioned_groups_flat):
+            if getattr(opt, "swap_optimizer", False) or any(
+                t is None for t in opt.fp16_partitioned_groups_flat
+            ):
                 raise NotImplementedError("DiLoCo: ZeRO-3 with NVMe offload is not supported")
             self.kind = "zero3"
         elif isinstance(opt, FP16_UnfusedOptimizer):
             self.kind = "fp32_copies"  # ZeRO-0 with bf16: an fp32 copy of every parameter
             self.replicas = _data_parallel_size(engine)
         elif isinstance(opt, torch.optim.Optimizer) and all(
-                p.dtype == torch.float32 for g in opt.param_groups for p in g["params"]):
+            p.dtype == torch.float32 for g in opt.param_groups for p in g["params"]
+        ):
             self.kind = "module"  # ZeRO-0 fp32: the module's parameters are the master weights
             self.replicas = _data_parallel_size(engine)
         else:
-            raise NotImplementedError(f"DiLoCo: DeepSpeed optimizer {type(opt).__name__} is not supported")
+            raise NotImplementedError(
+                f"DiLoCo: DeepSpeed optimizer {type(opt).__name__} is not supported"
+            )
         self.excluded = self._pipeline_copies()
 
     def tensors(self) -> list[torch.Tensor]:
         opt = self.engine.optimizer
         if self.kind == "partitioned":
-            return list(getattr(opt, "single_partition_of_fp32_groups", None) or opt.fp32_groups_flat_partition)
+            return list(
+                getattr(opt, "single_partition_of_fp32_groups", None)
+                or opt.fp32_groups_flat_partition
+            )
         if self.kind == "zero3":
             return list(opt.fp32_partitioned_groups_flat)
         if self.kind == "fp32_copies":
@@ -56,8 +66,11 @@ class MasterWeights:
         opt = self.engine.optimizer
         if self.kind == "partitioned":
             opt.update_lp_params()  # copy into this rank's bit16 partition, all-gather the island's
-        elif self.kind == "zero3":  # as the engine's step does: release, update partitions, re-gather
-            opt._partition_all_parameters()  # the small "persistent" parameters stay gathered otherwise
+        elif (
+            self.kind == "zero3"
+        ):  # as the engine's step does: release, update partitions, re-gather
+            # the small "persistent" parameters stay gathered otherwise
+            opt._partition_all_parameters()
             for i in range(len(opt.fp16_groups)):
                 opt._reassign_or_swap_out_partitioned_parameters(i)
             if opt.persistent_parameters:
@@ -80,16 +93,27 @@ class MasterWeights:
         return [total.item(), squares.item()]
 
     def _pipeline_copies(self) -> list[tuple[int, int, int]]:
-        replicated = [p for p in self.engine.module.parameters() if getattr(p, "ds_pipe_replicated", False)]
+        replicated = [
+            p for p in self.engine.module.parameters() if getattr(p, "ds_pipe_replicated", False)
+        ]
         if not replicated:
             return []
         if self.kind == "partitioned":
-            return [(p._hp_mapping.param_group_index, p._hp_mapping.hp_fragment_address.start,
-                     p._hp_mapping.hp_fragment_address.numel)
-                    for p in replicated if getattr(p, "_hp_mapping", None) is not None]
+            return [
+                (
+                    p._hp_mapping.param_group_index,
+                    p._hp_mapping.hp_fragment_address.start,
+                    p._hp_mapping.hp_fragment_address.numel,
+                )
+                for p in replicated
+                if getattr(p, "_hp_mapping", None) is not None
+            ]
         opt = self.engine.optimizer
-        owners = ([p for g in opt.fp16_groups for p in g] if self.kind == "fp32_copies"
-                  else [p for g in opt.param_groups for p in g["params"]])
+        owners = (
+            [p for g in opt.fp16_groups for p in g]
+            if self.kind == "fp32_copies"
+            else [p for g in opt.param_groups for p in g["params"]]
+        )
         ids = {id(p) for p in replicated}
         return [(k, 0, p.numel()) for k, p in enumerate(owners) if id(p) in ids]
 

@@ -1,6 +1,8 @@
-"""Throughput, MFU, the metrics.jsonl history, DeepSpeed's monitor and the progress bar."""
+"""Throughput, MFU, the metrics.jsonl history (its one writer and reader), DeepSpeed's monitor and
+the progress bar."""
 
 import json
+import logging
 import os
 import time
 from typing import Optional
@@ -8,15 +10,46 @@ from typing import Optional
 import torch
 from tqdm.auto import tqdm
 
-# What the recipes write to metrics.jsonl (eval_loss on evaluation steps); any can pick the best checkpoint.
+logger = logging.getLogger(__name__)
+
+
+class _RankZero(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        import torch.distributed as dist
+
+        return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    """What the run tells the user goes through the "dragon" logger, printed by global rank 0 only
+    (the rank of each island's world). warnings stay for what to change in an invocation."""
+    root = logging.getLogger("dragon")
+    if not any(isinstance(f, _RankZero) for h in root.handlers for f in h.filters):
+        handler = logging.StreamHandler()
+        handler.addFilter(_RankZero())
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        root.addHandler(handler)
+    root.setLevel(level)
+
+
+# What the recipes write to metrics.jsonl (eval_loss on evaluation steps); any can pick the best
+# checkpoint.
 RECORDED_METRICS = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_second", "mfu")
 
 # Dense bf16 peak per device, TFLOP/s (vendor datasheets). Matched by substring of the device name.
-GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "V100": 125.0}
+GPU_PEAK_TFLOPS = {
+    "H200": 989.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "A10G": 125.0,
+    "V100": 125.0,
+}
 
 
 def cpu_peak_tflops(threads: int) -> float:
-    """A rough fp32 peak for `threads` cores: clock x SIMD FMA width (an estimate, not a datasheet)."""
+    """A rough fp32 peak for `threads` cores: clock x SIMD FMA width (an estimate, not a datasheet).
+    """
     flags, mhz = "", 2000.0
     try:
         with open("/proc/cpuinfo") as f:
@@ -40,29 +73,99 @@ def peak_tflops_per_device(override: Optional[float] = None) -> float:
     return cpu_peak_tflops(torch.get_num_threads())
 
 
-class MetricsLogger:
-    """Rank 0 appends one JSON object per line to <output_dir>/metrics.jsonl and feeds the monitor."""
+class MetricHistory:
+    """The metric history as JSON lines, {"step": N, "<metric>": value} each; appended by one
+    process.
+    """
 
-    def __init__(self, output_dir: str, enabled: bool, monitor=None, total_steps: int = 0,
-                 initial_step: int = 0, progress: bool = True):
+    def __init__(self, path: str) -> None:
+        self.path = str(path)
+
+    def record(self, step: int, metrics: dict[str, float]) -> None:
+        """Append one record (call on global rank 0 only); a later record of a step wins per metric.
+        """
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise ValueError(f"step must be an integer, got {step!r}")
+        values = {}
+        for name, value in metrics.items():
+            if hasattr(value, "item"):  # a 0-d tensor or numpy scalar
+                value = value.item()
+            if value is None:  # not measured this step (e.g. no gradient norm under ZeRO-0 bf16)
+                values[name] = None
+                continue
+            if name == "step" or isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(
+                    f"metric {name!r} at step {step}: expected a number, got {value!r}"
+                )
+            values[name] = value  # NaN is kept as written; the policy never picks it as best
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        with open(
+            self.path, "a"
+        ) as f:  # one short write per line: a crash can only truncate the last line
+            f.write(json.dumps({"step": step, **values}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def load(self) -> dict[int, dict]:
+        """{step: {metric: value}} merged in file order; a missing file is an empty history."""
+        history: dict[int, dict] = {}
+        if not os.path.exists(self.path):
+            return history
+        with open(self.path) as f:
+            lines = f.readlines()
+        for n, line in enumerate(lines, 1):
+            try:
+                record = json.loads(line)
+                step = record.pop("step")
+                if isinstance(step, bool) or not isinstance(step, int):
+                    raise ValueError(step)
+            except (ValueError, KeyError, AttributeError, TypeError):
+                if line.strip():  # a line torn by a crash mid-append is skipped, not fatal
+                    logger.warning("%s line %d is not a metric record; skipped", self.path, n)
+                continue
+            history.setdefault(step, {}).update(record)
+        return history
+
+
+class MetricsLogger:
+    """Rank 0 appends one JSON object per line to <output_dir>/metrics.jsonl and feeds the monitor.
+    """
+
+    def __init__(
+        self,
+        output_dir: str,
+        enabled: bool,
+        monitor=None,
+        total_steps: int = 0,
+        initial_step: int = 0,
+        progress: bool = True,
+    ):
         self.enabled = enabled
-        self.monitor = monitor if monitor is not None and getattr(monitor, "enabled", False) else None
-        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.monitor = (
+            monitor if monitor is not None and getattr(monitor, "enabled", False) else None
+        )
+        self.history = MetricHistory(os.path.join(output_dir, "metrics.jsonl"))
         self.bar = None
         if enabled:
             os.makedirs(output_dir, exist_ok=True)
             if progress:
-                self.bar = tqdm(total=total_steps, initial=initial_step, desc="train", dynamic_ncols=True)
+                self.bar = tqdm(
+                    total=total_steps, initial=initial_step, desc="train", dynamic_ncols=True
+                )
 
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self.history.record(record["step"], {k: v for k, v in record.items() if k != "step"})
         if self.monitor is not None:
             step = record["step"]
-            self.monitor.write_events([(f"dragon/{k}", v, step) for k, v in record.items()
-                                       if k != "step" and isinstance(v, (int, float))])
+            self.monitor.write_events(
+                [
+                    (f"dragon/{k}", v, step)
+                    for k, v in record.items()
+                    if k != "step" and isinstance(v, (int, float))
+                ]
+            )
         if self.bar is not None:
             shown = {k: f"{record[k]:.4g}" for k in ("loss", "eval_loss", "lr") if k in record}
             self.bar.set_postfix(shown, refresh=False)
@@ -104,11 +207,3 @@ def grad_norm_before_step(engine) -> Optional[float]:
         return None
     grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
     return torch.nn.utils.get_total_norm(grads).item() if grads else None
-
-
-def read_metrics(path: str) -> list[dict]:
-    """All records of a metrics.jsonl file (missing file: none)."""
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]

@@ -16,7 +16,6 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from dragon.attention import DEFAULT_CHUNK_SIZE, FORMS, BDHCache, attention, rope, rope_frequencies
 
 
-
 class BDHConfig(PretrainedConfig):
     """The reference's hyper-parameters and defaults (25,296,896 parameters)."""
 
@@ -66,8 +65,9 @@ class BDHConfig(PretrainedConfig):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"BDHConfig.{name}={value!r}: must be a positive integer")
         if (self.mlp_internal_dim_multiplier * self.n_embd) % self.n_head:
+            product = self.mlp_internal_dim_multiplier * self.n_embd
             raise ValueError(
-                f"BDHConfig: mlp_internal_dim_multiplier*n_embd={self.mlp_internal_dim_multiplier * self.n_embd}"
+                f"BDHConfig: mlp_internal_dim_multiplier*n_embd={product}"
                 f" is not divisible by n_head={self.n_head}"
             )
         if self.n_neurons % 2:
@@ -75,10 +75,14 @@ class BDHConfig(PretrainedConfig):
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"BDHConfig.dropout={self.dropout}: must be in [0, 1)")
         if self.attention not in FORMS:
-            raise ValueError(f"BDHConfig.attention={self.attention!r}: valid are {', '.join(FORMS)}")
+            raise ValueError(
+                f"BDHConfig.attention={self.attention!r}: valid are {', '.join(FORMS)}"
+            )
         chunk = self.attention_chunk_size
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-            raise ValueError(f"BDHConfig.attention_chunk_size={chunk!r}: must be a positive integer")
+            raise ValueError(
+                f"BDHConfig.attention_chunk_size={chunk!r}: must be a positive integer"
+            )
 
 
 class Attention(nn.Module):
@@ -97,14 +101,24 @@ class Attention(nn.Module):
         self.freqs = rope_frequencies(self.n, device=self.freqs.device)
         return self
 
-    def forward(self, x_sparse: torch.Tensor, v: torch.Tensor, state: Optional[torch.Tensor] = None,
-                position: int = 0, return_state: bool = False):
+    def forward(
+        self,
+        x_sparse: torch.Tensor,
+        v: torch.Tensor,
+        state: Optional[torch.Tensor] = None,
+        position: int = 0,
+        return_state: bool = False,
+    ):
         """(B, nh, T, N), (B, 1, T, D) -> (B, nh, T, D); with return_state also the state after
         the last position. `state` is what positions before `position` wrote."""
         T = x_sparse.size(-2)
-        positions = torch.arange(position, position + T, device=self.freqs.device, dtype=torch.float32)
+        positions = torch.arange(
+            position, position + T, device=self.freqs.device, dtype=torch.float32
+        )
         q = rope(positions.view(1, 1, T, 1) * self.freqs, x_sparse)
-        return attention(q, v, self.config.attention, self.config.attention_chunk_size, state, return_state)
+        return attention(
+            q, v, self.config.attention, self.config.attention_chunk_size, state, return_state
+        )
 
 
 class BDHLayer(nn.Module):
@@ -119,8 +133,13 @@ class BDHLayer(nn.Module):
         self.attn = Attention(config)
         self.drop = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, state: Optional[torch.Tensor] = None, position: int = 0,
-                return_state: bool = False):
+    def forward(
+        self,
+        x: torch.Tensor,
+        state: Optional[torch.Tensor] = None,
+        position: int = 0,
+        return_state: bool = False,
+    ):
         """x (B, 1, T, D) -> the next x; with return_state also this layer's attention state."""
         B, _, T, D = x.shape
         x_sparse = F.relu(x @ self.encoder)  # (B, nh, T, N)
@@ -209,13 +228,17 @@ class BDHForCausalLM(BDHPreTrainedModel, GenerationMixin):
         """
         cache = cache if cache is not None else past_key_values
         if use_cache is None:
-            use_cache = cache is not None or (self.config.use_cache and labels is None and not self.training)
+            use_cache = cache is not None or (
+                self.config.use_cache and labels is None and not self.training
+            )
         if use_cache and cache is None:
             cache = BDHCache(self.config.n_layer)
         x = embed_tokens(self.embed, input_ids)
         if use_cache:
             for i in range(self.config.n_layer):
-                x, cache.states[i] = self.layer(x, cache.states[i], cache.position, return_state=True)
+                x, cache.states[i] = self.layer(
+                    x, cache.states[i], cache.position, return_state=True
+                )
             cache.position += input_ids.size(1)
         else:
             for _ in range(self.config.n_layer):
@@ -226,8 +249,13 @@ class BDHForCausalLM(BDHPreTrainedModel, GenerationMixin):
             logits = logits[:, -logits_to_keep:]
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache if use_cache else None)
 
-    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, cache: Optional[BDHCache] = None,
-                                      use_cache: bool = True, **kwargs) -> dict:
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.Tensor,
+        cache: Optional[BDHCache] = None,
+        use_cache: bool = True,
+        **kwargs,
+    ) -> dict:
         """With the state cache only the positions it has not seen go in (the whole prompt first,
         then one token per step); without it every step reruns the whole sequence."""
         cache = cache if cache is not None else kwargs.get("past_key_values")
@@ -235,7 +263,7 @@ class BDHForCausalLM(BDHPreTrainedModel, GenerationMixin):
             return {"input_ids": input_ids, "use_cache": False}
         if cache is None:
             cache = BDHCache(self.config.n_layer)
-        return {"input_ids": input_ids[:, cache.position:], "cache": cache, "use_cache": True}
+        return {"input_ids": input_ids[:, cache.position :], "cache": cache, "use_cache": True}
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:

@@ -13,8 +13,15 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.utils import partition_balanced, partition_uniform
 from torch import nn
 
-from dragon.model import BDHConfig, BDHForCausalLM, BDHLayer, causal_lm_loss, embed_tokens, lm_logits
-from dragon.profile import parameter_count
+from dragon.model import (
+    BDHConfig,
+    BDHForCausalLM,
+    BDHLayer,
+    causal_lm_loss,
+    embed_tokens,
+    lm_logits,
+)
+from dragon.cost import parameter_count
 
 SHARED_KEY = "bdh_shared_block"
 SHARED_WEIGHTS = ["encoder", "encoder_v", "decoder"]
@@ -66,12 +73,16 @@ def check_pipeline(config: BDHConfig, num_stages: int, method: str) -> None:
     if method not in PARTITION_METHODS:
         raise ValueError(f"--partition_method {method!r}: valid are {', '.join(PARTITION_METHODS)}")
     if not 1 <= num_stages <= config.n_layer:
-        raise ValueError(f"--pipeline_stages {num_stages}: must be between 1 and n_layer={config.n_layer}, "
-                         "so that every stage holds at least one BDH layer")
+        raise ValueError(
+            f"--pipeline_stages {num_stages}: must be between 1 and n_layer={config.n_layer}, "
+            "so that every stage holds at least one BDH layer"
+        )
     parts = partition(config, num_stages, method)
     empty = [s for s in range(num_stages) if parts[s] == parts[s + 1]]
     if empty:
-        raise ValueError(f"--partition_method {method} leaves stage(s) {empty} without layers; use 'compute'")
+        raise ValueError(
+            f"--partition_method {method} leaves stage(s) {empty} without layers; use 'compute'"
+        )
 
 
 def pipeline_specs(config: BDHConfig, parts: list[int]) -> list:
@@ -79,23 +90,41 @@ def pipeline_specs(config: BDHConfig, parts: list[int]) -> list:
     # Later uses go through forward_fn, so each stage writes (and reloads) the block once
     # instead of once per layer.
     owners = {max(parts[s], 1) for s in range(len(parts) - 1)}
-    layers = [TiedLayerSpec(SHARED_KEY, BDHLayer, config, tied_weight_attr=SHARED_WEIGHTS,
-                            forward_fn=None if i in owners else _run_shared)
-              for i in range(1, config.n_layer + 1)]
+    layers = [
+        TiedLayerSpec(
+            SHARED_KEY,
+            BDHLayer,
+            config,
+            tied_weight_attr=SHARED_WEIGHTS,
+            forward_fn=None if i in owners else _run_shared,
+        )
+        for i in range(1, config.n_layer + 1)
+    ]
     return [LayerSpec(EmbedStage, config), *layers, LayerSpec(HeadStage, config)]
 
 
-def bdh_pipeline(model: BDHForCausalLM, num_stages: int, partition_method: str = "compute",
-                 activation_checkpoint_interval: int = 0) -> PipelineModule:
+def bdh_pipeline(
+    model: BDHForCausalLM,
+    num_stages: int,
+    partition_method: str = "compute",
+    activation_checkpoint_interval: int = 0,
+) -> PipelineModule:
     """A PipelineModule holding `model`'s weights (call after the process group exists)."""
     config = model.config
     check_pipeline(config, num_stages, partition_method)
     parts = partition(config, num_stages, partition_method)
     ds_method = "type:BDHLayer" if partition_method == "compute" else partition_method
-    pipe = PipelineModule(layers=pipeline_specs(config, parts), num_stages=num_stages, loss_fn=causal_lm_loss,
-                          partition_method=ds_method, activation_checkpoint_interval=activation_checkpoint_interval)
+    pipe = PipelineModule(
+        layers=pipeline_specs(config, parts),
+        num_stages=num_stages,
+        loss_fn=causal_lm_loss,
+        partition_method=ds_method,
+        activation_checkpoint_interval=activation_checkpoint_interval,
+    )
     if [int(p) for p in pipe.parts] != parts:
-        raise RuntimeError(f"DeepSpeed partitioned the pipeline as {list(pipe.parts)}, expected {parts}")
+        raise RuntimeError(
+            f"DeepSpeed partitioned the pipeline as {list(pipe.parts)}, expected {parts}"
+        )
     # DeepSpeed sums gradient norms over a pipeline's stages but, Megatron-style, counts a
     # parameter outside the first stage only if it is marked model-parallel; unmarked, the
     # head's gradient would be left out of clipping. Every parameter lives on one stage except
@@ -125,6 +154,7 @@ def is_pipeline_checkpoint(tag_dir: str) -> bool:
 
 def model_from_pipeline_checkpoint(tag_dir: str, config: BDHConfig) -> BDHForCausalLM:
     """A BDHForCausalLM (fp32) from a pipeline checkpoint's layer files."""
+
     def layer_file(i: int) -> Optional[str]:
         path = os.path.join(tag_dir, f"layer_{i:02d}-model_states.pt")
         return path if os.path.isfile(path) else None
@@ -135,12 +165,16 @@ def model_from_pipeline_checkpoint(tag_dir: str, config: BDHConfig) -> BDHForCau
     n = config.n_layer
     owners = [path for path in map(layer_file, range(1, n + 1)) if path]
     if not (layer_file(0) and layer_file(n + 1) and owners):
-        raise ValueError(f"{tag_dir}: not a BDH pipeline checkpoint with n_layer={n} "
-                         f"(need layer_00, a layer_01..layer_{n:02d} and layer_{n + 1:02d} files)")
+        raise ValueError(
+            f"{tag_dir}: not a BDH pipeline checkpoint with n_layer={n} "
+            f"(need layer_00, a layer_01..layer_{n:02d} and layer_{n + 1:02d} files)"
+        )
     shared = load(owners[0])
-    state = {"embed.weight": load(layer_file(0))["embed.weight"],
-             "lm_head": load(layer_file(n + 1))["lm_head"],
-             **{f"layer.{name}": shared[name] for name in SHARED_WEIGHTS}}
+    state = {
+        "embed.weight": load(layer_file(0))["embed.weight"],
+        "lm_head": load(layer_file(n + 1))["lm_head"],
+        **{f"layer.{name}": shared[name] for name in SHARED_WEIGHTS},
+    }
     model = BDHForCausalLM(config)
     model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     return model

@@ -1,4 +1,6 @@
-"""Checkpoint retention for DeepSpeed: keep the last K plus the best, completion markers, safe resume."""
+"""Checkpoint retention for DeepSpeed: keep the last K plus the best, completion markers, safe
+resume.
+"""
 
 import json
 import logging
@@ -13,6 +15,8 @@ from typing import Any, Iterable, Optional
 
 import torch.distributed as dist
 
+from dragon.metrics import MetricHistory
+
 logger = logging.getLogger(__name__)
 
 MARKER = "dragon_complete.json"
@@ -22,9 +26,13 @@ DELETING = ".deleting-"
 # layout (b): accelerate's `checkpoint_<i>` dirs, each a DeepSpeed save_dir of its own.
 TAG_RE = re.compile(r"^(step|global_step)(\d+)$")
 ACCEL_RE = re.compile(r"^(checkpoint_)(\d+)$")
-# Files only DeepSpeed (or dragon.checkpoint.save, which writes its RNG file first) puts in a tag dir.
-DS_FILE_RE = re.compile(r"^(.*mp_rank_\d+.*\.pt|layer_\d+-.*model_states\.pt|rng_state_\d+\.pt|"
-                        + re.escape(MARKER) + r")$")
+# Files only DeepSpeed (or dragon.checkpoint.save, which writes its RNG file first) puts in a tag
+# dir.
+DS_FILE_RE = re.compile(
+    r"^(.*mp_rank_\d+.*\.pt|layer_\d+-.*model_states\.pt|rng_state_\d+\.pt|"
+    + re.escape(MARKER)
+    + r")$"
+)
 
 
 @dataclass
@@ -43,78 +51,43 @@ class RetentionPolicy:
         if m is not None and (not isinstance(m, str) or not m or m == "step"):
             raise ValueError(f"metric_for_best_model must be a metric name or None, got {m!r}")
         if not isinstance(self.greater_is_better, bool):
-            raise ValueError(f"greater_is_better must be True or False, got {self.greater_is_better!r}")
+            raise ValueError(
+                f"greater_is_better must be True or False, got {self.greater_is_better!r}"
+            )
 
     def best(self, checkpoints: dict[str, int], history: dict[int, dict]) -> Optional[str]:
         """The checkpoint whose step has the best known metric value (earliest on ties), or None."""
         sign = -1.0 if self.greater_is_better else 1.0
-        scored = [(sign * value, step, tag) for tag, step in checkpoints.items()  # (value, step): ties -> earlier
-                  if (value := _number(history.get(step, {}).get(self.metric_for_best_model))) is not None]
+        scored = [
+            (sign * value, step, tag)
+            for tag, step in checkpoints.items()  # (value, step): ties -> earlier
+            if (value := _number(history.get(step, {}).get(self.metric_for_best_model))) is not None
+        ]
         return min(scored)[2] if scored and self.metric_for_best_model else None
 
     def select(self, checkpoints: dict[str, int], history: dict[int, dict]) -> set[str]:
         """Tags to keep: the last K by step plus the best over the whole history (pure, no I/O)."""
         ordered = sorted(checkpoints, key=lambda tag: (checkpoints[tag], tag))
-        keep = set(ordered[-self.save_total_limit:])
+        keep = set(ordered[-self.save_total_limit :])
         best = self.best(checkpoints, history)
         return keep | {best} if best is not None else keep
 
 
 def _number(value: Any) -> Optional[float]:
-    """A metric value usable for comparison; None when missing, not a number, or NaN (never the best)."""
+    """A metric value usable for comparison; None when missing, not a number, or NaN (never the
+    best).
+    """
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
         return None
     return float(value)
 
 
-class MetricHistory:
-    """The metric history as JSON lines, {"step": N, "<metric>": value} each; appended by one process."""
-
-    def __init__(self, path: str) -> None:
-        self.path = str(path)
-
-    def record(self, step: int, metrics: dict[str, float]) -> None:
-        """Append one record (call on global rank 0 only); a later record of a step wins per metric."""
-        if isinstance(step, bool) or not isinstance(step, int):
-            raise ValueError(f"step must be an integer, got {step!r}")
-        values = {}
-        for name, value in metrics.items():
-            if hasattr(value, "item"):  # a 0-d tensor or numpy scalar
-                value = value.item()
-            if name == "step" or isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"metric {name!r} at step {step}: expected a number, got {value!r}")
-            values[name] = float(value)  # NaN is kept as written; the policy never picks it as best
-        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        with open(self.path, "a") as f:  # one short write per line: a crash can only truncate the last line
-            f.write(json.dumps({"step": step, **values}) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-
-    def load(self) -> dict[int, dict]:
-        """{step: {metric: value}} merged in file order; a missing file is an empty history."""
-        history: dict[int, dict] = {}
-        if not os.path.exists(self.path):
-            return history
-        with open(self.path) as f:
-            lines = f.readlines()
-        for n, line in enumerate(lines, 1):
-            try:
-                record = json.loads(line)
-                step = record.pop("step")
-                if isinstance(step, bool) or not isinstance(step, int):
-                    raise ValueError(step)
-            except (ValueError, KeyError, AttributeError, TypeError):
-                if line.strip():  # a line torn by a crash mid-append is skipped, not fatal
-                    logger.warning("%s line %d is not a metric record; skipped", self.path, n)
-                continue
-            history.setdefault(step, {}).update(record)
-        return history
-
-
 def default_history_path(root: str) -> str:
-    """Where the history lives for checkpoints under `root` (outside accelerate's `checkpoints/`)."""
+    """Where the history lives for checkpoints under `root` (outside accelerate's `checkpoints/`).
+    """
     root = os.path.abspath(root)
-    # accelerate's automatic naming parses a number out of every entry of `checkpoints/`: stay out of it
+    # accelerate's automatic naming parses a number out of every entry of `checkpoints/`: stay out
+    # of it
     if os.path.basename(root) == "checkpoints":
         return os.path.join(os.path.dirname(root), HISTORY)
     return os.path.join(root, HISTORY)
@@ -145,7 +118,9 @@ def _listdir(path: str) -> list[str]:
 
 
 def _parse(name: str) -> Optional[tuple[str, int]]:
-    """(naming family, number) of a checkpoint name: ('step', 7), ('checkpoint_', 3); None if foreign."""
+    """(naming family, number) of a checkpoint name: ('step', 7), ('checkpoint_', 3); None if
+    foreign.
+    """
     match = TAG_RE.match(name) or ACCEL_RE.match(name)
     return (match.group(1), int(match.group(2))) if match else None
 
@@ -157,20 +132,29 @@ def _looks_like_tag_dir(path: str) -> bool:
 def _inner_tag(path: str) -> Optional[str]:
     """The tag a DeepSpeed save_dir's `latest` names, if it is a plain name of a sub-directory."""
     tag = _read_latest(path)
-    if tag and os.sep not in tag and tag not in (".", "..") and os.path.isdir(os.path.join(path, tag)):
+    if (
+        tag
+        and os.sep not in tag
+        and tag not in (".", "..")
+        and os.path.isdir(os.path.join(path, tag))
+    ):
         return tag
     return None
 
 
 def _marker(path: str) -> Optional[dict]:
-    """The marker of a tag dir, or of the tag a save dir's `latest` names (accelerate); None if none."""
+    """The marker of a tag dir, or of the tag a save dir's `latest` names (accelerate); None if
+    none.
+    """
     marker = _read_json(os.path.join(path, MARKER))
     inner = _inner_tag(path) if marker is None else None
     return _read_json(os.path.join(path, inner, MARKER)) if inner else marker
 
 
 def is_complete(tag_dir: str) -> bool:
-    """True if the save finished: a tag dir with our marker, or a save dir whose `latest` tag has one."""
+    """True if the save finished: a tag dir with our marker, or a save dir whose `latest` tag has
+    one.
+    """
     return _marker(tag_dir) is not None
 
 
@@ -181,11 +165,19 @@ def list_checkpoints(save_dir: str) -> dict[str, int]:
         path, parsed = os.path.join(save_dir, name), _parse(name)
         if parsed and parsed[0] != "checkpoint_" and _looks_like_tag_dir(path):
             found[name] = parsed[1]
-        elif parsed and parsed[0] == "checkpoint_" and (os.path.isfile(os.path.join(path, "latest"))
-                         or any(_looks_like_tag_dir(os.path.join(path, d)) for d in _listdir(path))):
+        elif (
+            parsed
+            and parsed[0] == "checkpoint_"
+            and (
+                os.path.isfile(os.path.join(path, "latest"))
+                or any(_looks_like_tag_dir(os.path.join(path, d)) for d in _listdir(path))
+            )
+        ):
             # accelerate's index counts saves, not steps: the marker holds the training step
             step = (_marker(path) or {}).get("step")
-            found[name] = step if isinstance(step, int) and not isinstance(step, bool) else parsed[1]
+            found[name] = (
+                step if isinstance(step, int) and not isinstance(step, bool) else parsed[1]
+            )
     return found
 
 
@@ -195,7 +187,8 @@ def _ignore_missing(func, path, exc_info) -> None:
 
 
 def _delete(save_dir: str, name: str) -> bool:
-    """Rename to a hidden name first, so a crash mid-rmtree never leaves a checkpoint-looking dir."""
+    """Rename to a hidden name first, so a crash mid-rmtree never leaves a checkpoint-looking dir.
+    """
     trash = os.path.join(save_dir, DELETING + name)
     if os.path.exists(trash):
         shutil.rmtree(trash, onerror=_ignore_missing)
@@ -207,21 +200,33 @@ def _delete(save_dir: str, name: str) -> bool:
     return True
 
 
-def prune(save_dir: str, policy: RetentionPolicy, history: dict[int, dict],
-          current_tag: Optional[str] = None) -> list[str]:
-    """Delete the checkpoints under save_dir that the policy does not keep; returns the names deleted."""
+def prune(
+    save_dir: str,
+    policy: RetentionPolicy,
+    history: dict[int, dict],
+    current_tag: Optional[str] = None,
+) -> list[str]:
+    """Delete the checkpoints under save_dir that the policy does not keep; returns the names
+    deleted.
+    """
     for name in _listdir(save_dir):  # leftovers of a delete that crashed
-        if name.startswith(DELETING) and _parse(name[len(DELETING):]):
+        if name.startswith(DELETING) and _parse(name[len(DELETING) :]):
             shutil.rmtree(os.path.join(save_dir, name), onerror=_ignore_missing)
     found = list_checkpoints(save_dir)
     family = _parse(current_tag) if current_tag else None
-    if family:  # a run saving `step<N>` never touches `global_step<N>` or `checkpoint_<i>`, and vice versa
+    if (
+        family
+    ):  # a run saving `step<N>` never touches `global_step<N>` or `checkpoint_<i>`, and vice versa
         found = {n: s for n, s in found.items() if _parse(n)[0] == family[0]}
     complete = {n: s for n, s in found.items() if is_complete(os.path.join(save_dir, n))}
-    # Unmarked dirs older than every marked one predate retention (or another tool wrote them): not ours.
-    # Compared by the number in the name, since accelerate's markers hold steps and its names save counts.
+    # Unmarked dirs older than every marked one predate retention (or another tool wrote them): not
+    # ours.
+    # Compared by the number in the name, since accelerate's markers hold steps and its names save
+    # counts.
     oldest = min((_parse(n)[1] for n in complete), default=None)
-    half_written = {n for n in found if n not in complete and oldest is not None and _parse(n)[1] > oldest}
+    half_written = {
+        n for n in found if n not in complete and oldest is not None and _parse(n)[1] > oldest
+    }
     protected = {current_tag, _read_latest(save_dir)}
     doomed = (set(complete) - policy.select(complete, history)) | half_written
     deleted = []
@@ -237,18 +242,26 @@ def prune(save_dir: str, policy: RetentionPolicy, history: dict[int, dict],
 
 
 def find_resume_checkpoint(save_dir: str) -> tuple[str, str]:
-    """(load_dir, tag) to resume from: the tag `latest` names if complete, else the newest complete one."""
+    """(load_dir, tag) to resume from: the tag `latest` names if complete, else the newest complete
+    one.
+    """
     if not os.path.isdir(save_dir):
         raise ValueError(f"resume: {save_dir} is not a directory")
     latest = _read_latest(save_dir)
     plain = bool(latest) and os.sep not in latest and latest not in (".", "..")
     if plain and is_complete(os.path.join(save_dir, latest)):
         return save_dir, latest
-    complete = {n: s for n, s in list_checkpoints(save_dir).items() if is_complete(os.path.join(save_dir, n))}
+    complete = {
+        n: s
+        for n, s in list_checkpoints(save_dir).items()
+        if is_complete(os.path.join(save_dir, n))
+    }
     if not complete:
         raise ValueError(f"resume: {save_dir} holds no complete checkpoint")
     name = max(complete, key=lambda n: (complete[n], _parse(n)[1], n))
-    if ACCEL_RE.match(name):  # accelerate: load_state(path) loads the tag that path's `latest` names
+    if ACCEL_RE.match(
+        name
+    ):  # accelerate: load_state(path) loads the tag that path's `latest` names
         path = os.path.join(save_dir, name)
         return path, _inner_tag(path)
     if latest is None:
@@ -257,14 +270,22 @@ def find_resume_checkpoint(save_dir: str) -> tuple[str, str]:
         problem = f"'latest' names {latest[:80]!r}, which is not a checkpoint here"
     else:
         problem = f"'latest' names {latest!r}, which is incomplete (no {MARKER})"
-    warnings.warn(f"resume: {save_dir}: {problem}; falling back to the newest complete checkpoint {name}")
+    warnings.warn(
+        f"resume: {save_dir}: {problem}; falling back to the newest complete checkpoint {name}"
+    )
     return save_dir, name
 
 
 def _is_deleter(engine) -> bool:
     """Global rank 0 on shared storage; each node's local rank 0 with `use_node_local_storage`."""
     node_local = hasattr(engine, "use_node_local_storage") and bool(engine.use_node_local_storage())
-    rank = getattr(engine, "local_rank", 0) if node_local else dist.get_rank() if dist.is_initialized() else 0
+    rank = (
+        getattr(engine, "local_rank", 0)
+        if node_local
+        else dist.get_rank()
+        if dist.is_initialized()
+        else 0
+    )
     return int(rank) == 0
 
 
@@ -274,7 +295,9 @@ def _barrier() -> None:
 
 
 def _history_everywhere(path: str) -> dict[int, dict]:
-    """Global rank 0's history on every rank (a collective): with node-local storage only node 0 has it."""
+    """Global rank 0's history on every rank (a collective): with node-local storage only node 0 has
+    it.
+    """
     if not dist.is_initialized():
         return MetricHistory(path).load()
     box = [MetricHistory(path).load() if dist.get_rank() == 0 else None]
@@ -289,8 +312,12 @@ def _write_marker(tag_dir: str, info: dict) -> None:
     os.replace(tmp, os.path.join(tag_dir, MARKER))  # atomic: a marker is whole or absent
 
 
-def attach_retention(engine, policy: RetentionPolicy, expected_metrics: Iterable[str] = (),
-                     history_path: Optional[str] = None) -> None:
+def attach_retention(
+    engine,
+    policy: RetentionPolicy,
+    expected_metrics: Iterable[str] = (),
+    history_path: Optional[str] = None,
+) -> None:
     """Wrap engine.save_checkpoint so that each save is marked complete and followed by a prune."""
     if not isinstance(policy, RetentionPolicy):
         raise ValueError(f"policy must be a RetentionPolicy, got {type(policy).__name__}")
@@ -301,37 +328,58 @@ def attach_retention(engine, policy: RetentionPolicy, expected_metrics: Iterable
     if ce is not None and hasattr(ce, "is_decoupled") and ce.is_decoupled():
         # a decoupled engine is still writing when save_checkpoint returns: no point is safe to mark
         raise ValueError("attach_retention: decoupled checkpoint engines are not supported")
-    original = getattr(engine, "_dragon_save_checkpoint", None) or engine.save_checkpoint  # re-attach: wrap once
+    original = (
+        getattr(engine, "_dragon_save_checkpoint", None) or engine.save_checkpoint
+    )  # re-attach: wrap once
     first_save = [True]
 
     def save_checkpoint(save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
         """DeepSpeed's save_checkpoint, then a barrier, the completion marker and the prune."""
         save_dir = str(save_dir)
         parent, base = os.path.split(os.path.abspath(save_dir))
-        accelerate = ACCEL_RE.match(base) is not None  # layout (b): each checkpoint_<i> is a save_dir
+        accelerate = (
+            ACCEL_RE.match(base) is not None
+        )  # layout (b): each checkpoint_<i> is a save_dir
         root = parent if accelerate else save_dir
         hist_file = history_path or default_history_path(root)
         metric = policy.metric_for_best_model
-        if first_save[0] and metric is not None and metric not in expected:  # same decision on every rank
+        if (
+            first_save[0] and metric is not None and metric not in expected
+        ):  # same decision on every rank
             if not any(metric in record for record in _history_everywhere(hist_file).values()):
-                raise ValueError(f"metric_for_best_model={metric!r} is never recorded "
-                                 f"(expected metrics {sorted(expected)}, history {hist_file})")
+                raise ValueError(
+                    f"metric_for_best_model={metric!r} is never recorded "
+                    f"(expected metrics {sorted(expected)}, history {hist_file})"
+                )
         first_save[0] = False
         client_state = {} if client_state is None else client_state
         result = original(save_dir, tag, client_state, save_latest, **kwargs)
-        tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"  # DeepSpeed's default
+        tag = (
+            str(tag) if tag is not None else f"global_step{engine.global_steps}"
+        )  # DeepSpeed's default
         _barrier()  # every rank's files are written before anyone marks or deletes
         history = _history_everywhere(hist_file)
         try:
             if _is_deleter(engine):
                 match = None if accelerate else TAG_RE.match(tag)
                 step = client_state.get("step") if isinstance(client_state, dict) else None
-                step = int(match.group(2)) if match else step if isinstance(step, int) else int(engine.global_steps)
-                _write_marker(os.path.join(save_dir, tag), {"step": step, "tag": tag, "time": time.time()})
+                step = (
+                    int(match.group(2))
+                    if match
+                    else step
+                    if isinstance(step, int)
+                    else int(engine.global_steps)
+                )
+                _write_marker(
+                    os.path.join(save_dir, tag), {"step": step, "tag": tag, "time": time.time()}
+                )
                 prune(root, policy, history, current_tag=base if accelerate else tag)
-        finally:  # nobody starts the next save while deletion runs; a failure here still frees the others
+        finally:
+            # nobody starts the next save while deletion runs; a failure here still frees the others
             _barrier()
         return result
 
     engine._dragon_save_checkpoint = original
-    engine.save_checkpoint = save_checkpoint  # an instance attribute: recipes and accelerate both call it
+    engine.save_checkpoint = (
+        save_checkpoint  # an instance attribute: recipes and accelerate both call it
+    )

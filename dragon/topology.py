@@ -29,14 +29,17 @@ _PREFIX = "dragon-diloco"
 
 @dataclass
 class Topology:
-    """Where this process sits: island `island` of `islands`, rank `island_rank` of `island_size`."""
+    """Where this process sits: island `island` of `islands`, rank `island_rank` of `island_size`.
+    """
 
     islands: int = 1
     island: int = 0
     island_rank: int = 0
     island_size: int = 1
     cross_group: Optional[Any] = field(default=None, repr=False)  # ProcessGroupGloo across islands
-    store: Optional[Any] = field(default=None, repr=False)  # kept alive: the groups rendezvous through it
+    store: Optional[Any] = field(
+        default=None, repr=False
+    )  # kept alive: the groups rendezvous through it
 
     @property
     def launch_rank(self) -> int:
@@ -49,8 +52,8 @@ class Topology:
         return self.island * dp_world + dp_rank, self.islands * dp_world
 
     def barrier(self) -> None:
-        """Wait for every island (rank r of each). Call after the last outer sync, so that no process
-        hosting the store exits while another island still needs it."""
+        """Wait for every island (rank r of each). Call after the last outer sync, so that no
+        process hosting the store exits while another island still needs it."""
         if self.cross_group is not None:
             self.cross_group.barrier().wait()
 
@@ -62,15 +65,21 @@ def island_size(islands: int, launch_world: int, one_launch_per_island: bool = F
     if one_launch_per_island:
         return launch_world  # this launch is one island
     if launch_world % islands:
-        raise ValueError(f"--diloco_islands {islands}: the world size {launch_world} is not divisible by it")
+        raise ValueError(
+            f"--diloco_islands {islands}: the world size {launch_world} is not divisible by it"
+        )
     return launch_world // islands
 
 
 def pipeline_data_parallel(island_world: int, stages: int, islands: int = 1) -> int:
-    """Data-parallel degree of one island's pipeline; one-line ValueError when stages do not divide it."""
+    """Data-parallel degree of one island's pipeline; one-line ValueError when stages do not divide
+    it.
+    """
     what = "island size" if islands > 1 else "world size"
     if stages < 1 or island_world % stages:
-        raise ValueError(f"--pipeline_stages {stages}: the {what} {island_world} is not divisible by it")
+        raise ValueError(
+            f"--pipeline_stages {stages}: the {what} {island_world} is not divisible by it"
+        )
     return island_world // stages
 
 
@@ -100,56 +109,50 @@ def enter_island(args, timeout_s: float = 600.0) -> Topology:
 
     if index is not None:  # one launch per island: this launch's world is the island's world
         host, port = _parse_store(args.diloco_store)
-        store = dist.TCPStore(host, port, world_size=None, is_master=index == 0 and launch_rank == 0,
-                              timeout=timeout, wait_for_workers=False)
+        store = dist.TCPStore(
+            host,
+            port,
+            world_size=None,
+            is_master=index == 0 and launch_rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
         topology = Topology(islands, index, launch_rank, launch_world, store=store)
     else:
         size = island_size(islands, launch_world)
         island, island_rank = divmod(launch_rank, size)
         host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
-        agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None) == "True"  # torchrun's store
-        store = dist.TCPStore(host, port, world_size=None, is_master=launch_rank == 0 and not agent_store,
-                              timeout=timeout, wait_for_workers=False)
+        agent_store = (
+            os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None) == "True"
+        )  # torchrun's store
+        store = dist.TCPStore(
+            host,
+            port,
+            world_size=None,
+            is_master=launch_rank == 0 and not agent_store,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
         # The island's own world, as DeepSpeed will see it. MASTER_PORT is only a name from here
         # on (DeepSpeed's CPU shared-memory op names its segments after it): one per island.
         # LOCAL_WORLD_SIZE stays the processes on this node (CPU threads are shared out by it).
         os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", str(launch_world)))
-        os.environ.update(RANK=str(island_rank), WORLD_SIZE=str(size), MASTER_PORT=str(port + 1 + island))
+        os.environ.update(
+            RANK=str(island_rank), WORLD_SIZE=str(size), MASTER_PORT=str(port + 1 + island)
+        )
         from deepspeed.accelerator import get_accelerator
 
-        dist.init_process_group(get_accelerator().communication_backend_name(),
-                                store=dist.PrefixStore(f"{_PREFIX}/island{island}", store),
-                                rank=island_rank, world_size=size, timeout=timeout)
+        dist.init_process_group(
+            get_accelerator().communication_backend_name(),
+            store=dist.PrefixStore(f"{_PREFIX}/island{island}", store),
+            rank=island_rank,
+            world_size=size,
+            timeout=timeout,
+        )
         topology = Topology(islands, island, island_rank, size, store=store)
     if islands > 1:
         prefix = f"{_PREFIX}/cross/rank{topology.island_rank}"
-        topology.cross_group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), topology.island, islands,
-                                                     timeout)
+        topology.cross_group = dist.ProcessGroupGloo(
+            dist.PrefixStore(prefix, store), topology.island, islands, timeout
+        )
     return topology
-
-
-def cpu_bytes_written() -> Optional[int]:
-    """Bytes this process has passed to write()/send() so far (Linux /proc/self/io wchar), else None.
-
-    gloo's TCP transport writes through these calls, so around a blocking collective with nothing
-    else running the difference is the bytes this rank put on the wire (payload plus headers).
-    """
-    try:
-        with open("/proc/self/io") as f:
-            for line in f:
-                if line.startswith("wchar:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def ring_bytes(op: str, payload_bytes: int, members: int) -> int:
-    """Bytes one member sends in gloo's ring algorithms (measured equal on CPU: see tests)."""
-    if members <= 1:
-        return 0
-    if op == "allreduce":
-        return 2 * (members - 1) * payload_bytes // members
-    if op == "allgather":
-        return (members - 1) * payload_bytes
-    raise ValueError(op)

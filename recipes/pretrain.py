@@ -1,24 +1,29 @@
 """Pretrain BDH with DeepSpeed's ZeRO engine (stages 0-3, fp32 or bf16, optional CPU offload).
 
-    torchrun --nproc_per_node 2 recipes/pretrain.py --deepspeed ds_configs/zero2.json --output_dir runs/x
-    deepspeed --num_gpus 8 recipes/pretrain.py --deepspeed ds_configs/zero3.json --bf16 --output_dir runs/x
-    accelerate launch --config_file launch/accelerate/zero2.yaml recipes/pretrain.py --output_dir runs/x
+    torchrun --nproc_per_node 2 recipes/pretrain.py --deepspeed ds_configs/zero2.json \
+        --output_dir runs/x
+    deepspeed --num_gpus 8 recipes/pretrain.py --deepspeed ds_configs/zero3.json --bf16 \
+        --output_dir runs/x
+    accelerate launch --config_file launch/accelerate/zero2.yaml recipes/pretrain.py \
+        --output_dir runs/x
 
-Top to bottom: arguments and data (checked before any process group starts), model, DeepSpeed
-engine, the loop (forward, backward, step), export. The bookkeeping around the step (logging,
-evaluation, checkpoints, resume) is dragon.loop.TrainingRun, shared with the pipeline recipe.
+Top to bottom: inputs (all checked before any process group starts), the model, the DeepSpeed
+engine with the retention hook on its save_checkpoint, then the loop: batch, forward, backward,
+step, the DiLoCo outer step, logging, evaluation, save; then the export. dragon.loop.TrainingRun
+keeps the bookkeeping (data streams, resume, metrics, checkpoint contents).
 """
 
 import deepspeed
 import torch
 
-from dragon import checkpoint
-from dragon.args import parse_recipe_args
-from dragon.diloco import DiLoCo, DiLoCoArguments
+from dragon.diloco import DiLoCo
 from dragon.distributed import all_reduce_mean, init_distributed, rank, world_size
-from dragon.ds_config import client_optimizer_and_scheduler
-from dragon.loop import TrainingRun, initial_model
-from dragon.metrics import grad_norm_before_step
+from dragon.export import export_engine
+from dragon.loop import TrainingRun, initial_model, metrics_path
+from dragon.metrics import RECORDED_METRICS, grad_norm_before_step, setup_logging
+from dragon.optim import client_optimizer_and_scheduler
+from dragon.preflight import preflight
+from dragon.retention import attach_retention
 from dragon.topology import enter_island
 
 
@@ -29,27 +34,46 @@ def evaluate(engine, batches) -> float:
     losses = []
     for batch in batches:
         batch = batch.to(engine.device)
-        losses.append(engine(input_ids=batch, labels=batch).loss.item())
+        losses.append(engine(input_ids=batch, labels=batch, use_cache=False).loss.item())
     engine.train()
     return all_reduce_mean([sum(losses) / len(losses)])[0]
 
 
 def main():
-    inputs = parse_recipe_args((DiLoCoArguments,))
-    args, ds_config, diloco_args = inputs.train, inputs.ds_config, inputs.extra[0]
-    topology = enter_island(diloco_args, args.dist_timeout)  # DiLoCo: each island is a world of its own
+    setup_logging()
+    inputs = preflight()
+    args = inputs.train
+    topology = enter_island(
+        inputs.diloco, args.dist_timeout
+    )  # DiLoCo: each island is a world of its own
     init_distributed(args.dist_timeout)
     model = initial_model(inputs)
 
-    optimizer, lr_scheduler = client_optimizer_and_scheduler(model.parameters(), ds_config, args)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                                           model_parameters=model.parameters(), config=ds_config)
+    optimizer, lr_scheduler = client_optimizer_and_scheduler(
+        model.parameters(), inputs.ds_config, args
+    )
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        model_parameters=model.parameters(),
+        config=inputs.ds_config,
+    )
     if args.torch_compile:
         engine.compile()
+    # Every engine.save_checkpoint is followed by a completion marker and pruning: the last
+    # --save_total_limit checkpoints plus the best by --metric_for_best_model in metrics.jsonl.
+    attach_retention(
+        engine,
+        args.retention_policy(),
+        RECORDED_METRICS,
+        history_path=metrics_path(inputs.run_dir(topology.island)),
+    )
+    outer = DiLoCo.from_engine(engine, inputs.diloco, topology)  # None unless --diloco_inner_steps
+    run = TrainingRun(
+        engine, inputs, model.config, topology, dp_rank=rank(), dp_world=world_size(), diloco=outer
+    )
 
-    outer = DiLoCo.from_engine(engine, diloco_args, topology)  # None unless --diloco_inner_steps
-    run = TrainingRun(engine, inputs, model.config, dp_rank=rank(), dp_world=world_size(), devices=world_size(),
-                      diloco=outer)
     engine.train()
     while not run.done:
         losses = []
@@ -61,10 +85,21 @@ def main():
                 unclipped_norm = grad_norm_before_step(engine)  # only ZeRO-0 fp32 needs it
             engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
             losses.append(loss.item())
-        run.end_step(sum(losses) / len(losses), engine.get_global_grad_norm() or unclipped_norm,
-                     evaluate=lambda: evaluate(engine, run.valid_batches))
+        step = run.end_step(sum(losses) / len(losses))
 
-    run.finish(lambda out_dir: checkpoint.export_pretrained(engine, model.config, out_dir))
+        record = outer.maybe_outer_step(step, final=run.done) if outer else {}
+        if run.due(args.logging_steps):
+            record.update(run.train_metrics(engine.get_global_grad_norm() or unclipped_norm))
+        if run.due(args.eval_steps):
+            record["eval_loss"] = evaluate(engine, run.valid_batches)
+        run.log(record)
+        if run.due(args.save_steps):  # with DiLoCo, save_steps is a multiple of H: an outer step
+            run.save()
+
+    run.finish(
+        lambda out_dir: export_engine(engine, model.config, out_dir, run.last_checkpoint),
+        topology.island,
+    )
 
 
 if __name__ == "__main__":

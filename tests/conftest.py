@@ -21,7 +21,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session", autouse=True)
 def shm_comm_op():
     """Build DeepSpeed's CPU comm op once (~50 s on a new machine) before any job needs it."""
-    code = "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()"
+    code = (
+        "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=600)
 
 
@@ -39,15 +41,25 @@ def job_env(**extra) -> dict:
 
 
 def launch_command(launcher: str, nproc: int, script: str, args: list[str]) -> list[str]:
-    """The command line of a recipe under a real launcher: torchrun, deepspeed, accelerate or python."""
+    """The command line of a recipe under a real launcher: torchrun, deepspeed, accelerate or
+    python.
+    """
     port = str(free_port())
     if launcher == "torchrun":
         cmd = ["torchrun", "--nproc_per_node", str(nproc), "--master_port", port]
     elif launcher == "deepspeed":
         cmd = ["deepspeed", "--num_gpus", str(nproc), "--master_port", port]
     elif launcher == "accelerate":
-        cmd = ["accelerate", "launch", "--num_processes", str(nproc), "--main_process_port", port,
-               "--config_file", str(REPO / "launch/accelerate" / args[0])]
+        cmd = [
+            "accelerate",
+            "launch",
+            "--num_processes",
+            str(nproc),
+            "--main_process_port",
+            port,
+            "--config_file",
+            str(REPO / "launch/accelerate" / args[0]),
+        ]
         args = args[1:]
     elif launcher == "python":
         cmd = [sys.executable]
@@ -56,10 +68,18 @@ def launch_command(launcher: str, nproc: int, script: str, args: list[str]) -> l
     return cmd + [str(REPO / script)] + [str(a) for a in args]
 
 
-def launch(launcher: str, nproc: int, script: str, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+def launch(
+    launcher: str, nproc: int, script: str, args: list[str], timeout: int = 600
+) -> subprocess.CompletedProcess:
     """Run a recipe to completion under a real launcher."""
-    return subprocess.run(launch_command(launcher, nproc, script, args), cwd=REPO, env=job_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        launch_command(launcher, nproc, script, args),
+        cwd=REPO,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def read_jsonl(path) -> list[dict]:
@@ -73,17 +93,47 @@ def text_file(tmp_path_factory) -> Path:
     import sysconfig
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    parts = [(stdlib / name).read_text() for name in ("argparse.py", "dataclasses.py", "functools.py", "typing.py")]
+    parts = [
+        (stdlib / name).read_text()
+        for name in ("argparse.py", "dataclasses.py", "functools.py", "typing.py")
+    ]
     path = tmp_path_factory.mktemp("data") / "corpus.txt"
     path.write_text("\n".join(parts))
     return path
 
 
 # A tiny BDH so a 2-rank job takes seconds; dropout 0 so runs can be compared number for number.
-TINY = ["--n_layer", "2", "--n_embd", "32", "--n_head", "2", "--mlp_internal_dim_multiplier", "8",
-        "--block_size", "64", "--dropout", "0.0", "--learning_rate", "3e-3", "--warmup_steps", "2",
-        "--logging_steps", "1", "--eval_steps", "4", "--save_steps", "4", "--max_eval_samples", "32",
-        "--per_device_eval_batch_size", "8", "--sample_max_new_tokens", "0", "--disable_tqdm"]
+TINY = [
+    "--n_layer",
+    "2",
+    "--n_embd",
+    "32",
+    "--n_head",
+    "2",
+    "--mlp_internal_dim_multiplier",
+    "8",
+    "--block_size",
+    "64",
+    "--dropout",
+    "0.0",
+    "--learning_rate",
+    "3e-3",
+    "--warmup_steps",
+    "2",
+    "--logging_steps",
+    "1",
+    "--eval_steps",
+    "4",
+    "--save_steps",
+    "4",
+    "--max_eval_samples",
+    "32",
+    "--per_device_eval_batch_size",
+    "8",
+    "--sample_max_new_tokens",
+    "0",
+    "--disable_tqdm",
+]
 STEPS = 8
 # fp32 on CPU: ranks sum gradients in a different order than one rank does, and ZeRO stages
 # partition and reduce in buckets; the differences are rounding, a few ulp of a loss near 4.
@@ -96,16 +146,40 @@ class Runs:
     def __init__(self, root, text_file):
         self.root, self.text_file, self.done = root, text_file, {}
 
-    def __call__(self, name, launcher="torchrun", nproc=2, config="zero2.json", micro=4, extra=(), out=None,
-                 script="recipes/pretrain.py"):
+    def __call__(
+        self,
+        name,
+        launcher="torchrun",
+        nproc=2,
+        config="zero2.json",
+        micro=4,
+        extra=(),
+        out=None,
+        script="recipes/pretrain.py",
+    ):
         if name in self.done:
             return self.done[name]
         out = out or self.root / name
-        cfg = [config] if launcher == "accelerate" else ["--deepspeed", str(REPO / "ds_configs" / config)]
+        cfg = (
+            [config]
+            if launcher == "accelerate"
+            else ["--deepspeed", str(REPO / "ds_configs" / config)]
+        )
         if config.startswith("/"):
             cfg = ["--deepspeed", config]
-        args = [*cfg, "--output_dir", str(out), "--train_file", str(self.text_file),
-                "--max_steps", str(STEPS), "--per_device_train_batch_size", str(micro), *TINY, *extra]
+        args = [
+            *cfg,
+            "--output_dir",
+            str(out),
+            "--train_file",
+            str(self.text_file),
+            "--max_steps",
+            str(STEPS),
+            "--per_device_train_batch_size",
+            str(micro),
+            *TINY,
+            *extra,
+        ]
         proc = launch(launcher, nproc, script, args)
         assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
         self.done[name] = (out, read_jsonl(out / "metrics.jsonl"), proc)
@@ -121,7 +195,9 @@ def losses(metrics, key="loss"):
     return [m[key] for m in metrics if key in m]
 
 
-def run_recipe_in_process(monkeypatch, script: str, argv: list[str], env: dict | None = None) -> str:
+def run_recipe_in_process(
+    monkeypatch, script: str, argv: list[str], env: dict | None = None
+) -> str:
     """Run a recipe's main() in this process; bad input must stop it, before any process group
     starts, with one line. Returns that line."""
     import runpy

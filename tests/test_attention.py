@@ -24,13 +24,17 @@ from dragon.attention import (
 
 from test_model import ref_forward, ref_weights
 
-SMALL = dict(n_layer=2, n_embd=32, n_head=2, mlp_internal_dim_multiplier=8, vocab_size=256, dropout=0.0)
+SMALL = dict(
+    n_layer=2, n_embd=32, n_head=2, mlp_internal_dim_multiplier=8, vocab_size=256, dropout=0.0
+)
 FP32 = dict(atol=1e-5, rtol=1e-5)
 
 
 def model_with(form: str, chunk: int = 8, **overrides) -> BDHForCausalLM:
     torch.manual_seed(0)  # the same weights for every form
-    return BDHForCausalLM(BDHConfig(**{**SMALL, **overrides}, attention=form, attention_chunk_size=chunk))
+    return BDHForCausalLM(
+        BDHConfig(**{**SMALL, **overrides}, attention=form, attention_chunk_size=chunk)
+    )
 
 
 def ids_of(B: int, T: int, seed: int = 1) -> torch.Tensor:
@@ -48,17 +52,21 @@ def logits_and_grads(model: BDHForCausalLM, ids: torch.Tensor):
 
 # ---------------------------------------------------------------- the forms agree
 
-@pytest.mark.parametrize("form,chunk,T", [
-    ("chunked", 8, 32),    # a multiple of the chunk
-    ("chunked", 8, 29),    # not a multiple
-    ("chunked", 16, 5),    # shorter than one chunk
-    ("chunked", 7, 1),     # one position
-    ("chunked", 64, 300),  # chunks of one row block inside, several chunks
-    ("chunked", 160, 300),  # chunks of several row blocks
-    ("recurrent", 8, 19),
-    ("recurrent", 8, 1),
-    ("auto", 8, 40),
-])
+
+@pytest.mark.parametrize(
+    "form,chunk,T",
+    [
+        ("chunked", 8, 32),  # a multiple of the chunk
+        ("chunked", 8, 29),  # not a multiple
+        ("chunked", 16, 5),  # shorter than one chunk
+        ("chunked", 7, 1),  # one position
+        ("chunked", 64, 300),  # chunks of one row block inside, several chunks
+        ("chunked", 160, 300),  # chunks of several row blocks
+        ("recurrent", 8, 19),
+        ("recurrent", 8, 1),
+        ("auto", 8, 40),
+    ],
+)
 def test_forms_match_quadratic_logits_and_gradients(form, chunk, T):
     ids = ids_of(2, T)
     ref_logits, ref_grads = logits_and_grads(model_with("quadratic"), ids)
@@ -79,7 +87,9 @@ def test_block_quadratic_matches_the_independent_reference():
     model = model_from_reference(w, BDHConfig(**SMALL, attention="quadratic")).eval()
     ids = ids_of(1, T)
     with torch.no_grad():
-        torch.testing.assert_close(model(ids, use_cache=False).logits, ref_forward(w, ids, 2), **FP32)
+        torch.testing.assert_close(
+            model(ids, use_cache=False).logits, ref_forward(w, ids, 2), **FP32
+        )
 
 
 def test_block_backward_matches_autograd_in_float64():
@@ -121,6 +131,7 @@ def test_bad_form_and_chunk_are_refused_in_one_line():
 
 # ---------------------------------------------------------------- state cache
 
+
 @pytest.mark.parametrize("form", ["auto", "chunked", "quadratic"])
 @torch.no_grad()
 def test_stream_continuation_equals_one_forward(form):
@@ -151,15 +162,21 @@ def test_generate_with_cache_equals_full_recompute():
     model = model_with("auto").eval()
     prompts = ids_of(3, 7)  # a batch of equal-length prompts
     greedy = model.generate(prompts, max_new_tokens=30, do_sample=False)
-    assert torch.equal(greedy, model.generate(prompts, max_new_tokens=30, do_sample=False, use_cache=False))
+    assert torch.equal(
+        greedy, model.generate(prompts, max_new_tokens=30, do_sample=False, use_cache=False)
+    )
     sampled = []
     for use_cache in (True, False):
         torch.manual_seed(11)
-        sampled.append(model.generate(prompts, max_new_tokens=30, do_sample=True, top_k=5, use_cache=use_cache))
+        sampled.append(
+            model.generate(prompts, max_new_tokens=30, do_sample=True, top_k=5, use_cache=use_cache)
+        )
     assert torch.equal(sampled[0], sampled[1]) and not torch.equal(sampled[0], greedy)
     beams = model.generate(prompts, max_new_tokens=12, num_beams=3, do_sample=False)
-    assert torch.equal(beams, model.generate(prompts, max_new_tokens=12, num_beams=3, do_sample=False,
-                                             use_cache=False))
+    assert torch.equal(
+        beams,
+        model.generate(prompts, max_new_tokens=12, num_beams=3, do_sample=False, use_cache=False),
+    )
 
 
 @torch.no_grad()

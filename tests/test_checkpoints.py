@@ -1,4 +1,6 @@
-"""Checkpoints through the recipes: retention on real saves, SIGKILL + exact resume, a crash mid-save."""
+"""Checkpoints through the recipes: retention on real saves, SIGKILL + exact resume, a crash mid-
+save.
+"""
 
 import json
 import os
@@ -13,21 +15,49 @@ from dragon.retention import is_complete
 
 RECIPES = {
     "zero2": ("recipes/pretrain.py", ["--deepspeed", str(REPO / "ds_configs/zero2.json")]),
-    "pipeline": ("recipes/pretrain_pipeline.py", ["--deepspeed", str(REPO / "ds_configs/pipeline_zero0.json"),
-                                                  "--pipeline_stages", "2", "--gradient_accumulation_steps", "2"]),
+    "pipeline": (
+        "recipes/pretrain_pipeline.py",
+        [
+            "--deepspeed",
+            str(REPO / "ds_configs/pipeline_zero0.json"),
+            "--pipeline_stages",
+            "2",
+            "--gradient_accumulation_steps",
+            "2",
+        ],
+    ),
 }
 
 
 def recipe_args(kind, out, text_file, steps, extra=()):
     script, base = RECIPES[kind]
-    return script, [*base, "--output_dir", out, "--train_file", text_file, "--max_steps", steps,
-                    "--per_device_train_batch_size", "4", *TINY, "--dropout", "0.1", *extra]
+    return script, [
+        *base,
+        "--output_dir",
+        out,
+        "--train_file",
+        text_file,
+        "--max_steps",
+        steps,
+        "--per_device_train_batch_size",
+        "4",
+        *TINY,
+        "--dropout",
+        "0.1",
+        *extra,
+    ]
 
 
 def start(kind, out, text_file, steps, extra=()):
     script, args = recipe_args(kind, out, text_file, steps, extra)
-    return subprocess.Popen(launch_command("torchrun", 2, script, args), cwd=REPO, env=job_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        launch_command("torchrun", 2, script, args),
+        cwd=REPO,
+        env=job_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def finish(proc, timeout=600):
@@ -37,7 +67,9 @@ def finish(proc, timeout=600):
 
 
 def tags(out):
-    return sorted((p.name for p in (out / "checkpoints").iterdir() if p.is_dir()), key=lambda n: int(n[4:]))
+    return sorted(
+        (p.name for p in (out / "checkpoints").iterdir() if p.is_dir()), key=lambda n: int(n[4:])
+    )
 
 
 def logged_steps(path) -> set[int]:
@@ -57,7 +89,9 @@ def kill_when(proc, condition, then=None, until=None, timeout=300):
     deadline = time.time() + timeout
     for check in (condition, until):
         while check is not None and not check():
-            assert proc.poll() is None, f"job ended before the kill point:\n{proc.stderr.read()[-3000:]}"
+            assert proc.poll() is None, (
+                f"job ended before the kill point:\n{proc.stderr.read()[-3000:]}"
+            )
             assert time.time() < deadline, "kill point never reached"
             time.sleep(0.005)
         if check is condition and then is not None:
@@ -68,7 +102,8 @@ def kill_when(proc, condition, then=None, until=None, timeout=300):
 
 
 def kill_tree(pid: int) -> None:
-    """SIGKILL a launcher and every process below it at once (torchrun puts ranks in new sessions)."""
+    """SIGKILL a launcher and every process below it at once (torchrun puts ranks in new sessions).
+    """
     children: dict[int, list[int]] = {}
     for stat in os.listdir("/proc"):
         if stat.isdigit():
@@ -93,8 +128,23 @@ def kill_tree(pid: int) -> None:
 def test_retention_keeps_last_k_and_the_best(kind, tmp_path, text_file):
     """8 saves, K=2, best = highest loss (one of the first steps): it, step7 and step8 stay."""
     out = tmp_path / kind
-    finish(start(kind, out, text_file, 8, ["--save_steps", "1", "--save_total_limit", "2",
-                                           "--metric_for_best_model", "loss", "--greater_is_better"]))
+    finish(
+        start(
+            kind,
+            out,
+            text_file,
+            8,
+            [
+                "--save_steps",
+                "1",
+                "--save_total_limit",
+                "2",
+                "--metric_for_best_model",
+                "loss",
+                "--greater_is_better",
+            ],
+        )
+    )
     logged = read_jsonl(out / "metrics.jsonl")
     best = max(logged, key=lambda m: m["loss"])["step"]  # early in training, far outside the window
     assert best <= 3
@@ -102,7 +152,9 @@ def test_retention_keeps_last_k_and_the_best(kind, tmp_path, text_file):
     assert (out / "checkpoints" / "latest").read_text().strip() == "step8"
     assert all(is_complete(out / "checkpoints" / t) for t in tags(out))
     # latest loads: continue 2 more steps from it
-    finish(start(kind, out, text_file, 10, ["--save_steps", "1", "--resume_from_checkpoint", "latest"]))
+    finish(
+        start(kind, out, text_file, 10, ["--save_steps", "1", "--resume_from_checkpoint", "latest"])
+    )
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")][-2:] == [9, 10]
     # resumed with the default policy (best eval_loss, at step 8 or 10): the old best is gone
     assert tags(out)[-2:] == ["step9", "step10"] and "step1" not in tags(out)
@@ -125,7 +177,7 @@ def test_sigkill_then_resume_matches_uninterrupted(kind, tmp_path, text_file):
     assert done < 8, "killed too late"
     finish(start(kind, out, text_file, steps, [*extra, "--resume_from_checkpoint", "latest"]))
     records = read_jsonl(metrics)
-    resumed = [m for m in records if m["step"] > 4][-(steps - 4):]
+    resumed = [m for m in records if m["step"] > 4][-(steps - 4) :]
     assert [m["step"] for m in resumed] == list(range(5, steps + 1))
     # Same ranks, same data position, RNG and optimizer state: identical, not merely close.
     assert [m["loss"] for m in resumed] == expected[4:]
@@ -137,10 +189,17 @@ def test_crash_during_a_save_leaves_previous_checkpoint(tmp_path, text_file):
     out = tmp_path / "run"
     metrics, tag8 = out / "metrics.jsonl", out / "checkpoints" / "step8"
     proc = start("zero2", out, text_file, 12, ["--save_steps", "4"])
-    kill_when(proc, lambda: 5 in logged_steps(metrics), then=lambda: (
-        # A FIFO with no reader blocks DeepSpeed's write of this file: the job is caught mid-save.
-        tag8.mkdir(parents=True), os.mkfifo(tag8 / "mp_rank_00_model_states.pt")),
-        until=lambda: all((tag8 / f"rng_state_{r}.pt").exists() for r in (0, 1)))
+    kill_when(
+        proc,
+        lambda: 5 in logged_steps(metrics),
+        then=lambda: (
+            # A FIFO with no reader blocks DeepSpeed's write of this file: the job is caught mid-
+            # save.
+            tag8.mkdir(parents=True),
+            os.mkfifo(tag8 / "mp_rank_00_model_states.pt"),
+        ),
+        until=lambda: all((tag8 / f"rng_state_{r}.pt").exists() for r in (0, 1)),
+    )
     # What a real crash leaves: a file cut off mid-write and no completion marker.
     (tag8 / "mp_rank_00_model_states.pt").unlink()
     (tag8 / "mp_rank_00_model_states.pt").write_bytes(b"PK\x03\x04 cut off")
@@ -148,6 +207,10 @@ def test_crash_during_a_save_leaves_previous_checkpoint(tmp_path, text_file):
     assert not is_complete(tag8) and is_complete(out / "checkpoints" / "step4")
 
     # Resume saving every 3 steps: the save at step 6 prunes the half-written step 8.
-    finish(start("zero2", out, text_file, 12, ["--save_steps", "3", "--resume_from_checkpoint", "latest"]))
+    finish(
+        start(
+            "zero2", out, text_file, 12, ["--save_steps", "3", "--resume_from_checkpoint", "latest"]
+        )
+    )
     assert [m["step"] for m in read_jsonl(metrics)][-8:] == list(range(5, 13))
     assert tags(out) == ["step9", "step12"]

@@ -1,4 +1,5 @@
 """Tests for dragon.data on real files and the real `datasets` library (nothing mocked)."""
+
 import json
 import os
 import sysconfig
@@ -12,15 +13,29 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 
+from dragon.batches import TrainBatches, eval_batches, shard_indices  # noqa: E402
 from dragon.data import (  # noqa: E402
-    ByteTokenizer, DataArguments, DataError, TrainBatches, build_datasets, builtin_corpus_files,
-    eval_batches, load_text, load_tokenizer, pack, shard_indices, split_blocks,
+    ByteTokenizer,
+    DataArguments,
+    DataError,
+    build_datasets,
+    builtin_corpus_files,
+    load_text,
+    load_tokenizer,
+    pack,
+    split_blocks,
 )
 
 datasets.disable_progress_bars()
 
-DOCS = ["héllo wörld\n", "second document, a bit longer than the first one.\n",
-        "x", "", "λ≈∂ unicode ünd emoji 🐉\n", "last document " * 5]
+DOCS = [
+    "héllo wörld\n",
+    "second document, a bit longer than the first one.\n",
+    "x",
+    "",
+    "λ≈∂ unicode ünd emoji 🐉\n",
+    "last document " * 5,
+]
 
 
 def write_text(tmp_path, text, name="corpus.txt"):
@@ -59,12 +74,14 @@ def test_data_arguments_parse_from_command_line():
     from transformers import HfArgumentParser
 
     (args,) = HfArgumentParser(DataArguments).parse_args_into_dataclasses(
-        ["--train_file", "x.txt", "--block_size", "64", "--validation_split_percentage", "5"])
+        ["--train_file", "x.txt", "--block_size", "64", "--validation_split_percentage", "5"]
+    )
     assert (args.train_file, args.block_size, args.validation_split_percentage) == ("x.txt", 64, 5)
     assert args.dataset_name is None and args.text_column_name == "text"
 
 
 # ---------------------------------------------------------------- tokenizers
+
 
 def test_byte_tokenizer_round_trip():
     tok = ByteTokenizer()
@@ -85,8 +102,9 @@ def make_hf_tokenizer(path):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(DOCS * 5, trainer)
     PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(str(path))
     return str(path)
@@ -101,6 +119,7 @@ def test_hf_tokenizer_from_local_path(tmp_path):
 
 
 # ---------------------------------------------------------------- raw text
+
 
 def test_builtin_corpus_files():
     files = builtin_corpus_files()
@@ -121,8 +140,9 @@ def test_load_text_txt_is_one_document(tmp_path):
 
 def test_load_text_jsonl_and_json(tmp_path):
     rows = [{"id": i, "body": d} for i, d in enumerate(DOCS)]
-    ds = load_text(args_for(tmp_path, train_file=write_jsonl(tmp_path, rows),
-                            text_column_name="body"))
+    ds = load_text(
+        args_for(tmp_path, train_file=write_jsonl(tmp_path, rows), text_column_name="body")
+    )
     assert ds.column_names == ["text"] and ds["text"][:] == DOCS
     path = tmp_path / "array.json"
     path.write_text(json.dumps([{"text": d} for d in DOCS]), encoding="utf-8")
@@ -160,6 +180,7 @@ def test_build_datasets_builtin_default(builtin_cache):
 
 # ---------------------------------------------------------------- packing
 
+
 def check_packed(blocks, docs, tok, block_size):
     """Every block has block_size+1 ids and blocks are a prefix of the concatenated stream."""
     rows = blocks["input_ids"][:]
@@ -185,7 +206,7 @@ def test_pack_concatenates_documents(tmp_path):
     flat = [i for r in small["input_ids"][:] for i in r]
     expected = []
     for b in range(0, len(DOCS), 2):
-        stream = [i for d in DOCS[b: b + 2] for i in tok.encode(d)]
+        stream = [i for d in DOCS[b : b + 2] for i in tok.encode(d)]
         expected += stream[: len(stream) // 8 * 8]
     assert flat == expected and len(small) < len(blocks)
 
@@ -199,9 +220,13 @@ def test_pack_is_cached(tmp_path):
 
 
 def test_pack_hf_tokenizer(tmp_path):
-    args = args_for(tmp_path, train_file=write_jsonl(tmp_path, [{"text": d} for d in DOCS * 4]),
-                    tokenizer_name=make_hf_tokenizer(tmp_path / "tok"), block_size=5,
-                    validation_split_percentage=20)
+    args = args_for(
+        tmp_path,
+        train_file=write_jsonl(tmp_path, [{"text": d} for d in DOCS * 4]),
+        tokenizer_name=make_hf_tokenizer(tmp_path / "tok"),
+        block_size=5,
+        validation_split_percentage=20,
+    )
     train, val, tok = build_datasets(args)
     blocks = datasets.concatenate_datasets([train, val])
     check_packed(blocks, DOCS * 4, tok, 5)
@@ -209,6 +234,7 @@ def test_pack_hf_tokenizer(tmp_path):
 
 
 # ---------------------------------------------------------------- splitting
+
 
 def test_split_blocks_contiguous_and_deterministic():
     blocks = indexed_blocks(30)
@@ -235,6 +261,7 @@ def test_split_blocks_too_few_blocks():
 
 
 # ---------------------------------------------------------------- training batches
+
 
 def take(stream, k):
     return [sample_ids(next(stream)) for _ in range(k)]
@@ -302,6 +329,7 @@ def test_train_batches_too_few_samples():
 
 # ---------------------------------------------------------------- sharding and evaluation
 
+
 @pytest.mark.parametrize("n", [0, 1, 3, 10, 17])
 @pytest.mark.parametrize("world", [1, 2, 4, 5])
 def test_shard_indices(n, world):
@@ -328,6 +356,7 @@ def test_eval_batches_too_few():
 
 
 # ---------------------------------------------------------------- bad input
+
 
 def expect_error(args, *needles):
     with pytest.raises(DataError) as e:
@@ -374,8 +403,10 @@ def test_error_unknown_hub_dataset(tmp_path, monkeypatch):
     # datasets reads the environment once at import; patch its config so this test never
     # waits on network retries even when the module was imported without the variables.
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    expect_error(args_for(tmp_path, dataset_name="no-such-org/no-such-dataset"),
-                 "dataset 'no-such-org/no-such-dataset' could not be loaded")
+    expect_error(
+        args_for(tmp_path, dataset_name="no-such-org/no-such-dataset"),
+        "dataset 'no-such-org/no-such-dataset' could not be loaded",
+    )
 
 
 @pytest.mark.parametrize("block_size", [0, -3])
@@ -384,5 +415,11 @@ def test_error_bad_block_size(tmp_path, block_size):
 
 
 def test_error_bad_tokenizer_path(tmp_path):
-    expect_error(args_for(tmp_path, train_file=write_text(tmp_path, "abc" * 100),
-                          tokenizer_name=str(tmp_path / "missing_tok")), "missing_tok")
+    expect_error(
+        args_for(
+            tmp_path,
+            train_file=write_text(tmp_path, "abc" * 100),
+            tokenizer_name=str(tmp_path / "missing_tok"),
+        ),
+        "missing_tok",
+    )

@@ -1,5 +1,6 @@
 """DiLoCo: the outer step against hand computations (real gloo groups), then real recipe jobs of
-several islands on every engine: equivalences, identical weights across islands, resume, compression."""
+several islands on every engine: equivalences, identical weights across islands, resume,
+compression."""
 
 import json
 import math
@@ -10,11 +11,22 @@ import warnings
 
 import pytest
 import torch
-from conftest import (LOSS_ATOL, REPO, STEPS, TINY, free_port, job_env, launch, losses, read_jsonl,
-                      run_recipe_in_process)
+from conftest import (
+    LOSS_ATOL,
+    REPO,
+    STEPS,
+    TINY,
+    free_port,
+    job_env,
+    launch,
+    losses,
+    read_jsonl,
+    run_recipe_in_process,
+)
 
 from dragon import BDHForCausalLM
-from dragon.diloco import DiLoCo, DiLoCoArguments
+from dragon.args import DiLoCoArguments
+from dragon.diloco import DiLoCo
 from dragon.topology import Topology
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
@@ -24,6 +36,7 @@ PIPE = "recipes/pretrain_pipeline.py"
 
 
 # ------------------------------------------------------------------ the outer step by hand
+
 
 def nesterov(theta, buf, grad, lr=0.7, mu=0.9):
     """torch.optim.SGD(nesterov=True), written out: buf = mu*buf + g; theta -= lr*(g + mu*buf)."""
@@ -66,24 +79,41 @@ def test_outer_nesterov_step_equals_hand_computation():
         delta = theta - inner
         theta, buf = nesterov(theta, buf, delta)
         got = torch.cat([t.flatten() for t in weights.tensors()]).double()
-        torch.testing.assert_close(got, theta, rtol=1e-5, atol=1e-6)  # the working weights are theta_outer
-        torch.testing.assert_close(torch.cat([p.flatten() for p in outer.outer_params]).double(), theta,
-                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            got, theta, rtol=1e-5, atol=1e-6
+        )  # the working weights are theta_outer
+        torch.testing.assert_close(
+            torch.cat([p.flatten() for p in outer.outer_params]).double(),
+            theta,
+            rtol=1e-5,
+            atol=1e-6,
+        )
         assert metrics["outer_step"] == step // 2 and metrics["outer_bytes_sent"] == 0
         assert metrics["outer_grad_norm"] == pytest.approx(delta.norm().item(), rel=1e-5)
     state = outer.state_dict()  # momentum survives a save / load
-    again = DiLoCo(toy.Weights([t.clone() for t in weights.tensors()]), DiLoCoArguments(diloco_inner_steps=2),
-                   Topology())
+    again = DiLoCo(
+        toy.Weights([t.clone() for t in weights.tensors()]),
+        DiLoCoArguments(diloco_inner_steps=2),
+        Topology(),
+    )
     again.load_state_dict(state)
-    torch.testing.assert_close(again.optimizer.state_dict()["state"][0]["momentum_buffer"],
-                               outer.optimizer.state_dict()["state"][0]["momentum_buffer"], rtol=0, atol=0)
+    torch.testing.assert_close(
+        again.optimizer.state_dict()["state"][0]["momentum_buffer"],
+        outer.optimizer.state_dict()["state"][0]["momentum_buffer"],
+        rtol=0,
+        atol=0,
+    )
 
 
 def test_one_island_delayed_equals_sync_also_past_a_final_step():
     """With one island the eager update has nothing late (the average is its own fresh pseudo-
     gradient), so delayed equals sync under Nesterov, also when a run ended at step 4 goes on."""
-    runs = {mode: toy_outer_loop(DiLoCoArguments(diloco_inner_steps=2, diloco_mode=mode), 8, final_step=4)
-            .weights.tensors() for mode in ("sync", "delayed")}
+    runs = {
+        mode: toy_outer_loop(
+            DiLoCoArguments(diloco_inner_steps=2, diloco_mode=mode), 8, final_step=4
+        ).weights.tensors()
+        for mode in ("sync", "delayed")
+    }
     for got, want in zip(runs["delayed"], runs["sync"]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
@@ -91,20 +121,36 @@ def test_one_island_delayed_equals_sync_also_past_a_final_step():
 def test_delayed_mode_with_outer_momentum_warns():
     with pytest.warns(UserWarning, match="--diloco_outer_momentum 0.9"):
         DiLoCoArguments(diloco_inner_steps=50, diloco_mode="delayed")
-    with pytest.warns(UserWarning, match="--diloco_outer_lr 1 --diloco_outer_momentum 0.3 did best"):
-        DiLoCoArguments(diloco_inner_steps=50, diloco_mode="delayed", diloco_outer_lr=1.0, diloco_outer_momentum=0.5)
+    with pytest.warns(
+        UserWarning, match="--diloco_outer_lr 1 --diloco_outer_momentum 0.3 did best"
+    ):
+        DiLoCoArguments(
+            diloco_inner_steps=50,
+            diloco_mode="delayed",
+            diloco_outer_lr=1.0,
+            diloco_outer_momentum=0.5,
+        )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         DiLoCoArguments(diloco_inner_steps=50, diloco_mode="delayed", diloco_outer_momentum=0.0)
-        DiLoCoArguments(diloco_inner_steps=50, diloco_mode="delayed", diloco_outer_lr=1.0, diloco_outer_momentum=0.3)
+        DiLoCoArguments(
+            diloco_inner_steps=50,
+            diloco_mode="delayed",
+            diloco_outer_lr=1.0,
+            diloco_outer_momentum=0.3,
+        )
         DiLoCoArguments(diloco_inner_steps=50)
 
 
 def test_any_torch_optimizer_as_outer_optimizer():
     """outer_optimizer=...: theta_outer follows that optimizer fed the pseudo-gradients."""
     weights = toy.Weights(toy.initial_weights())
-    outer = DiLoCo(weights, DiLoCoArguments(diloco_inner_steps=1), Topology(),
-                   outer_optimizer=lambda params: torch.optim.Adam(params, lr=0.05))
+    outer = DiLoCo(
+        weights,
+        DiLoCoArguments(diloco_inner_steps=1),
+        Topology(),
+        outer_optimizer=lambda params: torch.optim.Adam(params, lr=0.05),
+    )
     reference = [t.clone() for t in toy.initial_weights()]
     adam = torch.optim.Adam(reference, lr=0.05)
     for step in range(1, 4):
@@ -119,7 +165,9 @@ def test_any_torch_optimizer_as_outer_optimizer():
 
 
 def int8_roundtrip(x: torch.Tensor, block: int, numels: list[int]) -> torch.Tensor:
-    """The documented int8 code: scale = absmax / 127 per block (or tensor), q = round(x * (1 / scale))."""
+    """The documented int8 code: scale = absmax / 127 per block (or tensor), q = round(x * (1 /
+    scale)).
+    """
     pieces = x.split(block) if block else x.split(numels)
     out = []
     for p in pieces:
@@ -132,7 +180,10 @@ def int8_roundtrip(x: torch.Tensor, block: int, numels: list[int]) -> torch.Tens
 def int8_error_bound(x: torch.Tensor, block: int, numels: list[int]) -> float:
     """Round to nearest: |error| <= scale / 2 = absmax / 254 for every value of a block."""
     pieces = x.split(block) if block else x.split(numels)
-    return math.sqrt(sum(p.numel() * (p.abs().max().item() / 254) ** 2 for p in pieces)) / x.norm().item()
+    return (
+        math.sqrt(sum(p.numel() * (p.abs().max().item() / 254) ** 2 for p in pieces))
+        / x.norm().item()
+    )
 
 
 def simulate(mode, compress, block=256, lr=0.7, mu=0.9):
@@ -143,7 +194,11 @@ def simulate(mode, compress, block=256, lr=0.7, mu=0.9):
     numels = [math.prod(s) for s in toy.SHAPES]
     theta = torch.cat([t.flatten() for t in toy.initial_weights()])
     centres = [torch.cat([t.flatten() for t in toy.centre(i)]) for i in (0, 1)]
-    thetas, bufs, previous = [theta.clone(), theta.clone()], [None, None], [torch.zeros_like(theta)] * 2
+    thetas, bufs, previous = (
+        [theta.clone(), theta.clone()],
+        [None, None],
+        [torch.zeros_like(theta)] * 2,
+    )
     pending, steps = None, []
     for k in range(1, toy.OUTER_STEPS + 1):
         w = [x.clone() for x in thetas]
@@ -160,7 +215,9 @@ def simulate(mode, compress, block=256, lr=0.7, mu=0.9):
             sent = [int8_roundtrip(d, block, numels) for d in deltas]
             average = (sent[0] + sent[1]) / 2
         errors = [((s - d).norm() / d.norm()).item() for s, d in zip(sent, deltas)]
-        bounds = [int8_error_bound(d, block, numels) if compress == "int8" else 2 ** -9 for d in deltas]
+        bounds = [
+            int8_error_bound(d, block, numels) if compress == "int8" else 2**-9 for d in deltas
+        ]
         final = k == toy.OUTER_STEPS
         if mode == "sync":
             applied = average
@@ -175,19 +232,42 @@ def simulate(mode, compress, block=256, lr=0.7, mu=0.9):
             previous, pending = deltas, average
             if final:  # the islands' momenta differ: theta_outer is averaged over them
                 thetas = [(thetas[0] + thetas[1]) / 2] * 2
-        steps.append({"weights": [x.clone() for x in thetas], "outer": [x.clone() for x in thetas],
-                      "errors": errors, "bounds": bounds, "norm": None if applied is None else applied.norm().item()})
+        steps.append(
+            {
+                "weights": [x.clone() for x in thetas],
+                "outer": [x.clone() for x in thetas],
+                "errors": errors,
+                "bounds": bounds,
+                "norm": None if applied is None else applied.norm().item(),
+            }
+        )
     return steps
 
 
 @pytest.fixture(scope="module")
 def two_islands(tmp_path_factory):
-    """tests/scripts/diloco_islands.py as two real islands (one launch each, a gloo group between them)."""
+    """tests/scripts/diloco_islands.py as two real islands (one launch each, a gloo group between
+    them).
+    """
     out = tmp_path_factory.mktemp("islands")
     store = f"127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen([sys.executable, str(REPO / "tests/scripts/diloco_islands.py"), str(i), store,
-                               str(out / f"island{i}.json")], cwd=REPO, env=job_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(REPO / "tests/scripts/diloco_islands.py"),
+                str(i),
+                store,
+                str(out / f"island{i}.json"),
+            ],
+            cwd=REPO,
+            env=job_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in (0, 1)
+    ]
     for p in procs:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-3000:]
@@ -200,21 +280,31 @@ def flat(lists):
 
 @pytest.mark.parametrize("index", range(len(toy.SCENARIOS)))
 def test_two_islands_equal_hand_simulation(two_islands, index):
-    """Sync and delayed schedules, fp32 / bf16 / int8 on the wire, against the hand simulation; and a
-    delayed state saved in the earlier shared-theta format, loaded mid-run, against the same."""
+    """Sync and delayed schedules, fp32 / bf16 / int8 on the wire, against the hand simulation."""
     scenario = toy.SCENARIOS[index]
     mode, compress = scenario["diloco_mode"], scenario["diloco_compress"]
     block = scenario.get("diloco_int8_block", 256)
-    expected = simulate(mode, compress, block, scenario.get("diloco_outer_lr", 0.7),
-                        scenario.get("diloco_outer_momentum", 0.9))
+    expected = simulate(
+        mode,
+        compress,
+        block,
+        scenario.get("diloco_outer_lr", 0.7),
+        scenario.get("diloco_outer_momentum", 0.9),
+    )
     payload = {"none": 4000, "bf16": 2000, "int8": 1000}[compress]
     for island in (0, 1):
-        for k, (got, want) in enumerate(zip(two_islands[island][index]["outer_steps"], expected), 1):
+        for k, (got, want) in enumerate(
+            zip(two_islands[island][index]["outer_steps"], expected), 1
+        ):
             theta, weights = flat(got["outer"]), flat(got["weights"])
             if compress == "int8":
                 # An fp32 rounding difference may move a value across a rounding boundary of its
-                # int8 code; all but a few values agree to fp32 precision, none by more than 2 codes.
-                for value, ref in ((theta, want["outer"][island]), (weights, want["weights"][island])):
+                # int8 code; all but a few values agree to fp32 precision, none by more than 2
+                # codes.
+                for value, ref in (
+                    (theta, want["outer"][island]),
+                    (weights, want["weights"][island]),
+                ):
                     close = torch.isclose(value, ref, rtol=1e-5, atol=1e-6)
                     assert close.float().mean() >= 0.99, (k, close.float().mean())
                     assert (value - ref).abs().max() <= 2 * 1.5 * ref.abs().max() / 127
@@ -223,23 +313,29 @@ def test_two_islands_equal_hand_simulation(two_islands, index):
                 torch.testing.assert_close(weights, want["weights"][island], rtol=1e-5, atol=1e-6)
             m = got["metrics"]
             assert m["outer_step"] == k
-            assert payload <= m["outer_payload_bytes"] <= payload * 1.06  # + int8 scales and padding
-            # one peer: gloo sends each byte of the payload once (measured in sync mode, a model in delayed),
+            assert (
+                payload <= m["outer_payload_bytes"] <= payload * 1.06
+            )  # + int8 scales and padding
+            # one peer: gloo sends each byte of the payload once (measured in sync mode, a model in
+            # delayed),
             # and delayed mode's last step the 4000 bytes of theta_outer it averages
             averaged = 4000 if mode == "delayed" and k == toy.OUTER_STEPS else 0
-            assert m["outer_payload_bytes"] <= m["outer_bytes_sent"] - averaged <= m["outer_payload_bytes"] + 1024
+            assert (
+                m["outer_payload_bytes"]
+                <= m["outer_bytes_sent"] - averaged
+                <= m["outer_payload_bytes"] + 1024
+            )
             if compress != "none":
                 assert m["outer_compress_error"] == pytest.approx(want["errors"][island], rel=0.05)
                 assert 0 < m["outer_compress_error"] <= want["bounds"][island]
             if want["norm"] is None:
-                assert "outer_grad_norm" not in m  # delayed: no average has arrived at the first outer step
+                assert (
+                    "outer_grad_norm" not in m
+                )  # delayed: no average has arrived at the first outer step
             else:
                 assert m["outer_grad_norm"] == pytest.approx(want["norm"], rel=1e-3)
             if mode == "delayed" and want["norm"] is not None:
                 assert 0 <= m["outer_comm_hidden_seconds"] <= m["outer_comm_seconds"]
-    if "convert_at" in scenario:  # the old format's theta_outer was one for all islands
-        old = [flat(two_islands[i][index]["outer_steps"][scenario["convert_at"] - 1]["old_outer"]) for i in (0, 1)]
-        torch.testing.assert_close(old[0], old[1], rtol=1e-6, atol=1e-6)
     if mode == "delayed":  # islands differ between outer steps (own progress), agree at the end
         for key in ("weights", "outer"):
             last = [flat(two_islands[i][index]["outer_steps"][-1][key]) for i in (0, 1)]
@@ -255,10 +351,14 @@ def test_data_of_islands_is_one_data_parallel_job():
 # ------------------------------------------------------------------ recipe jobs
 
 SGD = {
-    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-    "gradient_clipping": 0.0, "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
-    "steps_per_print": 10**6, "optimizer": {"type": "SGD", "params": {"lr": "auto", "momentum": 0.0,
-                                                                      "weight_decay": 0.0}},
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": 0.0,
+    "zero_optimization": {"stage": 1},
+    "zero_allow_untested_optimizer": True,
+    "steps_per_print": 10**6,
+    "optimizer": {"type": "SGD", "params": {"lr": "auto", "momentum": 0.0, "weight_decay": 0.0}},
 }
 DILOCO = ["--diloco_islands", "2", "--diloco_inner_steps", "2", "--diloco_checksum"]
 LR1 = ["--diloco_outer_lr", "1.0", "--diloco_outer_momentum", "0"]
@@ -271,21 +371,44 @@ def island_metrics(out, island):
 _island_runs = {}
 
 
-def islands_run(runs, name, nproc=2, config="zero2.json", micro=4, extra=(), out=None, script="recipes/pretrain.py"):
-    """Like conftest's Runs, for jobs of several islands (metrics in <out>/island<i>/metrics.jsonl)."""
+def islands_run(
+    runs,
+    name,
+    nproc=2,
+    config="zero2.json",
+    micro=4,
+    extra=(),
+    out=None,
+    script="recipes/pretrain.py",
+):
+    """Like conftest's Runs, for jobs of several islands (metrics in <out>/island<i>/metrics.jsonl).
+    """
     if name not in _island_runs:
         out = out or runs.root / name
         cfg = config if config.startswith("/") else str(REPO / "ds_configs" / config)
-        args = ["--deepspeed", cfg, "--output_dir", str(out), "--train_file", str(runs.text_file),
-                "--max_steps", str(STEPS), "--per_device_train_batch_size", str(micro), *TINY, *extra]
+        args = [
+            "--deepspeed",
+            cfg,
+            "--output_dir",
+            str(out),
+            "--train_file",
+            str(runs.text_file),
+            "--max_steps",
+            str(STEPS),
+            "--per_device_train_batch_size",
+            str(micro),
+            *TINY,
+            *extra,
+        ]
         proc = launch("torchrun", nproc, script, args)
         assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
         _island_runs[name] = out
     return _island_runs[name]
 
 
-def assert_islands_identical(out, keys=("weights_sum", "weights_sumsq", "outer_sum", "outer_sumsq"),
-                             steps=(2, 4, 6, 8)):
+def assert_islands_identical(
+    out, keys=("weights_sum", "weights_sumsq", "outer_sum", "outer_sumsq"), steps=(2, 4, 6, 8)
+):
     """After every outer step, the fingerprints of both islands' weights are bit-identical."""
     outer = [[m for m in island_metrics(out, i) if "outer_step" in m] for i in (0, 1)]
     assert [m["step"] for m in outer[0]] == list(steps) == [m["step"] for m in outer[1]]
@@ -301,28 +424,50 @@ def final_logits(out):
 
 
 def test_one_island_with_identity_outer_step_is_plain_training(runs):
-    """--diloco_islands 1, outer SGD lr 1 without momentum: theta_outer is the inner weights, step for step."""
+    """--diloco_islands 1, outer SGD lr 1 without momentum: theta_outer is the inner weights, step
+    for step.
+    """
     out, metrics, _ = runs("diloco_1island", extra=["--diloco_inner_steps", "2", *LR1])
     _, ref, _ = runs("zero2")
     assert losses(metrics) == pytest.approx(losses(ref), abs=LOSS_ATOL)
     assert losses(metrics, "eval_loss") == pytest.approx(losses(ref, "eval_loss"), abs=LOSS_ATOL)
     assert [m["outer_step"] for m in metrics if "outer_step" in m] == [1, 2, 3, 4]
-    assert (out / "checkpoints" / "step8" / "diloco_state_0.pt").exists()  # one island: the usual layout
+    assert (
+        out / "checkpoints" / "step8" / "diloco_state_0.pt"
+    ).exists()  # one island: the usual layout
 
 
 @pytest.mark.slow
 def test_two_islands_of_two_equal_data_parallel_sgd(runs, tmp_path_factory):
-    """2 islands x 2 ranks, inner SGD, H = 1, outer SGD lr 1: synchronous SGD over 4 ranks on the same data."""
+    """2 islands x 2 ranks, inner SGD, H = 1, outer SGD lr 1: synchronous SGD over 4 ranks on the
+    same data.
+    """
     cfg = tmp_path_factory.mktemp("cfg") / "sgd_zero1.json"
     cfg.write_text(json.dumps(SGD))
     sgd = ["--learning_rate", "0.5", "--max_grad_norm", "0"]
-    out = islands_run(runs, "diloco_sgd_2x2", nproc=4, micro=2, config=str(cfg),
-                     extra=[*sgd, *DILOCO[:2], "--diloco_inner_steps", "1", "--diloco_checksum", *LR1,
-                            "--save_steps", "4"])
+    out = islands_run(
+        runs,
+        "diloco_sgd_2x2",
+        nproc=4,
+        micro=2,
+        config=str(cfg),
+        extra=[
+            *sgd,
+            *DILOCO[:2],
+            "--diloco_inner_steps",
+            "1",
+            "--diloco_checksum",
+            *LR1,
+            "--save_steps",
+            "4",
+        ],
+    )
     ref_out, ref, _ = runs("sgd_4ranks", nproc=4, micro=2, config=str(cfg), extra=sgd)
     per_island = [losses(island_metrics(out, i)) for i in (0, 1)]
     assert [(a + b) / 2 for a, b in zip(*per_island)] == pytest.approx(losses(ref), abs=LOSS_ATOL)
-    assert losses(island_metrics(out, 0), "eval_loss") == pytest.approx(losses(ref, "eval_loss"), abs=LOSS_ATOL)
+    assert losses(island_metrics(out, 0), "eval_loss") == pytest.approx(
+        losses(ref, "eval_loss"), abs=LOSS_ATOL
+    )
     assert losses(ref)[-1] < losses(ref)[0] - 0.3  # it learns
     torch.testing.assert_close(final_logits(out), final_logits(ref_out), atol=1e-4, rtol=1e-4)
     outer = [m for m in island_metrics(out, 0) if "outer_step" in m]
@@ -335,15 +480,24 @@ def test_two_islands_of_two_equal_data_parallel_sgd(runs, tmp_path_factory):
 
 @pytest.mark.slow
 def test_zero3_bf16_int8_islands_stay_identical_and_learn(runs):
-    out = islands_run(runs, "diloco_zero3_int8", nproc=4, micro=2, config="zero3.json",
-                     extra=["--bf16", *DILOCO, "--diloco_compress", "int8"])
+    out = islands_run(
+        runs,
+        "diloco_zero3_int8",
+        nproc=4,
+        micro=2,
+        config="zero3.json",
+        extra=["--bf16", *DILOCO, "--diloco_compress", "int8"],
+    )
     assert_islands_identical(out)
     metrics = island_metrics(out, 0)
     assert losses(metrics)[-1] < losses(metrics)[0] - 0.3
     errors = [m["outer_compress_error"] for m in metrics if "outer_step" in m]
     assert all(0 < e < 0.01 for e in errors), errors  # int8, 1024 values per scale: under 1 %
     assert (out / "final" / "model.safetensors").exists()
-    assert sorted(p.name for p in (out / "island1" / "checkpoints").iterdir() if p.is_dir()) == ["step4", "step8"]
+    assert sorted(p.name for p in (out / "island1" / "checkpoints").iterdir() if p.is_dir()) == [
+        "step4",
+        "step8",
+    ]
 
 
 PIPE_ISLANDS = ["--bf16", "--pipeline_stages", "2", "--gradient_accumulation_steps", "2", *DILOCO]
@@ -351,13 +505,22 @@ PIPE_ISLANDS = ["--bf16", "--pipeline_stages", "2", "--gradient_accumulation_ste
 
 def pipeline_islands(runs):
     """2 islands x a 2-stage bf16 pipeline, one rank per stage (ZeRO-0): 4 processes."""
-    return islands_run(runs, "diloco_pipe", nproc=4, micro=4, config="pipeline_zero0.json", script=PIPE,
-                       extra=PIPE_ISLANDS)
+    return islands_run(
+        runs,
+        "diloco_pipe",
+        nproc=4,
+        micro=4,
+        config="pipeline_zero0.json",
+        script=PIPE,
+        extra=PIPE_ISLANDS,
+    )
 
 
 @pytest.mark.slow
 def test_pipeline_islands_stay_identical(runs):
-    """2 islands x a 2-stage bf16 pipeline: each stage ships its own weights; the tied block stays tied."""
+    """2 islands x a 2-stage bf16 pipeline: each stage ships its own weights; the tied block stays
+    tied.
+    """
     out = pipeline_islands(runs)
     assert_islands_identical(out)
     metrics = island_metrics(out, 0)
@@ -367,10 +530,18 @@ def test_pipeline_islands_stay_identical(runs):
 
 @pytest.mark.slow
 def test_pipeline_with_data_parallel_islands_ship_half_a_stage(runs):
-    """2 islands x (2 stages x 2 data-parallel ranks, ZeRO-1), 8 processes: rank r of an island ships
-    only its ZeRO partition of its stage, half of what the same stage ships without data parallel."""
-    out = islands_run(runs, "diloco_pipe_dp2", nproc=8, micro=2, config="pipeline_zero1.json",
-                      script=PIPE, extra=PIPE_ISLANDS)
+    """2 islands x (2 stages x 2 data-parallel ranks, ZeRO-1), 8 processes: rank r of an island
+    ships only its ZeRO partition of its stage, half of what the same stage ships without data
+    parallel."""
+    out = islands_run(
+        runs,
+        "diloco_pipe_dp2",
+        nproc=8,
+        micro=2,
+        config="pipeline_zero1.json",
+        script=PIPE,
+        extra=PIPE_ISLANDS,
+    )
     assert_islands_identical(out)
     metrics = island_metrics(out, 0)
     assert losses(metrics)[-1] < losses(metrics)[0] - 0.3
@@ -378,28 +549,40 @@ def test_pipeline_with_data_parallel_islands_ship_half_a_stage(runs):
     payload = {m["outer_payload_bytes"] for m in metrics if "outer_step" in m}
     stage = {m["outer_payload_bytes"] for m in whole_stage if "outer_step" in m}
     assert len(payload) == len(stage) == 1
-    assert payload.pop() == pytest.approx(stage.pop() / 2, rel=0.01)  # rel: ZeRO's alignment padding
+    assert payload.pop() == pytest.approx(
+        stage.pop() / 2, rel=0.01
+    )  # rel: ZeRO's alignment padding
 
 
 def test_delayed_mode_resumes_exactly(runs, tmp_path):
-    """ZeRO-0 fp32, delayed outer steps with dropout on: resuming at step 4 (an average in flight) replays
-    steps 5-8 of both islands bit for bit. Each island steps its own theta_outer (eager updates); the
-    last outer step applies everything and averages them, so the islands end on the same weights."""
+    """ZeRO-0 fp32, delayed outer steps with dropout on: resuming at step 4 (an average in flight)
+    replays steps 5-8 of both islands bit for bit. Each island steps its own theta_outer (eager
+    updates); the last outer step applies everything and averages them, so the islands end on the
+    same weights."""
     extra = ["--dropout", "0.2", *DILOCO, "--diloco_mode", "delayed"]
     full_out = islands_run(runs, "diloco_delayed", config="zero0.json", extra=extra)
     full = [island_metrics(full_out, i) for i in (0, 1)]
-    assert full[0][1]["outer_sum"] != full[1][1]["outer_sum"]  # step 2: each island's own fresh share
+    assert (
+        full[0][1]["outer_sum"] != full[1][1]["outer_sum"]
+    )  # step 2: each island's own fresh share
     for key in ("weights_sum", "weights_sumsq", "outer_sum", "outer_sumsq"):
         assert full[0][-1][key] == full[1][-1][key]
     hidden = [m["outer_comm_hidden_seconds"] for m in full[0] if "outer_comm_hidden_seconds" in m]
     assert len(hidden) == 3 and all(h >= 0 for h in hidden)
     resumed_out = tmp_path / "resumed"
     for i in (0, 1):
-        shutil.copytree(full_out / f"island{i}" / "checkpoints" / "step4",
-                        resumed_out / f"island{i}" / "checkpoints" / "step4")
+        shutil.copytree(
+            full_out / f"island{i}" / "checkpoints" / "step4",
+            resumed_out / f"island{i}" / "checkpoints" / "step4",
+        )
         (resumed_out / f"island{i}" / "checkpoints" / "latest").write_text("step4")
-    islands_run(runs, "diloco_delayed_resumed", config="zero0.json", out=resumed_out,
-         extra=[*extra, "--resume_from_checkpoint", "latest"])
+    islands_run(
+        runs,
+        "diloco_delayed_resumed",
+        config="zero0.json",
+        out=resumed_out,
+        extra=[*extra, "--resume_from_checkpoint", "latest"],
+    )
     for i in (0, 1):
         resumed = island_metrics(resumed_out, i)
         assert [m["step"] for m in resumed] == [5, 6, 7, 8]
@@ -408,40 +591,95 @@ def test_delayed_mode_resumes_exactly(runs, tmp_path):
 
 
 def test_zero0_bf16_with_bf16_pseudo_gradients(runs):
-    """ZeRO-0 bf16 (fp32 copies per parameter), bf16 on the wire: identical islands, learning, small error."""
-    out = islands_run(runs, "diloco_zero0_bf16", config="zero0.json",
-                      extra=["--bf16", *DILOCO, "--diloco_compress", "bf16"])
+    """ZeRO-0 bf16 (fp32 copies per parameter), bf16 on the wire: identical islands, learning, small
+    error.
+    """
+    out = islands_run(
+        runs,
+        "diloco_zero0_bf16",
+        config="zero0.json",
+        extra=["--bf16", *DILOCO, "--diloco_compress", "bf16"],
+    )
     assert_islands_identical(out)
     metrics = island_metrics(out, 0)
     assert losses(metrics)[-1] < losses(metrics)[0] - 0.3
     errors = [m["outer_compress_error"] for m in metrics if "outer_step" in m]
-    assert all(0 < e <= 2 ** -9 for e in errors), errors  # round to nearest bf16: at most 2^-9 relative
+    assert all(0 < e <= 2**-9 for e in errors), (
+        errors
+    )  # round to nearest bf16: at most 2^-9 relative
 
 
 # ------------------------------------------------------------------ bad input
 
-@pytest.mark.parametrize("script,argv,env,expected", [
-    ("recipes/pretrain.py", ["--diloco_inner_steps", "0"], {}, "--diloco_inner_steps 0: must be >= 1"),
-    ("recipes/pretrain.py", ["--diloco_inner_steps", "2", "--diloco_compress", "zstd"], {},
-     "--diloco_compress 'zstd': valid are none, bf16, int8"),
-    ("recipes/pretrain.py", ["--diloco_inner_steps", "3", "--save_steps", "4"], {},
-     "--save_steps 4: must be a multiple of --diloco_inner_steps 3"),
-    ("recipes/pretrain.py", ["--diloco_islands", "2", "--diloco_inner_steps", "2"], {"WORLD_SIZE": "3"},
-     "--diloco_islands 2: the world size 3 is not divisible by it"),
-    ("recipes/pretrain.py", ["--diloco_islands", "2"], {}, "needs --diloco_inner_steps"),
-    ("recipes/pretrain.py", ["--diloco_inner_steps", "2", "--diloco_mode", "async"], {}, "valid are sync, delayed"),
-    (PIPE, ["--pipeline_stages", "3", "--diloco_islands", "2", "--diloco_inner_steps", "2"], {"WORLD_SIZE": "4"},
-     "--pipeline_stages 3: the island size 2 is not divisible by it"),
-])
-def test_bad_input_stops_before_start(monkeypatch, text_file, tmp_path, script, argv, env, expected):
-    base = ["--deepspeed", str(REPO / "ds_configs" / ("pipeline_zero0.json" if script == PIPE else "zero2.json")),
-            "--output_dir", str(tmp_path), "--train_file", str(text_file), "--n_layer", "2", "--n_embd", "32",
-            "--n_head", "2", "--block_size", "64"]
+
+@pytest.mark.parametrize(
+    "script,argv,env,expected",
+    [
+        (
+            "recipes/pretrain.py",
+            ["--diloco_inner_steps", "0"],
+            {},
+            "--diloco_inner_steps 0: must be >= 1",
+        ),
+        (
+            "recipes/pretrain.py",
+            ["--diloco_inner_steps", "2", "--diloco_compress", "zstd"],
+            {},
+            "--diloco_compress 'zstd': valid are none, bf16, int8",
+        ),
+        (
+            "recipes/pretrain.py",
+            ["--diloco_inner_steps", "3", "--save_steps", "4"],
+            {},
+            "--save_steps 4: must be a multiple of --diloco_inner_steps 3",
+        ),
+        (
+            "recipes/pretrain.py",
+            ["--diloco_islands", "2", "--diloco_inner_steps", "2"],
+            {"WORLD_SIZE": "3"},
+            "--diloco_islands 2: the world size 3 is not divisible by it",
+        ),
+        ("recipes/pretrain.py", ["--diloco_islands", "2"], {}, "needs --diloco_inner_steps"),
+        (
+            "recipes/pretrain.py",
+            ["--diloco_inner_steps", "2", "--diloco_mode", "async"],
+            {},
+            "valid are sync, delayed",
+        ),
+        (
+            PIPE,
+            ["--pipeline_stages", "3", "--diloco_islands", "2", "--diloco_inner_steps", "2"],
+            {"WORLD_SIZE": "4"},
+            "--pipeline_stages 3: the island size 2 is not divisible by it",
+        ),
+    ],
+)
+def test_bad_input_stops_before_start(
+    monkeypatch, text_file, tmp_path, script, argv, env, expected
+):
+    base = [
+        "--deepspeed",
+        str(REPO / "ds_configs" / ("pipeline_zero0.json" if script == PIPE else "zero2.json")),
+        "--output_dir",
+        str(tmp_path),
+        "--train_file",
+        str(text_file),
+        "--n_layer",
+        "2",
+        "--n_embd",
+        "32",
+        "--n_head",
+        "2",
+        "--block_size",
+        "64",
+    ]
     assert expected in run_recipe_in_process(monkeypatch, script, base + argv, env)
 
 
 def test_zero2_islands_stay_identical(runs):
-    """ZeRO-2 (fp32 partition per rank), default Nesterov outer step: identical islands after every outer step."""
+    """ZeRO-2 (fp32 partition per rank), default Nesterov outer step: identical islands after every
+    outer step.
+    """
     out = islands_run(runs, "diloco_zero2", config="zero2.json", extra=DILOCO)
     assert_islands_identical(out)
     metrics = island_metrics(out, 0)

@@ -31,7 +31,7 @@ from dragon.convert import (
     reference_state_dict,
 )
 from dragon.model import BDHConfig, BDHForCausalLM
-from dragon.profile import model_profile, parameter_count
+from dragon.cost import model_profile, parameter_count
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = dict(n_layer=3, n_embd=32, n_head=2, mlp_internal_dim_multiplier=8, vocab_size=256)
@@ -242,11 +242,19 @@ def test_model_profile():
     assert counter.get_total_flops() / (2 * 16) == p.forward_flops_per_token
 
     # and for every attention form, T a multiple of the chunk or not
-    for form, T in (("chunked", 16), ("chunked", 23), ("recurrent", 9), ("auto", 40), ("quadratic", 300)):
+    for form, T in (
+        ("chunked", 16),
+        ("chunked", 23),
+        ("recurrent", 9),
+        ("auto", 40),
+        ("quadratic", 300),
+    ):
         c = BDHConfig(**{**TINY, "n_layer": 2, "attention": form, "attention_chunk_size": 8})
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
             BDHForCausalLM(c).eval()(torch.zeros(1, T, dtype=torch.long), use_cache=False)
-        assert counter.get_total_flops() / T == pytest.approx(model_profile(c, T).forward_flops_per_token)
+        assert counter.get_total_flops() / T == pytest.approx(
+            model_profile(c, T).forward_flops_per_token
+        )
 
 
 def test_config_errors():
@@ -353,7 +361,11 @@ def run_converter(*args):
     env = {**os.environ, "PYTHONPATH": path}
     return subprocess.run(
         [sys.executable, "recipes/convert_reference.py", *map(str, args)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -412,8 +424,13 @@ def test_converter_cli_in_process(converter_main, capsys, tmp_path, ids):
     torch.save(w, tmp_path / "ref.pt")
     # a wrong size: the key and the expected shape, on one line, exit code 2
     with pytest.raises(SystemExit) as info:
-        converter_main("--input", tmp_path / "ref.pt", "--output", tmp_path / "bad",
-                       *size_args({**config, "mlp_internal_dim_multiplier": 4}))
+        converter_main(
+            "--input",
+            tmp_path / "ref.pt",
+            "--output",
+            tmp_path / "bad",
+            *size_args({**config, "mlp_internal_dim_multiplier": 4}),
+        )
     assert info.value.code == 2
     (line,) = error_lines(capsys.readouterr().err)
     assert "'encoder'" in line and "(2, 32, 128)" in line and "(2, 32, 64)" in line

@@ -1,4 +1,5 @@
-"""BDH as a DeepSpeed pipeline: real 2- and 4-process jobs on CPU, checked against the plain model."""
+"""BDH as a DeepSpeed pipeline: real 2- and 4-process jobs on CPU, checked against the plain model.
+"""
 
 import json
 import shutil
@@ -16,9 +17,21 @@ CONFIG = "pipeline_zero0.json"
 
 def pipeline_run(runs, name, nproc=2, micro=4, extra=(), **kw):
     """The pipeline recipe with 4 micro-batches per step (gradient accumulation)."""
-    return runs(name, nproc=nproc, micro=micro, config=CONFIG, script=PIPE,
-                extra=["--pipeline_stages", "2", "--gradient_accumulation_steps", str(16 // (micro * (nproc // 2))),
-                       *extra], **kw)
+    return runs(
+        name,
+        nproc=nproc,
+        micro=micro,
+        config=CONFIG,
+        script=PIPE,
+        extra=[
+            "--pipeline_stages",
+            "2",
+            "--gradient_accumulation_steps",
+            str(16 // (micro * (nproc // 2))),
+            *extra,
+        ],
+        **kw,
+    )
 
 
 def test_partition_balances_layers():
@@ -33,7 +46,9 @@ def test_gradients_equal_plain_model(tmp_path):
     torch.manual_seed(0)
     config = BDHConfig(n_layer=3, n_embd=32, n_head=2, mlp_internal_dim_multiplier=8, dropout=0.0)
     model = BDHForCausalLM(config)
-    model.save_pretrained(tmp_path / "hf")  # the pipeline starts from this directory (HF -> pipeline)
+    model.save_pretrained(
+        tmp_path / "hf"
+    )  # the pipeline starts from this directory (HF -> pipeline)
     batches = [torch.randint(0, 256, (2, 33)) for _ in range(4)]
     torch.save(batches, tmp_path / "batches.pt")
     proc = launch("torchrun", 2, "tests/scripts/pipeline_step.py", [str(tmp_path), "4"])
@@ -70,8 +85,13 @@ def test_gradients_equal_plain_model(tmp_path):
 def test_trajectory_equals_single_process(runs):
     """8 steps of the 2-stage pipeline equal 8 steps of the ZeRO recipe on one process."""
     out, pipe, proc = pipeline_run(runs, "pipe2")
-    single_out, single, _ = runs("single_accum", launcher="python", nproc=1, micro=4,
-                                 extra=["--gradient_accumulation_steps", "4"])
+    single_out, single, _ = runs(
+        "single_accum",
+        launcher="python",
+        nproc=1,
+        micro=4,
+        extra=["--gradient_accumulation_steps", "4"],
+    )
     assert len(pipe) == STEPS
     assert losses(pipe) == pytest.approx(losses(single), abs=LOSS_ATOL)
     assert losses(pipe, "eval_loss") == pytest.approx(losses(single, "eval_loss"), abs=LOSS_ATOL)
@@ -82,16 +102,26 @@ def test_trajectory_equals_single_process(runs):
         a = BDHForCausalLM.from_pretrained(out / "final")(ids).logits
         b = BDHForCausalLM.from_pretrained(single_out / "final")(ids).logits
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-    exported = launch("python", 1, "recipes/export.py", ["--checkpoint", str(out / "checkpoints" / "step8"),
-                                                          "--output", str(out / "exported")])
+    exported = launch(
+        "python",
+        1,
+        "recipes/export.py",
+        ["--checkpoint", str(out / "checkpoints" / "step8"), "--output", str(out / "exported")],
+    )
     assert exported.returncode == 0, exported.stderr[-3000:]
     with torch.no_grad():
-        torch.testing.assert_close(BDHForCausalLM.from_pretrained(out / "exported")(ids).logits, a, atol=0, rtol=0)
+        torch.testing.assert_close(
+            BDHForCausalLM.from_pretrained(out / "exported")(ids).logits, a, atol=0, rtol=0
+        )
     # The shared block, written once by each stage, is identical on both stages.
     tag = out / "checkpoints" / f"step{STEPS}"
     owners = sorted(p.name for p in tag.glob("layer_*-model_states.pt"))
-    assert owners == ["layer_00-model_states.pt", "layer_01-model_states.pt", "layer_02-model_states.pt",
-                      "layer_03-model_states.pt"]
+    assert owners == [
+        "layer_00-model_states.pt",
+        "layer_01-model_states.pt",
+        "layer_02-model_states.pt",
+        "layer_03-model_states.pt",
+    ]
     s0, s1 = (torch.load(tag / name) for name in owners[1:3])
     for key in ("encoder", "encoder_v", "decoder"):
         assert torch.equal(s0[key], s1[key]), key
@@ -102,18 +132,37 @@ def test_resume_continues_exactly(runs, tmp_path):
     resumed_out = tmp_path / "resumed"
     shutil.copytree(out / "checkpoints" / "step4", resumed_out / "checkpoints" / "step4")
     (resumed_out / "checkpoints" / "latest").write_text("step4")
-    _, resumed, _ = pipeline_run(runs, "pipe_resumed", extra=["--dropout", "0.2", "--resume_from_checkpoint",
-                                                              "latest"], out=resumed_out)
+    _, resumed, _ = pipeline_run(
+        runs,
+        "pipe_resumed",
+        extra=["--dropout", "0.2", "--resume_from_checkpoint", "latest"],
+        out=resumed_out,
+    )
     assert [m["step"] for m in resumed] == [5, 6, 7, 8]
     assert losses(resumed) == losses(full)[4:]
 
 
 def test_starts_from_hugging_face_directory(runs):
     """HF -> pipeline: a run started from the single-process export evaluates to its loss."""
-    single_out, single, _ = runs("single_accum", launcher="python", nproc=1, micro=4,
-                                 extra=["--gradient_accumulation_steps", "4"])
-    _, cont, _ = pipeline_run(runs, "pipe_from_hf", extra=["--model_name_or_path", str(single_out / "final"),
-                                                           "--learning_rate", "1e-12", "--warmup_steps", "0"])
+    single_out, single, _ = runs(
+        "single_accum",
+        launcher="python",
+        nproc=1,
+        micro=4,
+        extra=["--gradient_accumulation_steps", "4"],
+    )
+    _, cont, _ = pipeline_run(
+        runs,
+        "pipe_from_hf",
+        extra=[
+            "--model_name_or_path",
+            str(single_out / "final"),
+            "--learning_rate",
+            "1e-12",
+            "--warmup_steps",
+            "0",
+        ],
+    )
     # With a vanishing learning rate the weights stay the exported ones: same validation loss.
     assert cont[3]["eval_loss"] == pytest.approx(single[-1]["eval_loss"], abs=1e-5)
 
@@ -128,38 +177,79 @@ def test_two_stages_by_two_data_parallel(runs):
 
 
 def test_too_few_micro_batches_warns_about_the_bubble(runs):
-    _, metrics, proc = runs("pipe_bubble", config=CONFIG, script=PIPE,
-                            extra=["--pipeline_stages", "2", "--max_steps", "2"])
+    _, metrics, proc = runs(
+        "pipe_bubble",
+        config=CONFIG,
+        script=PIPE,
+        extra=["--pipeline_stages", "2", "--max_steps", "2"],
+    )
     assert "bubble idles 50%" in proc.stderr and len(metrics) == 2
 
 
-@pytest.mark.parametrize("argv,env,expected", [
-    (["--pipeline_stages", "3"], {"WORLD_SIZE": "4"}, "world size 4 is not divisible"),
-    (["--pipeline_stages", "2", "--n_layer", "1"], {"WORLD_SIZE": "2"}, "between 1 and n_layer=1"),
-    (["--pipeline_stages", "2", "--deepspeed", str(REPO / "ds_configs/zero2.json")], {"WORLD_SIZE": "2"},
-     "ZeRO stage 2 cannot shard a pipeline"),
-    (["--pipeline_stages", "2"], {"WORLD_SIZE": "2", "ACCELERATE_USE_DEEPSPEED": "true"},
-     "deepspeed --num_gpus N recipes/pretrain_pipeline.py"),
-    (["--pipeline_stages", "2", "--partition_method", "random"], {"WORLD_SIZE": "2"}, "valid are compute"),
-])
+@pytest.mark.parametrize(
+    "argv,env,expected",
+    [
+        (["--pipeline_stages", "3"], {"WORLD_SIZE": "4"}, "world size 4 is not divisible"),
+        (
+            ["--pipeline_stages", "2", "--n_layer", "1"],
+            {"WORLD_SIZE": "2"},
+            "between 1 and n_layer=1",
+        ),
+        (
+            ["--pipeline_stages", "2", "--deepspeed", str(REPO / "ds_configs/zero2.json")],
+            {"WORLD_SIZE": "2"},
+            "ZeRO stage 2 cannot shard a pipeline",
+        ),
+        (
+            ["--pipeline_stages", "2"],
+            {"WORLD_SIZE": "2", "ACCELERATE_USE_DEEPSPEED": "true"},
+            "deepspeed --num_gpus N recipes/pretrain_pipeline.py",
+        ),
+        (
+            ["--pipeline_stages", "2", "--partition_method", "random"],
+            {"WORLD_SIZE": "2"},
+            "valid are compute",
+        ),
+    ],
+)
 def test_bad_input_stops_before_start(monkeypatch, text_file, tmp_path, argv, env, expected):
-    base = ["--deepspeed", str(REPO / "ds_configs" / CONFIG), "--output_dir", str(tmp_path), "--train_file",
-            str(text_file), "--n_layer", "2", "--n_embd", "32", "--n_head", "2", "--block_size", "64"]
+    base = [
+        "--deepspeed",
+        str(REPO / "ds_configs" / CONFIG),
+        "--output_dir",
+        str(tmp_path),
+        "--train_file",
+        str(text_file),
+        "--n_layer",
+        "2",
+        "--n_embd",
+        "32",
+        "--n_head",
+        "2",
+        "--block_size",
+        "64",
+    ]
     assert expected in run_recipe_in_process(monkeypatch, PIPE, base + argv, env)
 
 
 def test_chunked_attention_pipeline_trains_like_quadratic(runs):
     """The stages run the model's own layer code: the chunked form there gives the same losses."""
-    _, chunked, _ = pipeline_run(runs, "pipe2_chunked", extra=["--attention", "chunked",
-                                                               "--attention_chunk_size", "16"])
+    _, chunked, _ = pipeline_run(
+        runs, "pipe2_chunked", extra=["--attention", "chunked", "--attention_chunk_size", "16"]
+    )
     _, ref, _ = pipeline_run(runs, "pipe2")
     assert losses(chunked) == pytest.approx(losses(ref), abs=LOSS_ATOL)
     assert losses(chunked, "eval_loss") == pytest.approx(losses(ref, "eval_loss"), abs=LOSS_ATOL)
 
 
 def test_zero1_pipeline_equals_zero0(runs):
-    _, zero1, _ = runs("pipe2_zero1", config="pipeline_zero1.json", script=PIPE, micro=4,
-                       extra=["--pipeline_stages", "2", "--gradient_accumulation_steps", "4"])
+    _, zero1, _ = runs(
+        "pipe2_zero1",
+        config="pipeline_zero1.json",
+        script=PIPE,
+        micro=4,
+        extra=["--pipeline_stages", "2", "--gradient_accumulation_steps", "4"],
+    )
     _, zero0, _ = pipeline_run(runs, "pipe2")
     assert losses(zero1) == pytest.approx(losses(zero0), abs=LOSS_ATOL)
     assert all(m["grad_norm"] > 0 for m in zero1)  # ZeRO-1 records the (whole-pipeline) norm

@@ -10,6 +10,7 @@ from conftest import LOSS_ATOL, REPO, STEPS, TINY, launch, losses, read_jsonl, r
 
 from dragon import BDHForCausalLM
 
+
 def final_logits(out):
     model = BDHForCausalLM.from_pretrained(out / "final").eval()
     ids = torch.arange(64).view(2, 32) % model.config.vocab_size
@@ -27,14 +28,19 @@ def test_metrics_file_and_learning(runs):
     assert metrics[0]["loss"] == pytest.approx(math.log(256), abs=0.1)  # uniform over bytes at init
     assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.3
     assert metrics[1]["lr"] == pytest.approx(3e-3)  # end of the 2-step warm-up, then cosine down
-    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir()) == ["step4", "step8"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir()) == [
+        "step4",
+        "step8",
+    ]
     assert (out / "checkpoints" / "latest").read_text().strip() == "step8"
     assert (out / "final" / "model.safetensors").exists()
 
 
 @pytest.mark.parametrize("stage", [0, 1, 3])
 def test_zero_stages_train_identically(runs, stage, tmp_path):
-    """ZeRO 0, 1 and 3 give ZeRO-2's losses and final weights (stage 1 also with the csv monitor on)."""
+    """ZeRO 0, 1 and 3 give ZeRO-2's losses and final weights (stage 1 also with the csv monitor
+    on).
+    """
     config = f"zero{stage}.json"
     if stage == 1:  # DeepSpeed's own monitor, switched on in the JSON as a user would
         cfg = json.loads((REPO / "ds_configs" / config).read_text())
@@ -74,7 +80,9 @@ def test_resume_continues_exactly(runs, tmp_path):
     resumed_out = tmp_path / "resumed"
     shutil.copytree(full_out / "checkpoints" / "step4", resumed_out / "checkpoints" / "step4")
     (resumed_out / "checkpoints" / "latest").write_text("step4")
-    _, resumed, _ = runs("resumed", extra=[*dropout, "--resume_from_checkpoint", "latest"], out=resumed_out)
+    _, resumed, _ = runs(
+        "resumed", extra=[*dropout, "--resume_from_checkpoint", "latest"], out=resumed_out
+    )
     assert [m["step"] for m in resumed] == [5, 6, 7, 8]
     # Same ranks, same reduction order, same data and RNG: bit-identical.
     assert losses(resumed) == losses(full)[4:]
@@ -86,14 +94,27 @@ def test_bf16_runs(runs):
     assert all(math.isfinite(m["loss"]) for m in metrics)
     assert metrics[-1]["loss"] < metrics[0]["loss"]
     model = BDHForCausalLM.from_pretrained(out / "final")
-    assert model.layer.attn.freqs.dtype == torch.float32 and model.layer.encoder.dtype == torch.float32
+    assert (
+        model.layer.attn.freqs.dtype == torch.float32 and model.layer.encoder.dtype == torch.float32
+    )
 
 
 def test_main_job_on_builtin_corpus(tmp_path):
     """No data flags: the standard-library corpus, a sample printed from the exported model."""
     out = tmp_path / "main"
-    args = ["--deepspeed", str(REPO / "ds_configs/zero2.json"), "--output_dir", str(out), "--max_steps", "3",
-            *TINY[:-3], "--sample_max_new_tokens", "20", "--sample_prompt", "import "]
+    args = [
+        "--deepspeed",
+        str(REPO / "ds_configs/zero2.json"),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "3",
+        *TINY[:-3],
+        "--sample_max_new_tokens",
+        "20",
+        "--sample_prompt",
+        "import ",
+    ]
     proc = launch("torchrun", 2, "recipes/pretrain.py", args)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "--- sample from" in proc.stdout and "import " in proc.stdout
@@ -103,7 +124,9 @@ def test_main_job_on_builtin_corpus(tmp_path):
 def test_chunked_attention_trains_like_quadratic(runs):
     """2 ranks with the chunked form (4 chunks of 16 per 65-token sample, the last one padded)
     follow the run whose "auto" form is quadratic at this length."""
-    out, chunked, _ = runs("zero2_chunked", extra=["--attention", "chunked", "--attention_chunk_size", "16"])
+    out, chunked, _ = runs(
+        "zero2_chunked", extra=["--attention", "chunked", "--attention_chunk_size", "16"]
+    )
     _, ref, _ = runs("zero2")
     assert losses(chunked) == pytest.approx(losses(ref), abs=LOSS_ATOL)
     assert losses(chunked, "eval_loss") == pytest.approx(losses(ref, "eval_loss"), abs=LOSS_ATOL)
@@ -138,8 +161,12 @@ def test_accelerate_launch_equals_torchrun(runs, yaml):
 def test_export_cli_turns_checkpoint_into_model(runs, tmp_path):
     """recipes/export.py merges the ZeRO-3 shards of the last checkpoint into the final model."""
     out, _, _ = runs("zero3")
-    proc = launch("python", 1, "recipes/export.py", ["--checkpoint", str(out / "checkpoints" / "step8"),
-                                                     "--output", str(tmp_path / "hf")])
+    proc = launch(
+        "python",
+        1,
+        "recipes/export.py",
+        ["--checkpoint", str(out / "checkpoints" / "step8"), "--output", str(tmp_path / "hf")],
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     model = BDHForCausalLM.from_pretrained(tmp_path / "hf").eval()
     ids = torch.arange(64).view(2, 32)
@@ -147,22 +174,47 @@ def test_export_cli_turns_checkpoint_into_model(runs, tmp_path):
         torch.testing.assert_close(model(ids).logits, final_logits(out), atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("argv,env,expected", [
-    (["--train_file", "/nonexistent/corpus.txt"], {}, "'/nonexistent/corpus.txt' does not exist"),
-    (["--deepspeed", "/nonexistent.json"], {}, "--deepspeed /nonexistent.json: no such file"),
-    (["--block_size", "100000000"], {}, "shorter than one block"),
-    ([], {"WORLD_SIZE": "100000"}, "fewer than the 100000 data-parallel ranks"),
-    (["--save_total_limit", "0"], {}, "save_total_limit must be an integer >= 1"),
-    (["--metric_for_best_model", "bleu"], {}, "--metric_for_best_model 'bleu' is never recorded"),
-    (["--resume_from_checkpoint", "/nonexistent/ckpt"], {}, "no such directory"),
-    (["--lr_scheduler_type", "sideways"], {}, "valid are linear, cosine"),
-    (["--n_head", "3"], {}, "not divisible by n_head=3"),
-    (["--attention", "flash"], {}, "BDHConfig.attention='flash': valid are auto, quadratic"),
-])
+@pytest.mark.parametrize(
+    "argv,env,expected",
+    [
+        (
+            ["--train_file", "/nonexistent/corpus.txt"],
+            {},
+            "'/nonexistent/corpus.txt' does not exist",
+        ),
+        (["--deepspeed", "/nonexistent.json"], {}, "--deepspeed /nonexistent.json: no such file"),
+        (["--block_size", "100000000"], {}, "shorter than one block"),
+        ([], {"WORLD_SIZE": "100000"}, "fewer than the 100000 data-parallel ranks"),
+        (["--save_total_limit", "0"], {}, "save_total_limit must be an integer >= 1"),
+        (
+            ["--metric_for_best_model", "bleu"],
+            {},
+            "--metric_for_best_model 'bleu' is never recorded",
+        ),
+        (["--resume_from_checkpoint", "/nonexistent/ckpt"], {}, "no such directory"),
+        (["--lr_scheduler_type", "sideways"], {}, "valid are linear, cosine"),
+        (["--n_head", "3"], {}, "not divisible by n_head=3"),
+        (["--attention", "flash"], {}, "BDHConfig.attention='flash': valid are auto, quadratic"),
+    ],
+)
 def test_bad_input_stops_before_start(monkeypatch, text_file, tmp_path, argv, env, expected):
     """Each mistake is one line naming the bad value, before any process group starts."""
-    base = ["--deepspeed", str(REPO / "ds_configs/zero2.json"), "--output_dir", str(tmp_path),
-            "--train_file", str(text_file), "--n_layer", "2", "--n_embd", "32", "--n_head", "2", "--block_size", "64"]
+    base = [
+        "--deepspeed",
+        str(REPO / "ds_configs/zero2.json"),
+        "--output_dir",
+        str(tmp_path),
+        "--train_file",
+        str(text_file),
+        "--n_layer",
+        "2",
+        "--n_embd",
+        "32",
+        "--n_head",
+        "2",
+        "--block_size",
+        "64",
+    ]
     assert expected in run_recipe_in_process(monkeypatch, "recipes/pretrain.py", base + argv, env)
 
 

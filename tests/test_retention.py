@@ -1,4 +1,6 @@
-"""Checkpoint retention: the policy, pruning real directories, resume discovery, and real 2-rank jobs."""
+"""Checkpoint retention: the policy, pruning real directories, resume discovery, and real 2-rank
+jobs.
+"""
 
 import json
 import math
@@ -9,14 +11,25 @@ import warnings
 import pytest
 
 from conftest import launch
-from dragon.retention import (MARKER, MetricHistory, RetentionPolicy, attach_retention, default_history_path,
-                              find_resume_checkpoint, is_complete, list_checkpoints, prune)
+from dragon.metrics import MetricHistory
+from dragon.retention import (
+    MARKER,
+    RetentionPolicy,
+    attach_retention,
+    default_history_path,
+    find_resume_checkpoint,
+    is_complete,
+    list_checkpoints,
+    prune,
+)
 
 
 # ---------------------------------------------------------------- the policy (pure)
 
+
 def run_saves(policy: RetentionPolicy, saves, late: int = 0):
-    """Drive select() like a training run: record the metrics known so far, save, keep what it selects.
+    """Drive select() like a training run: record the metrics known so far, save, keep what it
+    selects.
 
     `saves` is a list of (step, value or None); with late=1 each value is recorded one save later.
     Returns the kept steps after every save.
@@ -37,7 +50,9 @@ def run_saves(policy: RetentionPolicy, saves, late: int = 0):
 
 
 def test_best_far_outside_the_window_survives_everything_else_old_goes():
-    losses = [5.0, 4.0, 0.5] + [1.0 + i / 10 for i in range(47)]  # best at step 3, then worse forever
+    losses = [5.0, 4.0, 0.5] + [
+        1.0 + i / 10 for i in range(47)
+    ]  # best at step 3, then worse forever
     trace = run_saves(RetentionPolicy(save_total_limit=2), list(enumerate(losses, 1)))
     assert trace[-1] == [3, 49, 50]
     assert all(len(kept) <= 3 for kept in trace)
@@ -45,8 +60,10 @@ def test_best_far_outside_the_window_survives_everything_else_old_goes():
 
 
 def test_new_best_replaces_the_old_one_which_is_then_deleted():
-    trace = run_saves(RetentionPolicy(save_total_limit=2), [(1, 3.0), (2, 1.0), (3, 2.0), (4, 2.5), (5, 0.5), (6, 4.0),
-                                                            (7, 5.0), (8, 6.0)])
+    trace = run_saves(
+        RetentionPolicy(save_total_limit=2),
+        [(1, 3.0), (2, 1.0), (3, 2.0), (4, 2.5), (5, 0.5), (6, 4.0), (7, 5.0), (8, 6.0)],
+    )
     assert trace[3] == [2, 3, 4]
     assert trace[4] == [4, 5]  # step 5 is the new best and among the last 2: step 2 goes
     assert trace[-1] == [5, 7, 8]
@@ -70,20 +87,32 @@ def test_a_later_record_of_the_same_step_wins(tmp_path):
 
 
 def test_ties_keep_the_earlier_checkpoint():
-    trace = run_saves(RetentionPolicy(save_total_limit=1), [(1, 2.0), (2, 1.0), (3, 1.0), (4, 1.0), (5, 3.0)])
+    trace = run_saves(
+        RetentionPolicy(save_total_limit=1), [(1, 2.0), (2, 1.0), (3, 1.0), (4, 1.0), (5, 3.0)]
+    )
     assert trace[-1] == [2, 5]
-    greater = RetentionPolicy(save_total_limit=1, metric_for_best_model="acc", greater_is_better=True)
+    greater = RetentionPolicy(
+        save_total_limit=1, metric_for_best_model="acc", greater_is_better=True
+    )
     assert run_saves(greater, [(1, 0.5), (2, 0.9), (3, 0.9), (4, 0.1)])[-1] == [2, 4]
 
 
 def test_k_equals_one_and_no_metric_is_pure_keep_last():
-    assert run_saves(RetentionPolicy(save_total_limit=1, metric_for_best_model=None),
-                     [(s, 1.0 / s) for s in range(1, 6)]) == [[s] for s in range(1, 6)]
-    assert run_saves(RetentionPolicy(save_total_limit=3), [(s, None) for s in range(1, 7)])[-1] == [4, 5, 6]
+    assert run_saves(
+        RetentionPolicy(save_total_limit=1, metric_for_best_model=None),
+        [(s, 1.0 / s) for s in range(1, 6)],
+    ) == [[s] for s in range(1, 6)]
+    assert run_saves(RetentionPolicy(save_total_limit=3), [(s, None) for s in range(1, 7)])[-1] == [
+        4,
+        5,
+        6,
+    ]
 
 
 def test_greater_is_better():
-    policy = RetentionPolicy(save_total_limit=2, metric_for_best_model="eval_accuracy", greater_is_better=True)
+    policy = RetentionPolicy(
+        save_total_limit=2, metric_for_best_model="eval_accuracy", greater_is_better=True
+    )
     trace = run_saves(policy, [(1, 0.2), (2, 0.8), (3, 0.3), (4, 0.4), (5, 0.1)])
     assert trace[-1] == [2, 4, 5]
 
@@ -91,10 +120,15 @@ def test_greater_is_better():
 def test_unknown_and_nan_metrics_are_never_the_best():
     policy = RetentionPolicy(save_total_limit=1)
     history = {1: {"loss": 0.1}, 2: {"eval_loss": float("nan")}, 3: {"eval_loss": 2.0}}
-    assert policy.select({"step1": 1, "step2": 2, "step3": 3, "step4": 4}, history) == {"step3", "step4"}
+    assert policy.select({"step1": 1, "step2": 2, "step3": 3, "step4": 4}, history) == {
+        "step3",
+        "step4",
+    }
 
 
-def oracle(checkpoints: dict[str, int], history: dict, k: int, metric: str, greater: bool) -> set[str]:
+def oracle(
+    checkpoints: dict[str, int], history: dict, k: int, metric: str, greater: bool
+) -> set[str]:
     """Brute force: every checkpoint is kept iff it is among the K newest or no other beats it."""
     keep = set()
     for tag, step in checkpoints.items():
@@ -118,17 +152,23 @@ def test_policy_matches_a_brute_force_oracle_over_random_runs(seed):
     rng = random.Random(seed)
     for _ in range(40):
         k, greater = rng.randint(1, 4), rng.random() < 0.5
-        policy = RetentionPolicy(save_total_limit=k, metric_for_best_model="m", greater_is_better=greater)
+        policy = RetentionPolicy(
+            save_total_limit=k, metric_for_best_model="m", greater_is_better=greater
+        )
         history: dict[int, dict] = {}
         kept: dict[str, int] = {}
         step, pending = 0, []
         for _ in range(rng.randint(1, 30)):
             step += rng.randint(1, 3)
             pending.append(step)
-            for s in list(pending):  # each metric lands now, later, never, twice; values collide often
+            for s in list(
+                pending
+            ):  # each metric lands now, later, never, twice; values collide often
                 roll = rng.random()
                 if roll < 0.6:
-                    history.setdefault(s, {})["m"] = float("nan") if rng.random() < 0.1 else float(rng.randint(0, 5))
+                    history.setdefault(s, {})["m"] = (
+                        float("nan") if rng.random() < 0.1 else float(rng.randint(0, 5))
+                    )
                     if rng.random() < 0.8:
                         pending.remove(s)
                 elif roll < 0.7:
@@ -142,7 +182,9 @@ def test_policy_matches_a_brute_force_oracle_over_random_runs(seed):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_timely_metrics_always_end_with_the_global_best(seed):
-    """Whenever each value is recorded before the next save, the final set is last K plus the global best."""
+    """Whenever each value is recorded before the next save, the final set is last K plus the global
+    best.
+    """
     rng = random.Random(100 + seed)
     for _ in range(50):
         k, late = rng.randint(1, 3), rng.randint(0, 1)
@@ -153,9 +195,18 @@ def test_timely_metrics_always_end_with_the_global_best(seed):
         assert set(final) == {s for s, _ in saves[-k:]} | best
 
 
-@pytest.mark.parametrize("kwargs", [dict(save_total_limit=0), dict(save_total_limit=-1), dict(save_total_limit=1.5),
-                                    dict(save_total_limit=True), dict(greater_is_better="yes"),
-                                    dict(metric_for_best_model=""), dict(metric_for_best_model=3)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(save_total_limit=0),
+        dict(save_total_limit=-1),
+        dict(save_total_limit=1.5),
+        dict(save_total_limit=True),
+        dict(greater_is_better="yes"),
+        dict(metric_for_best_model=""),
+        dict(metric_for_best_model=3),
+    ],
+)
 def test_bad_policy_is_a_one_line_value_error(kwargs):
     with pytest.raises(ValueError) as e:
         RetentionPolicy(**kwargs)
@@ -171,6 +222,7 @@ def test_bad_attach_arguments():
 
 # ---------------------------------------------------------------- the history file
 
+
 def test_history_is_readable_json_lines_and_survives_a_torn_line(tmp_path):
     path = tmp_path / "run" / "metric_history.jsonl"
     history = MetricHistory(path)
@@ -178,7 +230,9 @@ def test_history_is_readable_json_lines_and_survives_a_torn_line(tmp_path):
     history.record(5, {"eval_loss": 2.5, "loss": 3})
     with open(path, "a") as f:
         f.write('{"step": 10, "eval_lo')  # a crash mid-append
-    assert [json.loads(line) for line in open(path).readlines()[:1]] == [{"step": 5, "eval_loss": 2.5, "loss": 3.0}]
+    assert [json.loads(line) for line in open(path).readlines()[:1]] == [
+        {"step": 5, "eval_loss": 2.5, "loss": 3.0}
+    ]
     assert MetricHistory(path).load() == {5: {"eval_loss": 2.5, "loss": 3.0}}
     with pytest.raises(ValueError):
         history.record("5", {"eval_loss": 1.0})
@@ -187,15 +241,23 @@ def test_history_is_readable_json_lines_and_survives_a_torn_line(tmp_path):
 
 
 def test_default_history_path_stays_out_of_accelerates_checkpoints_folder(tmp_path):
-    assert default_history_path(str(tmp_path / "out")) == str(tmp_path / "out" / "metric_history.jsonl")
+    assert default_history_path(str(tmp_path / "out")) == str(
+        tmp_path / "out" / "metric_history.jsonl"
+    )
     proj = tmp_path / "proj"
     assert default_history_path(str(proj / "checkpoints")) == str(proj / "metric_history.jsonl")
 
 
 # ---------------------------------------------------------------- pruning real directories
 
-def make_tag(save_dir, tag, step=None, complete=True, files=("mp_rank_00_model_states.pt",
-                                                               "zero_pp_rank_0_mp_rank_00_optim_states.pt")):
+
+def make_tag(
+    save_dir,
+    tag,
+    step=None,
+    complete=True,
+    files=("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+):
     path = os.path.join(save_dir, tag)
     os.makedirs(path, exist_ok=True)
     for name in files:
@@ -229,16 +291,34 @@ def test_prune_keeps_last_k_and_best_and_leaves_foreign_things_alone(tmp_path):
     for name in foreign:
         os.makedirs(os.path.join(d, name))
     for name in ("step9", "other_run"):  # named like a step, or full of weights, but not both
-        open(os.path.join(d, name, "data.csv" if name == "step9" else "mp_rank_00_model_states.pt"), "w").close()
+        open(
+            os.path.join(d, name, "data.csv" if name == "step9" else "mp_rank_00_model_states.pt"),
+            "w",
+        ).close()
     set_latest(os.path.join(d, "step9"), "inner")
-    make_tag(os.path.join(d, "step9"), "inner", 9)  # a whole save dir named like a tag: still not a tag dir
+    make_tag(
+        os.path.join(d, "step9"), "inner", 9
+    )  # a whole save dir named like a tag: still not a tag dir
     make_tag(d, "global_step3", 3)  # another naming family: not this run's
     for name in ("README.txt", "metric_history.jsonl", "zero_to_fp32.py", "step7"):
         open(os.path.join(d, name), "w").close()
-    deleted = prune(d, RetentionPolicy(save_total_limit=2), losses(s1=3.0, s2=1.0, s3=2.0, s4=4.0), "step5")
+    deleted = prune(
+        d, RetentionPolicy(save_total_limit=2), losses(s1=3.0, s2=1.0, s3=2.0, s4=4.0), "step5"
+    )
     assert sorted(deleted) == ["step1", "step3"]
-    assert names(d) == sorted(foreign + ["README.txt", "metric_history.jsonl", "zero_to_fp32.py", "step7",
-                                         "latest", "step2", "step4", "step5"])
+    assert names(d) == sorted(
+        foreign
+        + [
+            "README.txt",
+            "metric_history.jsonl",
+            "zero_to_fp32.py",
+            "step7",
+            "latest",
+            "step2",
+            "step4",
+            "step5",
+        ]
+    )
 
 
 def test_prune_never_deletes_what_latest_names(tmp_path):
@@ -260,20 +340,27 @@ def test_prune_tolerates_checkpoints_that_are_already_gone(tmp_path):
 
         def select(self, checkpoints, history):
             import shutil
+
             shutil.rmtree(os.path.join(d, "step1"))
             return super().select(checkpoints, history)
 
-    assert prune(d, Racing(save_total_limit=2, metric_for_best_model=None), {}, "step4") == ["step2"]
+    assert prune(d, Racing(save_total_limit=2, metric_for_best_model=None), {}, "step4") == [
+        "step2"
+    ]
     assert names(d) == ["step3", "step4"]
     assert prune(str(tmp_path / "missing"), RetentionPolicy(), {}) == []
 
 
 def test_half_written_checkpoints_are_removed_by_the_next_prune(tmp_path):
     d = str(tmp_path)
-    make_tag(d, "step1", files=("rng_state_0.pt",), complete=False)  # older than any marked one: not ours
+    make_tag(
+        d, "step1", files=("rng_state_0.pt",), complete=False
+    )  # older than any marked one: not ours
     for s in (2, 3):
         make_tag(d, f"step{s}", s)
-    make_tag(d, "step4", files=("rng_state_0.pt", "mp_rank_00_model_states.pt"), complete=False)  # crashed
+    make_tag(
+        d, "step4", files=("rng_state_0.pt", "mp_rank_00_model_states.pt"), complete=False
+    )  # crashed
     make_tag(d, "step5", 5)
     set_latest(d, "step3")
     assert not is_complete(os.path.join(d, "step4"))
@@ -291,7 +378,9 @@ def test_a_crash_mid_delete_leaves_only_a_hidden_dir_that_the_next_prune_clears(
     d = str(tmp_path)
     for s in (1, 2):
         make_tag(d, f"step{s}", s)
-    os.rename(make_tag(d, "step0", 0), os.path.join(d, ".deleting-step0"))  # rename done, rmtree not
+    os.rename(
+        make_tag(d, "step0", 0), os.path.join(d, ".deleting-step0")
+    )  # rename done, rmtree not
     assert list_checkpoints(d) == {"step1": 1, "step2": 2}
     with pytest.warns(UserWarning, match="no 'latest' file"):
         assert find_resume_checkpoint(d) == (d, "step2")
@@ -300,7 +389,9 @@ def test_a_crash_mid_delete_leaves_only_a_hidden_dir_that_the_next_prune_clears(
 
 
 def make_accelerate_save(parent, i, step, complete=True):
-    """accelerate's save_state under DeepSpeed: checkpoint_<i>/ holds a DeepSpeed save dir, tag pytorch_model."""
+    """accelerate's save_state under DeepSpeed: checkpoint_<i>/ holds a DeepSpeed save dir, tag
+    pytorch_model.
+    """
     save_dir = os.path.join(parent, f"checkpoint_{i}")
     make_tag(save_dir, "pytorch_model", step, complete)
     open(os.path.join(save_dir, "random_states_0.pkl"), "w").close()
@@ -315,9 +406,16 @@ def test_accelerate_layout(tmp_path):
         make_accelerate_save(parent, i, step=10 * (i + 1))
     make_accelerate_save(parent, 5, step=None, complete=False)  # crashed mid-save
     os.makedirs(os.path.join(parent, "checkpoint_9"))  # empty: not a checkpoint
-    assert list_checkpoints(parent) == {f"checkpoint_{i}": 10 * (i + 1) for i in range(5)} | {"checkpoint_5": 5}
+    assert list_checkpoints(parent) == {f"checkpoint_{i}": 10 * (i + 1) for i in range(5)} | {
+        "checkpoint_5": 5
+    }
     make_accelerate_save(parent, 6, step=70)
-    history = {10: {"eval_loss": 2.0}, 20: {"eval_loss": 0.1}, 30: {"eval_loss": 1.0}, 70: {"eval_loss": 3.0}}
+    history = {
+        10: {"eval_loss": 2.0},
+        20: {"eval_loss": 0.1},
+        30: {"eval_loss": 1.0},
+        70: {"eval_loss": 3.0},
+    }
     deleted = prune(parent, RetentionPolicy(save_total_limit=2), history, "checkpoint_6")
     assert sorted(deleted) == ["checkpoint_0", "checkpoint_2", "checkpoint_3", "checkpoint_5"]
     assert names(parent) == ["checkpoint_1", "checkpoint_4", "checkpoint_6", "checkpoint_9"]
@@ -326,7 +424,12 @@ def test_accelerate_layout(tmp_path):
 
 def test_pipeline_layer_files_count_as_a_checkpoint(tmp_path):
     d = str(tmp_path)
-    make_tag(d, "global_step4", 4, files=("layer_00-model_00-model_states.pt", "layer_01-model_00-model_states.pt"))
+    make_tag(
+        d,
+        "global_step4",
+        4,
+        files=("layer_00-model_00-model_states.pt", "layer_01-model_00-model_states.pt"),
+    )
     make_tag(d, "global_step8", 8, files=("layer_00-model_states.pt", "mp_rank_00_model_states.pt"))
     assert list_checkpoints(d) == {"global_step4": 4, "global_step8": 8}
     prune(d, RetentionPolicy(save_total_limit=1, metric_for_best_model=None), {}, "global_step8")
@@ -334,6 +437,7 @@ def test_pipeline_layer_files_count_as_a_checkpoint(tmp_path):
 
 
 # ---------------------------------------------------------------- resume discovery
+
 
 @pytest.fixture
 def three_saves(tmp_path):
@@ -350,8 +454,15 @@ def test_resume_from_latest(three_saves):
         assert find_resume_checkpoint(three_saves) == (three_saves, "step20")
 
 
-@pytest.mark.parametrize("latest, says", [(None, "no 'latest' file"), (b"\x00\xff garbage/../\n", "not a checkpoint"),
-                                          (b"step99", "'step99'"), (b"step40", "incomplete")])
+@pytest.mark.parametrize(
+    "latest, says",
+    [
+        (None, "no 'latest' file"),
+        (b"\x00\xff garbage/../\n", "not a checkpoint"),
+        (b"step99", "'step99'"),
+        (b"step40", "incomplete"),
+    ],
+)
 def test_resume_falls_back_to_the_newest_complete_with_a_warning(three_saves, latest, says):
     make_tag(three_saves, "step40", complete=False)
     if latest is not None:
@@ -372,13 +483,16 @@ def test_resume_with_nothing_complete_is_a_value_error(tmp_path):
 
 # ---------------------------------------------------------------- real 2-rank jobs
 
+
 def test_zero2_job_keeps_last_two_and_the_best_and_reloads_them(tmp_path):
     out = tmp_path / "out"
     proc = launch("torchrun", 2, "tests/scripts/retention_job.py", ["zero2", str(out)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "result_zero2.json").read_text())
     ds_files = ["latest", "metric_history.jsonl", "zero_to_fp32.py", "zero_to_torch.py"]
-    assert result["after_run"] == sorted(ds_files + ["step2", "step7", "step8"])  # best (step 2) far back
+    assert result["after_run"] == sorted(
+        ds_files + ["step2", "step7", "step8"]
+    )  # best (step 2) far back
     assert result["fresh_differs"]
     assert result["best"] == {"step": 2, "match": True}
     assert result["latest"] == {"step": 8, "match": True}
@@ -388,23 +502,39 @@ def test_zero2_job_keeps_last_two_and_the_best_and_reloads_them(tmp_path):
     assert all(is_complete(str(out / tag)) for tag in ("step8", "step9"))
     assert "eval_bleu" in result["bad_metric"] and not (out / "step10").exists()
     assert find_resume_checkpoint(str(out)) == (str(out), "step9")
-    # node-local storage: every node's local rank 0 marked and pruned its own copy, with node 0's history
+    # node-local storage: every node's local rank 0 marked and pruned its own copy, with node 0's
+    # history
     nodes = tmp_path / "out_nodes"
     assert names(nodes / "node0") == sorted(ds_files + ["step2", "step3"])
-    assert names(nodes / "node1") == ["step2", "step3"]  # no `latest`, no history: rank 0 writes those
-    assert all(is_complete(str(nodes / node / tag)) for node in ("node0", "node1") for tag in ("step2", "step3"))
-    with pytest.warns(UserWarning, match="no 'latest' file"):  # DeepSpeed itself would load nothing there
+    assert names(nodes / "node1") == [
+        "step2",
+        "step3",
+    ]  # no `latest`, no history: rank 0 writes those
+    assert all(
+        is_complete(str(nodes / node / tag))
+        for node in ("node0", "node1")
+        for tag in ("step2", "step3")
+    )
+    with pytest.warns(
+        UserWarning, match="no 'latest' file"
+    ):  # DeepSpeed itself would load nothing there
         assert find_resume_checkpoint(str(nodes / "node1")) == (str(nodes / "node1"), "step3")
 
 
 def test_accelerate_save_state_goes_through_retention(tmp_path):
     out = tmp_path / "proj"
-    proc = launch("torchrun", 2, "tests/scripts/retention_job.py", ["accelerate", str(out)], timeout=300)
+    proc = launch(
+        "torchrun", 2, "tests/scripts/retention_job.py", ["accelerate", str(out)], timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "result_accelerate.json").read_text())
     assert result["engine_steps"] == [1, 2, 3, 4, 5]
     # checkpoint_<i> holds engine step i+1; the best eval_loss is at step 2 (checkpoint_1)
     assert names(out / "checkpoints") == ["checkpoint_1", "checkpoint_3", "checkpoint_4"]
-    assert list_checkpoints(str(out / "checkpoints")) == {"checkpoint_1": 2, "checkpoint_3": 4, "checkpoint_4": 5}
+    assert list_checkpoints(str(out / "checkpoints")) == {
+        "checkpoint_1": 2,
+        "checkpoint_3": 4,
+        "checkpoint_4": 5,
+    }
     assert (out / "metric_history.jsonl").exists()
     assert result["best_match"]

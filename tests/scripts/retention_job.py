@@ -1,8 +1,10 @@
-"""Real 2-rank jobs for tests/test_retention.py (run under torchrun); rank 0 writes ../result_<mode>.json.
+"""Real 2-rank jobs for tests/test_retention.py (run under torchrun); rank 0 writes
+../result_<mode>.json.
 
 zero2: 8 saves through attach_retention, reloads of the latest and the best into a fresh engine, a
 resumed run, a metric that is never recorded, and node-local storage (2 simulated 1-process nodes).
-accelerate: 5 accelerator.save_state() calls (automatic checkpoint naming), then load_state of the best.
+accelerate: 5 accelerator.save_state() calls (automatic checkpoint naming), then load_state of the
+best.
 
 usage: retention_job.py zero2|accelerate OUT_DIR
 """
@@ -15,12 +17,26 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dragon.retention import MetricHistory, RetentionPolicy, attach_retention, default_history_path
+from dragon.metrics import MetricHistory
+from dragon.retention import RetentionPolicy, attach_retention, default_history_path
 
-EVAL_LOSSES = [5.0, 1.0, 4.0, 3.0, 6.0, 7.0, 8.0, 9.0]  # the best (step 2) lies far before the last two
+EVAL_LOSSES = [
+    5.0,
+    1.0,
+    4.0,
+    3.0,
+    6.0,
+    7.0,
+    8.0,
+    9.0,
+]  # the best (step 2) lies far before the last two
 CONFIG = {
-    "train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-    "gradient_clipping": 0, "zero_optimization": {"stage": 2}, "steps_per_print": 10**6,
+    "train_batch_size": 4,
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 0,
+    "zero_optimization": {"stage": 2},
+    "steps_per_print": 10**6,
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
 }
 
@@ -60,12 +76,16 @@ def zero2(out: str) -> dict:
         engine.step()
         if dist.get_rank() == 0:
             history.record(step, {"eval_loss": EVAL_LOSSES[step - 1]})
-        checkpoint.save(engine, out, step, {})  # the recipes' save: rng file, then engine.save_checkpoint
+        checkpoint.save(
+            engine, out, step, {}
+        )  # the recipes' save: rng file, then engine.save_checkpoint
         snapshots[step] = params(engine)
     result = {"after_run": sorted(os.listdir(out))}
     torch.manual_seed(1)  # a fresh engine with other weights must get the saved ones back
     fresh_net = model()
-    fresh, *_ = deepspeed.initialize(model=fresh_net, model_parameters=fresh_net.parameters(), config=CONFIG)
+    fresh, *_ = deepspeed.initialize(
+        model=fresh_net, model_parameters=fresh_net.parameters(), config=CONFIG
+    )
     result["fresh_differs"] = not same(params(fresh), snapshots[8])
     path, state = fresh.load_checkpoint(out, tag="step2")
     result["best"] = {"step": state["step"], "match": same(params(fresh), snapshots[2])}
@@ -83,19 +103,24 @@ def zero2(out: str) -> dict:
     result["after_resume"] = sorted(os.listdir(out))
 
     # a metric the run never records fails at the first save, before anything is written
-    attach_retention(engine, RetentionPolicy(metric_for_best_model="eval_bleu"), expected_metrics={"eval_loss"})
+    attach_retention(
+        engine, RetentionPolicy(metric_for_best_model="eval_bleu"), expected_metrics={"eval_loss"}
+    )
     try:
         engine.save_checkpoint(out, tag="step10")
         result["bad_metric"] = None
     except ValueError as e:
         result["bad_metric"] = str(e)
 
-    # node-local storage, simulated as 2 nodes of 1 process: each rank is its node's local rank 0 and
+    # node-local storage, simulated as 2 nodes of 1 process: each rank is its node's local rank 0
+    # and
     # saves into its own directory; only node 0 holds `latest` and the history (broadcast to node 1)
     os.environ["LOCAL_RANK"] = "0"
     local_net = model()
     config = dict(CONFIG, checkpoint={"use_node_local_storage": True})
-    local, *_ = deepspeed.initialize(model=local_net, model_parameters=local_net.parameters(), config=config)
+    local, *_ = deepspeed.initialize(
+        model=local_net, model_parameters=local_net.parameters(), config=config
+    )
     attach_retention(local, RetentionPolicy(save_total_limit=1), expected_metrics={"eval_loss"})
     node_dir = os.path.join(out + "_nodes", f"node{dist.get_rank()}")
     node_history = MetricHistory(default_history_path(node_dir))
@@ -113,7 +138,8 @@ def accelerate_job(out: str) -> dict:
     accelerator = Accelerator(
         kwargs_handlers=[InitProcessGroupKwargs(backend="gloo", timeout=timedelta(seconds=60))],
         deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=dict(CONFIG)),
-        project_config=ProjectConfiguration(project_dir=out, automatic_checkpoint_naming=True))
+        project_config=ProjectConfiguration(project_dir=out, automatic_checkpoint_naming=True),
+    )
     torch.manual_seed(0)
     net = model()
     optimizer = DummyOptim(net.parameters())  # the config's optimizer is the real one
@@ -133,7 +159,9 @@ def accelerate_job(out: str) -> dict:
         snapshots[engine.global_steps] = params(engine)
     # the kept best (step 2, in checkpoint_1) loads back through accelerate's own load_state
     accelerator.load_state(os.path.join(out, "checkpoints", "checkpoint_1"))
-    result["best_match"] = same(params(engine), snapshots[2]) and not same(params(engine), snapshots[5])
+    result["best_match"] = same(params(engine), snapshots[2]) and not same(
+        params(engine), snapshots[5]
+    )
     return result
 
 

@@ -18,7 +18,9 @@ class ModelProfile:
 
 
 def parameter_count(config: BDHConfig) -> int:
-    """encoder + encoder_v + decoder (shared by all layers) + embed + lm_head; independent of n_layer."""
+    """encoder + encoder_v + decoder (shared by all layers) + embed + lm_head; independent of
+    n_layer.
+    """
     nh, D, N, V = config.n_head, config.n_embd, config.n_neurons, config.vocab_size
     return 3 * nh * D * N + 2 * V * D
 

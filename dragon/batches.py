@@ -1,0 +1,134 @@
+"""Deterministic, resumable batches of packed samples for each data-parallel rank.
+
+Every rank reads its own part of the same global batches, so changing the number of ranks at a
+fixed global batch keeps the data identical; the position is saved with each checkpoint.
+"""
+
+from typing import Optional
+
+import torch
+from datasets import Dataset
+
+from dragon.data import DataError
+
+
+def shard_indices(n: int, rank: int, world: int) -> range:
+    """One rank's strided share (rank::world) of n items: disjoint, complete, sizes within 1."""
+    if world < 1 or not 0 <= rank < world:
+        raise DataError(f"rank {rank} is not in [0, world={world})")
+    return range(rank, n, world)
+
+
+def _torch_rows(dataset: Dataset) -> Dataset:
+    return dataset.with_format("torch", columns=["input_ids"])
+
+
+class TrainBatches:
+    """Deterministic, resumable stream of training micro-batches for one data-parallel rank."""
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_world: int,
+        grad_accum: int = 1,
+        seed: int = 0,
+    ):
+        for name, value in (
+            ("micro_batch_size", micro_batch_size),
+            ("dp_world", dp_world),
+            ("grad_accum", grad_accum),
+        ):
+            if value < 1:
+                raise DataError(f"{name} {value} is invalid; it must be >= 1")
+        if not 0 <= dp_rank < dp_world:
+            raise DataError(f"dp_rank {dp_rank} is not in [0, dp_world={dp_world})")
+        n = len(dataset)
+        if n // micro_batch_size < dp_world:
+            raise DataError(
+                f"{n} samples make only {n // micro_batch_size} micro-batches of "
+                f"{micro_batch_size}, fewer than the {dp_world} data-parallel ranks; "
+                "lower --block_size or the micro batch size, or add data"
+            )
+        self.global_batch = micro_batch_size * dp_world * grad_accum
+        if n < self.global_batch:
+            raise DataError(
+                f"{n} samples are fewer than one global batch of {self.global_batch} "
+                f"(micro batch {micro_batch_size} x {dp_world} ranks x {grad_accum} "
+                "gradient accumulation steps); lower one of them or add data"
+            )
+        self.data = _torch_rows(dataset)
+        self.micro_batch_size, self.dp_rank, self.dp_world = micro_batch_size, dp_rank, dp_world
+        self.grad_accum, self.seed = grad_accum, seed
+        self.steps_per_epoch = n // self.global_batch
+        self.micro_steps_per_epoch = self.steps_per_epoch * grad_accum  # per rank
+        self.epoch, self.micro_step = 0, 0
+        self._perm: Optional[torch.Tensor] = None
+        self._perm_key: Optional[tuple[int, int]] = None
+
+    def permutation(self, epoch: int) -> torch.Tensor:
+        """The order of all sample indices in an epoch (the same on every rank)."""
+        if self._perm_key != (self.seed, epoch):
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm = torch.randperm(len(self.data), generator=g)
+            self._perm_key = (self.seed, epoch)
+        return self._perm
+
+    def __iter__(self) -> "TrainBatches":
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if self.micro_step >= self.micro_steps_per_epoch:
+            self.epoch, self.micro_step = self.epoch + 1, 0
+        step, accum = divmod(self.micro_step, self.grad_accum)
+        # Chunk a*W + r: for any W, micro-step a covers the same samples of the global batch
+        # (in rank order), so changing dp_world at fixed global batch keeps the data identical.
+        chunk = accum * self.dp_world + self.dp_rank
+        start = step * self.global_batch + chunk * self.micro_batch_size
+        indices = self.permutation(self.epoch)[start : start + self.micro_batch_size]
+        self.micro_step += 1
+        return self.data[indices.tolist()]["input_ids"].long()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "micro_step": self.micro_step, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue exactly where the stream that saved `state` stopped (its seed included)."""
+        epoch, micro_step = int(state["epoch"]), int(state["micro_step"])
+        if epoch < 0 or not 0 <= micro_step <= self.micro_steps_per_epoch:
+            raise DataError(
+                f"data state epoch={epoch} micro_step={micro_step} does not fit "
+                f"{self.micro_steps_per_epoch} micro-batches per epoch; was the "
+                "dataset, batch size or world size changed?"
+            )
+        self.epoch, self.micro_step, self.seed = epoch, micro_step, int(state["seed"])
+
+
+def eval_batches(
+    dataset: Dataset,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_world: int,
+    max_samples: Optional[int] = None,
+) -> list[torch.Tensor]:
+    """This rank's fixed validation micro-batches; every rank gets the same number of them."""
+    if micro_batch_size < 1:
+        raise DataError(f"micro_batch_size {micro_batch_size} is invalid; it must be >= 1")
+    n = len(dataset) if max_samples is None else min(len(dataset), max_samples)
+    num_batches = n // micro_batch_size
+    mine = shard_indices(num_batches, dp_rank, dp_world)
+    # Equal counts matter: under ZeRO-3 each forward is collective, so a rank with an extra
+    # batch would wait forever for the others.
+    per_rank = num_batches // dp_world
+    if per_rank == 0:
+        raise DataError(
+            f"validation set has {n} samples, fewer than one micro-batch per rank "
+            f"({micro_batch_size} x {dp_world}); lower the micro batch size or "
+            "--block_size, or raise --validation_split_percentage"
+        )
+    data = _torch_rows(dataset)
+    return [
+        data[b * micro_batch_size : (b + 1) * micro_batch_size]["input_ids"].long()
+        for b in mine[:per_rank]
+    ]

@@ -1,0 +1,78 @@
+"""Trained weights -> a Hugging Face BDH directory (save_pretrained), from a live engine at the end
+of a recipe or from any checkpoint of either recipe offline.
+
+From an engine, ZeRO's fp32 master weights are gathered (a collective under ZeRO-3; it works with
+bf16 at every stage and with node-local checkpoint storage); a pipeline, whose stages each hold
+part of the model, is read back from the checkpoint the run just saved. From a checkpoint, ZeRO
+1-3 shards are merged with DeepSpeed's zero_to_fp32, ZeRO-0 holds the module's own weights, and a
+pipeline its per-layer files. The model's config is the config.json the recipes write next to
+their checkpoints.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from dragon.distributed import rank
+from dragon.model import BDHConfig, BDHForCausalLM
+from dragon.pipe import is_pipeline_checkpoint, model_from_pipeline_checkpoint
+
+ROPE_KEY = "layer.attn.freqs"  # recomputed by the model, so a checkpoint may lack it
+
+
+def _model_from_state(state: dict, config: BDHConfig, source: str) -> BDHForCausalLM:
+    model = BDHForCausalLM(config)
+    result = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    wrong = sorted(set(result.missing_keys) - {ROPE_KEY}) + sorted(result.unexpected_keys)
+    if wrong:
+        raise ValueError(f"{source} does not hold a BDH with this config (keys {wrong})")
+    return model
+
+
+def full_fp32_state_dict(engine) -> dict[str, torch.Tensor]:
+    """The module's full fp32 weights from DeepSpeed's master copy; a collective under ZeRO-3."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    state = {}
+    for name, param in engine.module.named_parameters():
+        full = safe_get_full_fp32_param(param)
+        state[name] = (full if full is not None else param.detach()).float().cpu().clone()
+    return state
+
+
+def export_engine(engine, config: BDHConfig, out_dir: str, tag_dir: str) -> None:
+    """save_pretrained of a recipe's trained model into out_dir; every rank calls, rank 0 writes.
+
+    `tag_dir` is the checkpoint the run saved last (a pipeline is read back from it)."""
+    if getattr(engine, "pipeline_parallelism", False):
+        model = model_from_pipeline_checkpoint(tag_dir, config) if rank() == 0 else None
+    else:
+        state = full_fp32_state_dict(engine)
+        model = _model_from_state(state, config, "the engine") if rank() == 0 else None
+    if model is not None:
+        model.save_pretrained(out_dir)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def model_from_checkpoint(tag_dir: str) -> BDHForCausalLM:
+    """The fp32 model of one checkpoint tag directory of either recipe (any ZeRO stage)."""
+    tag_dir = os.path.normpath(tag_dir)
+    save_dir, tag = os.path.dirname(tag_dir), os.path.basename(tag_dir)
+    if not os.path.isdir(tag_dir):
+        raise ValueError(f"--checkpoint {tag_dir}: no such directory")
+    if not os.path.isfile(os.path.join(save_dir, "config.json")):
+        raise ValueError(f"no config.json in {save_dir}; it is written by the recipes at start")
+    config = BDHConfig.from_pretrained(save_dir)
+    if is_pipeline_checkpoint(tag_dir):
+        return model_from_pipeline_checkpoint(tag_dir, config)
+    optimizer_files = [f for f in os.listdir(tag_dir) if f.endswith("optim_states.pt")]
+    if optimizer_files:  # ZeRO 1-3: merge the fp32 master partitions
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        state = get_fp32_state_dict_from_zero_checkpoint(save_dir, tag=tag)
+    else:  # ZeRO-0 fp32: the module's weights are the master weights
+        module_file = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
+        state = torch.load(module_file, map_location="cpu", weights_only=False)["module"]
+    return _model_from_state(state, config, tag_dir)

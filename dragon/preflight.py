@@ -1,0 +1,122 @@
+"""Everything a recipe checks before any process group starts: the arguments, the DeepSpeed JSON,
+the data, the model's sizes and attention form, the pipeline's shape and the resume target. A bad
+input exits with one line naming it; what was built for the checks is returned for the run."""
+
+import os
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from transformers import HfArgumentParser
+
+from dragon.args import DiLoCoArguments, ModelArguments, PipelineArguments, TrainingArguments
+from dragon.checkpoint import resolve_resume
+from dragon.batches import TrainBatches, eval_batches
+from dragon.data import DataArguments, build_datasets
+
+from dragon.distributed import launcher_world_size
+from dragon.ds_config import load_ds_config, resolve_ds_config, zero_stage
+from dragon.model import BDHConfig
+from dragon.topology import pipeline_data_parallel
+
+
+@dataclass
+class RecipeInputs:
+    """The checked inputs of a run, and what was built to check them."""
+
+    model: ModelArguments
+    data: DataArguments
+    train: TrainingArguments
+    diloco: DiLoCoArguments  # DiLoCoArguments() when DiLoCo is off
+    pipeline: Optional[PipelineArguments]  # None in the ZeRO recipe
+    ds_config: dict  # every "auto" filled
+    train_set: Any
+    valid_set: Any
+    tokenizer: Any
+    resume: dict[int, tuple[str, str]]  # island -> (load_dir, tag) of --resume_from_checkpoint
+
+    def run_dir(self, island: int) -> str:
+        """Where island `island` writes metrics.jsonl and checkpoints/ (<output_dir> without
+        DiLoCo).
+        """
+        return self.diloco.output_dir(self.train.output_dir, island)
+
+
+def preflight(pipeline: bool = False) -> RecipeInputs:
+    """Parse the recipe's arguments (with PipelineArguments for the pipeline recipe) and check them."""
+    if pipeline and os.environ.get("ACCELERATE_USE_DEEPSPEED"):
+        sys.exit(
+            "error: accelerate does not drive DeepSpeed's pipeline engine; launch with "
+            "`deepspeed --num_gpus N recipes/pretrain_pipeline.py --pipeline_stages P ...` instead"
+        )
+    types = (ModelArguments, DataArguments, TrainingArguments, DiLoCoArguments)
+    parser = HfArgumentParser(types + ((PipelineArguments,) if pipeline else ()))
+    try:
+        model_args, data_args, args, diloco, *rest = parser.parse_args_into_dataclasses()
+        pipe_args = rest[0] if pipeline else None
+        world, islands = launcher_world_size(), 1
+        if diloco.enabled:  # every island is a world of its own; data is split over all of them
+            diloco.check_training(args)
+            world, islands = diloco.island_world(world), diloco.diloco_islands
+        dp_world = (
+            pipeline_data_parallel(world, pipe_args.pipeline_stages, islands) if pipeline else world
+        )
+        _, raw_config = load_ds_config(args.deepspeed)
+        ds_config = resolve_ds_config(raw_config, args, dp_world)
+        if pipeline and zero_stage(ds_config) > 1:
+            raise ValueError(
+                f"--deepspeed {args.deepspeed}: ZeRO stage {zero_stage(ds_config)} cannot shard a "
+                "pipeline's gradients; use stage 0 or 1 (ds_configs/pipeline_zero*.json)"
+            )
+        train_set, valid_set, tokenizer = build_datasets(data_args)
+        BDHConfig(**model_args.attention_kwargs())  # raises on an unknown form or chunk size
+        if not model_args.model_name_or_path:
+            config = model_args.config(
+                tokenizer.vocab_size
+            )  # raises on sizes BDH cannot be built with
+            if pipeline:
+                from dragon.pipe import check_pipeline
+
+                check_pipeline(config, pipe_args.pipeline_stages, pipe_args.partition_method)
+        # Both raise when the data cannot fill one step / one evaluation on every rank.
+        TrainBatches(
+            train_set,
+            ds_config["train_micro_batch_size_per_gpu"],
+            0,
+            dp_world * islands,
+            ds_config["gradient_accumulation_steps"],
+        )
+        eval_batches(valid_set, args.per_device_eval_batch_size, 0, dp_world, args.max_eval_samples)
+        resume = {}
+        if args.resume_from_checkpoint:
+            for island in diloco.local_islands():
+                save_dir = os.path.join(diloco.output_dir(args.output_dir, island), "checkpoints")
+                resume[island] = resolve_resume(
+                    diloco.resume_path(args.resume_from_checkpoint, save_dir), save_dir
+                )
+    except ValueError as e:  # DataError and config errors are ValueErrors with one-line messages
+        sys.exit(f"error: {e}")
+    if pipeline:
+        _warn_about_the_bubble(ds_config["gradient_accumulation_steps"], pipe_args.pipeline_stages)
+    return RecipeInputs(
+        model_args,
+        data_args,
+        args,
+        diloco,
+        pipe_args,
+        ds_config,
+        train_set,
+        valid_set,
+        tokenizer,
+        resume,
+    )
+
+
+def _warn_about_the_bubble(micro_batches: int, stages: int) -> None:
+    if micro_batches < stages:
+        bubble = (stages - 1) / (micro_batches + stages - 1)
+        warnings.warn(
+            f"{micro_batches} micro-batches (gradient_accumulation_steps) for {stages} stages: "
+            f"the pipeline bubble idles {bubble:.0%} of each step; use at least {stages}"
+        )
