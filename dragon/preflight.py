@@ -44,7 +44,7 @@ class RecipeInputs:
 
 
 def preflight(pipeline: bool = False) -> RecipeInputs:
-    """Parse the recipe's arguments (with PipelineArguments for the pipeline recipe) and check them."""
+    """Parse the recipe's arguments (PipelineArguments too for the pipeline recipe), check them."""
     if pipeline and os.environ.get("ACCELERATE_USE_DEEPSPEED"):
         sys.exit(
             "error: accelerate does not drive DeepSpeed's pipeline engine; launch with "
