@@ -55,13 +55,7 @@ def preflight(pipeline: bool = False) -> RecipeInputs:
     try:
         model_args, data_args, args, diloco, *rest = parser.parse_args_into_dataclasses()
         pipe_args = rest[0] if pipeline else None
-        world, islands = launcher_world_size(), 1
-        if diloco.enabled:  # every island is a world of its own; data is split over all of them
-            diloco.check_training(args)
-            world, islands = diloco.island_world(world), diloco.diloco_islands
-        dp_world = (
-            pipeline_data_parallel(world, pipe_args.pipeline_stages, islands) if pipeline else world
-        )
+        dp_world, islands = _data_parallel_world(args, diloco, pipe_args)
         _, raw_config = load_ds_config(args.deepspeed)
         ds_config = resolve_ds_config(raw_config, args, dp_world)
         if pipeline and zero_stage(ds_config) > 1:
@@ -70,31 +64,15 @@ def preflight(pipeline: bool = False) -> RecipeInputs:
                 "pipeline's gradients; use stage 0 or 1 (ds_configs/pipeline_zero*.json)"
             )
         train_set, valid_set, tokenizer = build_datasets(data_args)
-        BDHConfig(**model_args.attention_kwargs())  # raises on an unknown form or chunk size
-        if not model_args.model_name_or_path:
-            config = model_args.config(
-                tokenizer.vocab_size
-            )  # raises on sizes BDH cannot be built with
-            if pipeline:
-                from dragon.pipe import check_pipeline
-
-                check_pipeline(config, pipe_args.pipeline_stages, pipe_args.partition_method)
+        _check_model(model_args, tokenizer.vocab_size, pipe_args)
         # Both raise when the data cannot fill one step / one evaluation on every rank.
-        TrainBatches(
-            train_set,
+        micro, accum = (
             ds_config["train_micro_batch_size_per_gpu"],
-            0,
-            dp_world * islands,
             ds_config["gradient_accumulation_steps"],
         )
+        TrainBatches(train_set, micro, 0, dp_world * islands, accum)
         eval_batches(valid_set, args.per_device_eval_batch_size, 0, dp_world, args.max_eval_samples)
-        resume = {}
-        if args.resume_from_checkpoint:
-            for island in diloco.local_islands():
-                save_dir = os.path.join(diloco.output_dir(args.output_dir, island), "checkpoints")
-                resume[island] = resolve_resume(
-                    diloco.resume_path(args.resume_from_checkpoint, save_dir), save_dir
-                )
+        resume = _resume_targets(args, diloco)
     except ValueError as e:  # DataError and config errors are ValueErrors with one-line messages
         sys.exit(f"error: {e}")
     if pipeline:
@@ -111,6 +89,46 @@ def preflight(pipeline: bool = False) -> RecipeInputs:
         tokenizer,
         resume,
     )
+
+
+def _data_parallel_world(
+    args: TrainingArguments, diloco: DiLoCoArguments, pipe_args: Optional[PipelineArguments]
+) -> tuple[int, int]:
+    """(data-parallel ranks of one island, islands) for this launch."""
+    world, islands = launcher_world_size(), 1
+    if diloco.enabled:  # every island is a world of its own; data is split over all of them
+        diloco.check_training(args)
+        world, islands = diloco.island_world(world), diloco.diloco_islands
+    if pipe_args is None:
+        return world, islands
+    return pipeline_data_parallel(world, pipe_args.pipeline_stages, islands), islands
+
+
+def _check_model(
+    model_args: ModelArguments, vocab_size: int, pipe_args: Optional[PipelineArguments]
+) -> None:
+    """Raise on an unknown attention form, sizes BDH cannot have, or an impossible pipeline."""
+    BDHConfig(**model_args.attention_kwargs())
+    if model_args.model_name_or_path:
+        return  # the sizes are the directory's
+    config = model_args.config(vocab_size)
+    if pipe_args is not None:
+        from dragon.pipe import check_pipeline  # imports DeepSpeed's pipeline module
+
+        check_pipeline(config, pipe_args.pipeline_stages, pipe_args.partition_method)
+
+
+def _resume_targets(args: TrainingArguments, diloco: DiLoCoArguments) -> dict[int, tuple[str, str]]:
+    """island -> (load_dir, tag) for --resume_from_checkpoint, for each island this launch runs."""
+    if not args.resume_from_checkpoint:
+        return {}
+    targets = {}
+    for island in diloco.local_islands():
+        save_dir = os.path.join(diloco.output_dir(args.output_dir, island), "checkpoints")
+        targets[island] = resolve_resume(
+            diloco.resume_path(args.resume_from_checkpoint, save_dir), save_dir
+        )
+    return targets
 
 
 def _warn_about_the_bubble(micro_batches: int, stages: int) -> None:

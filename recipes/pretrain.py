@@ -43,9 +43,8 @@ def main():
     setup_logging()
     inputs = preflight()
     args = inputs.train
-    topology = enter_island(
-        inputs.diloco, args.dist_timeout
-    )  # DiLoCo: each island is a world of its own
+    # With DiLoCo each island is a torch.distributed world of its own, entered before DeepSpeed.
+    topology = enter_island(inputs.diloco, args.dist_timeout)
     init_distributed(args.dist_timeout)
     model = initial_model(inputs)
 

@@ -44,9 +44,8 @@ def main():
     setup_logging()
     inputs = preflight(pipeline=True)
     args, pipe_args = inputs.train, inputs.pipeline
-    topology = enter_island(
-        inputs.diloco, args.dist_timeout
-    )  # DiLoCo: each island is a world of its own
+    # With DiLoCo each island is a torch.distributed world of its own, entered before DeepSpeed.
+    topology = enter_island(inputs.diloco, args.dist_timeout)
     init_distributed(args.dist_timeout)
     model = initial_model(inputs)
     pipe = bdh_pipeline(
@@ -90,9 +89,8 @@ def main():
     train_data = pairs(run.train_batches)
     while not run.done:
         loss = engine.train_batch(train_data)  # forward, backward and step over the micro-batches
-        step = run.end_step(
-            loss.item()
-        )  # already averaged over micro-batches and data-parallel ranks
+        # The loss is already averaged over the micro-batches and the data-parallel ranks.
+        step = run.end_step(loss.item())
 
         record = outer.maybe_outer_step(step, final=run.done) if outer else {}
         if run.due(args.logging_steps):
