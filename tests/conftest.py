@@ -103,37 +103,12 @@ def text_file(tmp_path_factory) -> Path:
 
 
 # A tiny BDH so a 2-rank job takes seconds; dropout 0 so runs can be compared number for number.
-TINY = [
-    "--n_layer",
-    "2",
-    "--n_embd",
-    "32",
-    "--n_head",
-    "2",
-    "--mlp_internal_dim_multiplier",
-    "8",
-    "--block_size",
-    "64",
-    "--dropout",
-    "0.0",
-    "--learning_rate",
-    "3e-3",
-    "--warmup_steps",
-    "2",
-    "--logging_steps",
-    "1",
-    "--eval_steps",
-    "4",
-    "--save_steps",
-    "4",
-    "--max_eval_samples",
-    "32",
-    "--per_device_eval_batch_size",
-    "8",
-    "--sample_max_new_tokens",
-    "0",
-    "--disable_tqdm",
-]
+TINY = (
+    "--n_layer 2 --n_embd 32 --n_head 2 --mlp_internal_dim_multiplier 8 --block_size 64"
+    " --dropout 0.0 --learning_rate 3e-3 --warmup_steps 2 --logging_steps 1 --eval_steps 4"
+    " --save_steps 4 --max_eval_samples 32 --per_device_eval_batch_size 8"
+    " --sample_max_new_tokens 0 --disable_tqdm"
+).split()
 STEPS = 8
 # fp32 on CPU: ranks sum gradients in a different order than one rank does, and ZeRO stages
 # partition and reduce in buckets; the differences are rounding, a few ulp of a loss near 4.
@@ -189,6 +164,19 @@ class Runs:
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory, text_file):
     return Runs(tmp_path_factory.mktemp("runs"), text_file)
+
+
+def bad_input_base(config: str, out, text_file) -> list[str]:
+    """A small valid run's arguments; a test of bad input adds one mistake to them."""
+    return [
+        "--deepspeed",
+        str(REPO / "ds_configs" / config),
+        "--output_dir",
+        str(out),
+        "--train_file",
+        str(text_file),
+        *"--n_layer 2 --n_embd 32 --n_head 2 --block_size 64".split(),
+    ]
 
 
 def losses(metrics, key="loss"):

@@ -102,8 +102,8 @@ def kill_when(proc, condition, then=None, until=None, timeout=300):
 
 
 def kill_tree(pid: int) -> None:
-    """SIGKILL a launcher and every process below it at once (torchrun puts ranks in new sessions).
-    """
+    """SIGKILL a launcher and every process below it at once (torchrun starts ranks in new
+    sessions)."""
     children: dict[int, list[int]] = {}
     for stat in os.listdir("/proc"):
         if stat.isdigit():

@@ -16,6 +16,7 @@ from conftest import (
     REPO,
     STEPS,
     TINY,
+    bad_input_base,
     free_port,
     job_env,
     launch,
@@ -381,8 +382,8 @@ def islands_run(
     out=None,
     script="recipes/pretrain.py",
 ):
-    """Like conftest's Runs, for jobs of several islands (metrics in <out>/island<i>/metrics.jsonl).
-    """
+    """Like conftest's Runs, for jobs of several islands (metrics in
+    <out>/island<i>/metrics.jsonl)."""
     if name not in _island_runs:
         out = out or runs.root / name
         cfg = config if config.startswith("/") else str(REPO / "ds_configs" / config)
@@ -657,22 +658,9 @@ def test_zero0_bf16_with_bf16_pseudo_gradients(runs):
 def test_bad_input_stops_before_start(
     monkeypatch, text_file, tmp_path, script, argv, env, expected
 ):
-    base = [
-        "--deepspeed",
-        str(REPO / "ds_configs" / ("pipeline_zero0.json" if script == PIPE else "zero2.json")),
-        "--output_dir",
-        str(tmp_path),
-        "--train_file",
-        str(text_file),
-        "--n_layer",
-        "2",
-        "--n_embd",
-        "32",
-        "--n_head",
-        "2",
-        "--block_size",
-        "64",
-    ]
+    base = bad_input_base(
+        ("pipeline_zero0.json" if script == PIPE else "zero2.json"), tmp_path, text_file
+    )
     assert expected in run_recipe_in_process(monkeypatch, script, base + argv, env)
 
 

@@ -1,12 +1,12 @@
-"""BDH as a DeepSpeed pipeline: real 2- and 4-process jobs on CPU, checked against the plain model.
-"""
+"""BDH as a DeepSpeed pipeline: real 2- and 4-process jobs on CPU, checked against the plain
+model."""
 
 import json
 import shutil
 
 import pytest
 import torch
-from conftest import LOSS_ATOL, REPO, STEPS, launch, losses, run_recipe_in_process
+from conftest import LOSS_ATOL, REPO, STEPS, bad_input_base, launch, losses, run_recipe_in_process
 
 from dragon import BDHConfig, BDHForCausalLM
 from dragon.pipe import model_from_pipeline_checkpoint, partition
@@ -213,22 +213,7 @@ def test_too_few_micro_batches_warns_about_the_bubble(runs):
     ],
 )
 def test_bad_input_stops_before_start(monkeypatch, text_file, tmp_path, argv, env, expected):
-    base = [
-        "--deepspeed",
-        str(REPO / "ds_configs" / CONFIG),
-        "--output_dir",
-        str(tmp_path),
-        "--train_file",
-        str(text_file),
-        "--n_layer",
-        "2",
-        "--n_embd",
-        "32",
-        "--n_head",
-        "2",
-        "--block_size",
-        "64",
-    ]
+    base = bad_input_base(CONFIG, tmp_path, text_file)
     assert expected in run_recipe_in_process(monkeypatch, PIPE, base + argv, env)
 
 

@@ -6,7 +6,17 @@ import shutil
 
 import pytest
 import torch
-from conftest import LOSS_ATOL, REPO, STEPS, TINY, launch, losses, read_jsonl, run_recipe_in_process
+from conftest import (
+    LOSS_ATOL,
+    REPO,
+    STEPS,
+    TINY,
+    bad_input_base,
+    launch,
+    losses,
+    read_jsonl,
+    run_recipe_in_process,
+)
 
 from dragon import BDHForCausalLM
 
@@ -199,22 +209,7 @@ def test_export_cli_turns_checkpoint_into_model(runs, tmp_path):
 )
 def test_bad_input_stops_before_start(monkeypatch, text_file, tmp_path, argv, env, expected):
     """Each mistake is one line naming the bad value, before any process group starts."""
-    base = [
-        "--deepspeed",
-        str(REPO / "ds_configs/zero2.json"),
-        "--output_dir",
-        str(tmp_path),
-        "--train_file",
-        str(text_file),
-        "--n_layer",
-        "2",
-        "--n_embd",
-        "32",
-        "--n_head",
-        "2",
-        "--block_size",
-        "64",
-    ]
+    base = bad_input_base("zero2.json", tmp_path, text_file)
     assert expected in run_recipe_in_process(monkeypatch, "recipes/pretrain.py", base + argv, env)
 
 
