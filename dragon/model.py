@@ -223,14 +223,14 @@ class BDHForCausalLM(BDHPreTrainedModel, GenerationMixin):
         """Logits (and the loss with labels). With a cache, input_ids continue the stream it holds.
 
         `cache` and `past_key_values` are the same argument (transformers' new and old names).
-        use_cache defaults to: a cache was given, or config.use_cache in eval mode without labels.
+        use_cache defaults to whether a cache was given: a state is n_head x N x D fp32 numbers per
+        layer and sequence, so it is built only when asked for (generate() asks, by
+        config.use_cache).
         attention_mask is accepted for generate(); BDH has no padding support, as the reference.
         """
         cache = cache if cache is not None else past_key_values
         if use_cache is None:
-            use_cache = cache is not None or (
-                self.config.use_cache and labels is None and not self.training
-            )
+            use_cache = cache is not None
         if use_cache and cache is None:
             cache = BDHCache(self.config.n_layer)
         x = embed_tokens(self.embed, input_ids)

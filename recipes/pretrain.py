@@ -34,7 +34,7 @@ def evaluate(engine, batches) -> float:
     losses = []
     for batch in batches:
         batch = batch.to(engine.device)
-        losses.append(engine(input_ids=batch, labels=batch, use_cache=False).loss.item())
+        losses.append(engine(input_ids=batch, labels=batch).loss.item())
     engine.train()
     return all_reduce_mean([sum(losses) / len(losses)])[0]
 
