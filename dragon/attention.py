@@ -79,7 +79,8 @@ def causal_scores(q: torch.Tensor, v: torch.Tensor, block: int = CAUSAL_BLOCK) -
     return _BlockCausal.apply(q, v, block)
 
 
-def _row_blocks(T: int, block: int):
+def row_blocks(T: int, block: int) -> list[tuple[int, int]]:
+    """(start, end) of each block of rows the quadratic form computes at once."""
     return [(start, min(start + block, T)) for start in range(0, T, block)]
 
 
@@ -90,7 +91,7 @@ class _BlockCausal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, v: torch.Tensor, block: int) -> torch.Tensor:
         scores, rows = [], []
-        for start, end in _row_blocks(q.size(-2), block):
+        for start, end in row_blocks(q.size(-2), block):
             s = (q[..., start:end, :] @ q[..., :end, :].mT).tril(diagonal=start - 1)
             scores.append(s)
             rows.append(s @ v[..., :end, :])
@@ -108,7 +109,7 @@ class _BlockCausal(torch.autograd.Function):
             dtype=v.dtype,
             device=v.device,
         )
-        for (start, end), s in zip(_row_blocks(q.size(-2), ctx.block), scores):
+        for (start, end), s in zip(row_blocks(q.size(-2), ctx.block), scores):
             g = grad[..., start:end, :]
             ds = (g @ v[..., :end, :].mT).tril(diagonal=start - 1)
             dv[..., :end, :] += s.mT @ g

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from dragon.attention import CAUSAL_BLOCK, resolve_form
+from dragon.attention import CAUSAL_BLOCK, resolve_form, row_blocks
 from dragon.model import BDHConfig
 
 
@@ -30,7 +30,7 @@ def causal_pairs(T: int, block: int = CAUSAL_BLOCK) -> int:
     one block, else each block of rows against the positions up to its end."""
     if T <= block:
         return T * T
-    return sum((min(s + block, T) - s) * min(s + block, T) for s in range(0, T, block))
+    return sum((end - start) * end for start, end in row_blocks(T, block))
 
 
 def attention_macs_per_token(config: BDHConfig, seq_len: int, form: str = "") -> float:

@@ -34,11 +34,6 @@ def initial_model(inputs: RecipeInputs) -> BDHForCausalLM:
     return BDHForCausalLM(inputs.model.config(inputs.tokenizer.vocab_size))
 
 
-def metrics_path(run_dir: str) -> str:
-    """The run's metric history: what the recipes log and what retention picks the best from."""
-    return os.path.join(run_dir, "metrics.jsonl")
-
-
 class TrainingRun:
     """One island's run (the whole run without DiLoCo): `step` counts optimizer steps done.
 

@@ -127,6 +127,11 @@ class MetricHistory:
         return history
 
 
+def metrics_path(run_dir: str) -> str:
+    """A run's metric history: what the recipes log and what retention picks the best from."""
+    return os.path.join(run_dir, "metrics.jsonl")
+
+
 class MetricsLogger:
     """Rank 0 appends one JSON object per line to <output_dir>/metrics.jsonl and feeds the monitor.
     """
@@ -144,7 +149,7 @@ class MetricsLogger:
         self.monitor = (
             monitor if monitor is not None and getattr(monitor, "enabled", False) else None
         )
-        self.history = MetricHistory(os.path.join(output_dir, "metrics.jsonl"))
+        self.history = MetricHistory(metrics_path(output_dir))
         self.bar = None
         if enabled:
             os.makedirs(output_dir, exist_ok=True)

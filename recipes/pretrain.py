@@ -19,8 +19,8 @@ import torch
 from dragon.diloco import DiLoCo
 from dragon.distributed import all_reduce_mean, init_distributed, rank, world_size
 from dragon.export import export_engine
-from dragon.loop import TrainingRun, initial_model, metrics_path
-from dragon.metrics import RECORDED_METRICS, grad_norm_before_step, setup_logging
+from dragon.loop import TrainingRun, initial_model
+from dragon.metrics import RECORDED_METRICS, metrics_path, grad_norm_before_step, setup_logging
 from dragon.optim import client_optimizer_and_scheduler
 from dragon.preflight import preflight
 from dragon.retention import attach_retention

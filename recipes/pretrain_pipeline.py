@@ -16,8 +16,8 @@ import deepspeed
 from dragon.diloco import DiLoCo
 from dragon.distributed import init_distributed
 from dragon.export import export_engine
-from dragon.loop import TrainingRun, initial_model, metrics_path
-from dragon.metrics import RECORDED_METRICS, setup_logging
+from dragon.loop import TrainingRun, initial_model
+from dragon.metrics import RECORDED_METRICS, metrics_path, setup_logging
 from dragon.optim import client_optimizer_and_scheduler
 from dragon.pipe import bdh_pipeline
 from dragon.preflight import preflight
