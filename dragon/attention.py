@@ -35,11 +35,19 @@ def rope_frequencies(n: int, device=None) -> torch.Tensor:
     return (1.0 / (ROPE_THETA ** (q / n)) / (2 * math.pi)).view(1, 1, 1, n)
 
 
-def rope(phases: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs of v by 2pi * (phases mod 1), with cos/sin in fp32."""
-    v_rot = torch.stack((-v[..., 1::2], v[..., ::2]), dim=-1).view(*v.size())
-    phases = (phases % 1) * (2 * math.pi)
-    return (v * torch.cos(phases)).to(v.dtype) + (v_rot * torch.sin(phases)).to(v.dtype)
+def rope_rotation(freqs: torch.Tensor, position: int, T: int) -> torch.Tensor:
+    """e^(i 2pi (p * freq mod 1)) for positions p = position..position+T-1, in complex64, shaped
+    (1, 1, T, n/2): one per interleaved pair (pairs share a frequency), cos/sin in fp32."""
+    positions = torch.arange(position, position + T, device=freqs.device, dtype=torch.float32)
+    angles = (positions.view(1, 1, T, 1) * freqs[..., ::2]) % 1 * (2 * math.pi)
+    return torch.complex(torch.cos(angles), torch.sin(angles))
+
+
+def rope(rotation: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs of v (..., T, n): each pair (v0, v1) is the complex number
+    v0 + i v1, times its rotation. One pass over v forward and one backward."""
+    pairs = torch.view_as_complex(v.to(state_dtype(v.dtype)).unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * rotation).flatten(-2).to(v.dtype)
 
 
 def resolve_form(form: str, T: int, chunk: int, has_state: bool) -> str:
@@ -168,6 +176,17 @@ def chunked(
     return out, before[:, :, -1] + updates[:, :, -1]
 
 
+def _add_in_place(rho: torch.Tensor, q: torch.Tensor, v: torch.Tensor) -> None:
+    """rho += q^T v over the positions of q (B, nh, n, N), v (B, 1|nh, n, D), as one batched
+    matmul into rho (B, nh, N, D): one pass over rho."""
+    B, nh, N, D = rho.shape
+    n = q.size(-2)
+    rho.view(B * nh, N, D).baddbmm_(
+        q.to(rho.dtype).reshape(B * nh, n, N).mT,
+        v.to(rho.dtype).expand(B, nh, n, D).reshape(B * nh, n, D),
+    )
+
+
 def recurrent(
     q: torch.Tensor,
     v: torch.Tensor,
@@ -176,8 +195,8 @@ def recurrent(
 ):
     """One position at a time: out_t = q_t rho, then rho += q_t^T v_t.
 
-    Without autograd (generation) the given state is updated in place, in one fused pass over
-    it: a decoding step is bound by reading and writing the state, not by arithmetic.
+    Without autograd the given state is updated in place, in one fused pass over it: a
+    generation step reads rho and adds into it while it is still in cache.
     """
     B, nh, T, N = q.shape
     D = v.size(-1)
@@ -185,16 +204,16 @@ def recurrent(
     in_place = state is not None and not (
         torch.is_grad_enabled() and (q.requires_grad or v.requires_grad or rho.requires_grad)
     )
+    if in_place and T == 1:  # a generation step: no slicing, no concatenation
+        out = _read(q, rho)
+        _add_in_place(rho, q, v)
+        return (out, rho) if return_state else out
     outs = []
     for t in range(T):
         q_t, v_t = q[:, :, t : t + 1], v[:, :, t : t + 1]
         outs.append(_read(q_t, rho))
         if in_place:
-            flat = rho.view(B * nh, N, D)
-            flat.baddbmm_(
-                q_t.to(rho.dtype).reshape(B * nh, N, 1),
-                v_t.to(rho.dtype).expand(B, nh, 1, D).reshape(B * nh, 1, D),
-            )
+            _add_in_place(rho, q_t, v_t)
         else:
             rho = rho + _state_update(q_t, v_t)
     out = torch.cat(outs, dim=2)

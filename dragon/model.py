@@ -13,7 +13,15 @@ from torch import nn
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from dragon.attention import DEFAULT_CHUNK_SIZE, FORMS, BDHCache, attention, rope, rope_frequencies
+from dragon.attention import (
+    DEFAULT_CHUNK_SIZE,
+    FORMS,
+    BDHCache,
+    attention,
+    rope,
+    rope_frequencies,
+    rope_rotation,
+)
 
 
 class BDHConfig(PretrainedConfig):
@@ -101,6 +109,10 @@ class Attention(nn.Module):
         self.freqs = rope_frequencies(self.n, device=self.freqs.device)
         return self
 
+    def rotation(self, position: int, T: int) -> torch.Tensor:
+        """RoPE's rotation of positions position..position+T-1; every layer of a forward shares it."""
+        return rope_rotation(self.freqs, position, T)
+
     def forward(
         self,
         x_sparse: torch.Tensor,
@@ -108,14 +120,14 @@ class Attention(nn.Module):
         state: Optional[torch.Tensor] = None,
         position: int = 0,
         return_state: bool = False,
+        rotation: Optional[torch.Tensor] = None,
     ):
         """(B, nh, T, N), (B, 1, T, D) -> (B, nh, T, D); with return_state also the state after
-        the last position. `state` is what positions before `position` wrote."""
-        T = x_sparse.size(-2)
-        positions = torch.arange(
-            position, position + T, device=self.freqs.device, dtype=torch.float32
-        )
-        q = rope(positions.view(1, 1, T, 1) * self.freqs, x_sparse)
+        the last position. `state` is what positions before `position` wrote; `rotation`, when
+        given, is self.rotation(position, T)."""
+        if rotation is None:
+            rotation = self.rotation(position, x_sparse.size(-2))
+        q = rope(rotation, x_sparse)
         return attention(
             q, v, self.config.attention, self.config.attention_chunk_size, state, return_state
         )
@@ -139,16 +151,22 @@ class BDHLayer(nn.Module):
         state: Optional[torch.Tensor] = None,
         position: int = 0,
         return_state: bool = False,
+        rotation: Optional[torch.Tensor] = None,
     ):
-        """x (B, 1, T, D) -> the next x; with return_state also this layer's attention state."""
+        """x (B, 1, T, D) -> the next x; with return_state also this layer's attention state.
+        `rotation` (self.attn.rotation(position, T)) is computed once for all layers by callers
+        that run several."""
         B, _, T, D = x.shape
         x_sparse = F.relu(x @ self.encoder)  # (B, nh, T, N)
-        attn = self.attn(x_sparse, x, state, position, return_state)
+        attn = self.attn(x_sparse, x, state, position, return_state, rotation)
         attn, state = attn if return_state else (attn, None)
         y_kv = layer_norm(attn)  # (B, nh, T, D)
         y_sparse = F.relu(y_kv @ self.encoder_v)
         xy_sparse = self.drop(x_sparse * y_sparse)
-        y_mlp = xy_sparse.transpose(1, 2).reshape(B, 1, T, -1) @ self.decoder  # (B, 1, T, D)
+        # Each head's neurons through its rows of the decoder, summed over heads: no (B, T, nh*N)
+        # copy of the activations, and batched over heads, which is faster than one long matmul.
+        decoder = self.decoder.view(xy_sparse.size(1), -1, D)
+        y_mlp = (xy_sparse @ decoder).sum(dim=1, keepdim=True)  # (B, 1, T, D)
         x = layer_norm(x + layer_norm(y_mlp))
         return (x, state) if return_state else x
 
@@ -234,15 +252,15 @@ class BDHForCausalLM(BDHPreTrainedModel, GenerationMixin):
         if use_cache and cache is None:
             cache = BDHCache(self.config.n_layer)
         x = embed_tokens(self.embed, input_ids)
+        position = cache.position if use_cache else 0
+        rotation = self.layer.attn.rotation(position, input_ids.size(1))
         if use_cache:
             for i in range(self.config.n_layer):
-                x, cache.states[i] = self.layer(
-                    x, cache.states[i], cache.position, return_state=True
-                )
+                x, cache.states[i] = self.layer(x, cache.states[i], position, True, rotation)
             cache.position += input_ids.size(1)
         else:
             for _ in range(self.config.n_layer):
-                x = self.layer(x)
+                x = self.layer(x, rotation=rotation)
         logits = lm_logits(x, self.lm_head)
         loss = causal_lm_loss(logits, labels) if labels is not None else None
         if logits_to_keep:
