@@ -45,6 +45,8 @@ MODEL = [
     "512",
     "--deepspeed",
     "ds_configs/zero1.json",
+    "--lr_scheduler_type",
+    "cosine",
 ]
 PARAMS = 229_376
 

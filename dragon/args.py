@@ -77,7 +77,13 @@ class TrainingArguments:
     adam_epsilon: float = _help("AdamW epsilon.", default=1e-8)
     max_grad_norm: float = _help("Gradient clipping (0 disables).", default=1.0)
     lr_scheduler_type: str = _help(
-        "A transformers schedule name: cosine, linear, constant, ...", default="cosine"
+        "A transformers schedule name: cosine_with_min_lr (warm-up, then cosine down to "
+        "--min_lr_ratio of the peak, as the BDH paper trains), cosine (to zero), linear, "
+        "constant, ...",
+        default="cosine_with_min_lr",
+    )
+    min_lr_ratio: float = _help(
+        "cosine_with_min_lr's floor, as a fraction of the peak learning rate.", default=0.1
     )
     warmup_steps: int = _help("Linear warm-up steps.", default=0)
     bf16: bool = _help("bf16 mixed precision (config's bf16.enabled 'auto').", default=False)
@@ -98,6 +104,21 @@ class TrainingArguments:
     )
     resume_from_checkpoint: Optional[str] = _help(
         "'latest' (output_dir/checkpoints) or a path to a checkpoint directory or tag.",
+        default=None,
+    )
+    carry_state: bool = _help(
+        "Stateful training: every row of a step is a stream through the corpus that the next step "
+        "continues, and each row's attention state is carried (detached) from step to step.",
+        default=False,
+    )
+    state_reset_steps: int = _help(
+        "With --carry_state, zero every row's state every N steps (0: only when the streams wrap "
+        "around the epoch).",
+        default=0,
+    )
+    eval_carried: Optional[bool] = _help(
+        "Also evaluate eval_loss_carried: the validation split read as streams with the state "
+        "carried (default: with --carry_state).",
         default=None,
     )
     seed: int = _help("Seed for weights, data order and dropout.", default=42)
@@ -128,6 +149,8 @@ class TrainingArguments:
                 raise ValueError(f"--{name}={getattr(self, name)}: must be >= 1")
         if self.learning_rate <= 0:
             raise ValueError(f"--learning_rate={self.learning_rate}: must be > 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"--min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
         if self.warmup_steps < 0 or self.max_grad_norm < 0:
             raise ValueError("--warmup_steps and --max_grad_norm must be >= 0")
         valid = [t.value for t in SchedulerType]
@@ -146,6 +169,15 @@ class TrainingArguments:
                 f"valid are {', '.join(RECORDED_METRICS)} or none"
             )
         self.retention_policy()  # raises on a bad --save_total_limit
+        if self.state_reset_steps < 0:
+            raise ValueError(f"--state_reset_steps={self.state_reset_steps}: must be >= 0")
+        if self.eval_carried is None:
+            self.eval_carried = self.carry_state
+        if self.metric_for_best_model == "eval_loss_carried" and not self.eval_carried:
+            raise ValueError(
+                "--metric_for_best_model eval_loss_carried is recorded only with --carry_state "
+                "or --eval_carried"
+            )
         if self.max_eval_samples is not None and self.max_eval_samples < 1:
             raise ValueError(f"--max_eval_samples={self.max_eval_samples}: must be >= 1")
 

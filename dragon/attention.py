@@ -25,6 +25,8 @@ FORMS = ("auto", "quadratic", "chunked", "recurrent")
 DEFAULT_CHUNK_SIZE = 512
 # "auto" takes the quadratic form up to this many positions, the chunked form above it.
 AUTO_CROSSOVER = 1024
+# RoPE phases in fp32 up to this position (exactly the reference's arithmetic), fp64 beyond.
+FP32_POSITIONS = 2**16
 # Rows of scores computed at once; each block of rows skips the positions after its end.
 CAUSAL_BLOCK = 128
 
@@ -37,9 +39,16 @@ def rope_frequencies(n: int, device=None) -> torch.Tensor:
 
 def rope_rotation(freqs: torch.Tensor, position: int, T: int) -> torch.Tensor:
     """e^(i 2pi (p * freq mod 1)) for positions p = position..position+T-1, in complex64, shaped
-    (1, 1, T, n/2): one per interleaved pair (pairs share a frequency), cos/sin in fp32."""
-    positions = torch.arange(position, position + T, device=freqs.device, dtype=torch.float32)
-    angles = (positions.view(1, 1, T, 1) * freqs[..., ::2]) % 1 * (2 * math.pi)
+    (1, 1, T, n/2): one per interleaved pair (pairs share a frequency), cos/sin in fp32.
+
+    p * freq is computed in fp32 as the reference does while positions are small; a carried
+    stream's positions grow without bound, and beyond FP32_POSITIONS fp32 would lose the
+    fraction of a turn, so the product and its fraction are computed in fp64 there.
+    """
+    dtype = torch.float32 if position + T <= FP32_POSITIONS else torch.float64
+    positions = torch.arange(position, position + T, device=freqs.device, dtype=dtype)
+    turns = (positions.view(1, 1, T, 1) * freqs[..., ::2].to(dtype)) % 1
+    angles = (turns * (2 * math.pi)).float()
     return torch.complex(torch.cos(angles), torch.sin(angles))
 
 

@@ -85,10 +85,15 @@ class TrainBatches:
         # Chunk a*W + r: for any W, micro-step a covers the same samples of the global batch
         # (in rank order), so changing dp_world at fixed global batch keeps the data identical.
         chunk = accum * self.dp_world + self.dp_rank
-        start = step * self.global_batch + chunk * self.micro_batch_size
-        indices = self.permutation(self.epoch)[start : start + self.micro_batch_size]
+        rows = range(chunk * self.micro_batch_size, (chunk + 1) * self.micro_batch_size)
+        indices = self.sample_indices(self.epoch, step, rows)
         self.micro_step += 1
         return self.data[indices.tolist()]["input_ids"].long()
+
+    def sample_indices(self, epoch: int, step: int, rows: range) -> torch.Tensor:
+        """The samples rows `rows` of the global batch read at `step` of `epoch`: a shuffled
+        epoch, cut into global batches."""
+        return self.permutation(epoch)[step * self.global_batch + rows.start :][: len(rows)]
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "micro_step": self.micro_step, "seed": self.seed}
@@ -103,6 +108,53 @@ class TrainBatches:
                 "dataset, batch size or world size changed?"
             )
         self.epoch, self.micro_step, self.seed = epoch, micro_step, int(state["seed"])
+
+
+class StreamBatches(TrainBatches):
+    """Training micro-batches whose rows are streams: row g of the global batch reads block
+    (stream start + step) of its own contiguous stretch of the corpus, so row g of step k+1
+    continues exactly where row g of step k ended (Transformer-XL's order), and a state carried
+    from step to step sees the text before the block.
+
+    The corpus is cut into global_batch streams of steps_per_epoch consecutive blocks; each epoch
+    deals them to the rows in a seeded order. Consecutive packed blocks are consecutive text, up
+    to the tail of each map batch of documents that packing drops.
+    """
+
+    def sample_indices(self, epoch: int, step: int, rows: range) -> torch.Tensor:
+        streams = self.permutation_of_streams(epoch)[rows.start : rows.stop]
+        return streams * self.steps_per_epoch + step
+
+    def permutation_of_streams(self, epoch: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.global_batch, generator=g)
+
+
+def eval_streams(
+    dataset: Dataset,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_world: int,
+    max_samples: Optional[int] = None,
+) -> list[torch.Tensor]:
+    """This rank's validation blocks read as streams: the first max_samples blocks cut into
+    micro_batch_size x dp_world contiguous streams; batch i holds block i of this rank's
+    streams. The same number of batches on every rank."""
+    if micro_batch_size < 1:
+        raise DataError(f"micro_batch_size {micro_batch_size} is invalid; it must be >= 1")
+    n = len(dataset) if max_samples is None else min(len(dataset), max_samples)
+    rows = micro_batch_size * dp_world
+    length = n // rows
+    if length == 0:
+        raise DataError(
+            f"validation set has {n} samples, fewer than one stream per row "
+            f"({micro_batch_size} x {dp_world}); lower the micro batch size or "
+            "--block_size, or raise --validation_split_percentage"
+        )
+    data = _torch_rows(dataset)
+    first = dp_rank * micro_batch_size
+    starts = [(first + j) * length for j in range(micro_batch_size)]
+    return [data[[s + i for s in starts]]["input_ids"].long() for i in range(length)]
 
 
 def eval_batches(

@@ -11,7 +11,10 @@ import torch
 
 from dragon import checkpoint
 from dragon.cost import model_profile
-from dragon.batches import TrainBatches, eval_batches
+from dragon.attention import BDHCache
+from dragon.batches import StreamBatches, TrainBatches, eval_batches, eval_streams
+from dragon.carry import STATE_FILE as CARRIED_STATE
+from dragon.carry import CarriedState, state_bytes_per_row
 from dragon.diloco import STATE_FILE as DILOCO_STATE
 from dragon.diloco import DiLoCo
 from dragon.distributed import all_reduce_mean, rank, world_size
@@ -51,7 +54,10 @@ class TrainingRun:
         dp_rank: int,
         dp_world: int,
         diloco: Optional[DiLoCo] = None,
+        state_layers: Optional[int] = None,
     ):
+        """state_layers: the layers whose state this rank carries with --carry_state (a pipeline
+        stage's own; default all)."""
         args, block = inputs.train, inputs.data.block_size
         self.engine, self.inputs, self.args, self.diloco = engine, inputs, args, diloco
         self.micro, self.accum = (
@@ -59,16 +65,22 @@ class TrainingRun:
             engine.gradient_accumulation_steps(),
         )
         data_rank, data_world = topology.data_shard(dp_rank, dp_world)
-        self.train_batches = TrainBatches(
+        batches = StreamBatches if args.carry_state else TrainBatches
+        self.train_batches = batches(
             inputs.train_set, self.micro, data_rank, data_world, self.accum, seed=args.seed
         )
-        self.valid_batches = eval_batches(
-            inputs.valid_set,
-            args.per_device_eval_batch_size,
-            dp_rank,
-            dp_world,
-            args.max_eval_samples,
-        )
+        valid = (inputs.valid_set, args.per_device_eval_batch_size, dp_rank, dp_world)
+        self.valid_batches = eval_batches(*valid, args.max_eval_samples)
+        streams = eval_streams(*valid, args.max_eval_samples) if args.eval_carried else []
+        self.valid_streams = streams
+        self.carried = None
+        if args.carry_state:
+            self.carried = CarriedState(
+                self.accum,
+                state_layers or config.n_layer,
+                self.train_batches.steps_per_epoch,
+                args.state_reset_steps,
+            )
         self.output_dir = inputs.run_dir(topology.island)
         self.save_dir = os.path.join(self.output_dir, "checkpoints")
         if rank() == 0:  # recipes/export.py reads it to turn any checkpoint into a model
@@ -101,11 +113,23 @@ class TrainingRun:
                 f"{len(inputs.valid_set):,} valid samples of {block + 1} tokens, "
                 f"{self.tokens_per_step:,} tokens per step"
             )
+            if self.carried:
+                row, rows = state_bytes_per_row(config), self.micro * self.accum
+                every = args.state_reset_steps
+                logger.info(
+                    f"carried state: {row / 2**20:,.2f} MiB per row x {rows} rows = "
+                    f"{rows * row / 2**20:,.1f} MiB per rank; streams of "
+                    f"{self.train_batches.steps_per_epoch} blocks; states zeroed "
+                    f"{f'every {every} steps and ' if every else ''}when the streams wrap"
+                )
 
     def _resume(self, load_dir: str, tag: str) -> None:
         state = checkpoint.resume(self.engine, load_dir, tag)
         self.step = state["step"]
         self.train_batches.load_state_dict(state["data"])
+        carried = checkpoint.load_rank_file(load_dir, tag, CARRIED_STATE)
+        if self.carried and carried is not None:  # else the states start from zero
+            self.carried.load_state_dict(carried, self.engine.device)
         if self.diloco:
             self.diloco.check_same_step(self.step)
             outer_state = checkpoint.load_rank_file(load_dir, tag, DILOCO_STATE)
@@ -127,10 +151,20 @@ class TrainingRun:
         """Whether something done every `every` steps is due after this step (always at the end)."""
         return self.step % every == 0 or self.done
 
+    def step_caches(self) -> list[Optional[BDHCache]]:
+        """Per micro-batch of the coming step, the cache its rows continue (zeroed when a reset is
+        due); all None without --carry_state."""
+        if self.carried is None:
+            return [None] * self.accum
+        self.carried.begin_step(self.step)
+        return self.carried.caches
+
     def end_step(self, loss: float) -> int:
         """Count an optimizer step of `loss` (this rank's mean over its micro-batches); returns the
-        step.
+        step. The carried states keep their values and drop their graphs.
         """
+        if self.carried:
+            self.carried.end_step()
         self.step += 1
         self.losses.append(loss)
         self._throughput.add(self.tokens_per_step)
@@ -162,13 +196,16 @@ class TrainingRun:
             )
 
     def save(self) -> None:
-        """engine.save_checkpoint (retention runs after it) with the data position, RNG and DiLoCo
-        state.
+        """engine.save_checkpoint (retention runs after it) with the data position, RNG, DiLoCo
+        state and carried states.
         """
-        outer = {DILOCO_STATE: self.diloco.state_dict()} if self.diloco else None
-        checkpoint.save(
-            self.engine, self.save_dir, self.step, {"data": self.train_batches.state_dict()}, outer
-        )
+        rank_files = {}
+        if self.diloco:
+            rank_files[DILOCO_STATE] = self.diloco.state_dict()
+        if self.carried:
+            rank_files[CARRIED_STATE] = self.carried.state_dict()
+        data = {"data": self.train_batches.state_dict()}
+        checkpoint.save(self.engine, self.save_dir, self.step, data, rank_files)
 
     def finish(self, export: Callable[[str], None], island: int = 0) -> Optional[str]:
         """Close the progress bar, export the model with `export(dir)`, print a sample on rank 0.

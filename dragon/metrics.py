@@ -34,7 +34,15 @@ def setup_logging(level: int = logging.INFO) -> None:
 
 # What the recipes write to metrics.jsonl (eval_loss on evaluation steps); any can pick the best
 # checkpoint.
-RECORDED_METRICS = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_second", "mfu")
+RECORDED_METRICS = (
+    "loss",
+    "eval_loss",
+    "eval_loss_carried",
+    "lr",
+    "grad_norm",
+    "tokens_per_second",
+    "mfu",
+)
 
 # Dense bf16 peak per device, TFLOP/s (vendor datasheets). Matched by substring of the device name.
 GPU_PEAK_TFLOPS = {

@@ -110,7 +110,7 @@ class Attention(nn.Module):
         return self
 
     def rotation(self, position: int, T: int) -> torch.Tensor:
-        """RoPE's rotation of positions position..position+T-1; every layer of a forward shares it."""
+        """RoPE's rotation of positions position..position+T-1 (shared by a forward's layers)."""
         return rope_rotation(self.freqs, position, T)
 
     def forward(

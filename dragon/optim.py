@@ -6,14 +6,17 @@ from transformers import get_scheduler
 
 def client_optimizer_and_scheduler(params, cfg: dict, args):
     """What to pass to deepspeed.initialize: the JSON's optimizer and scheduler win; without them,
-    torch's AdamW and transformers' schedule (warm-up then cosine by default) from the arguments."""
+    torch's AdamW and transformers' schedule (warm-up, then cosine down to a floor of
+    --min_lr_ratio by default) from the arguments."""
 
     def schedule(opt):
+        with_floor = args.lr_scheduler_type == "cosine_with_min_lr"
         return get_scheduler(
             args.lr_scheduler_type,
             opt,
             num_warmup_steps=args.warmup_steps,
             num_training_steps=args.max_steps,
+            scheduler_specific_kwargs={"min_lr_rate": args.min_lr_ratio} if with_floor else None,
         )
 
     optimizer = None

@@ -6,13 +6,15 @@ its gradient across the stages that hold it, every step. The loss is the plain m
 """
 
 import os
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.utils import partition_balanced, partition_uniform
 from torch import nn
 
+from dragon.attention import BDHCache
 from dragon.model import (
     BDHConfig,
     BDHForCausalLM,
@@ -46,7 +48,50 @@ class HeadStage(nn.Module):
         return lm_logits(x, self.lm_head)
 
 
-def _run_shared(layer: BDHLayer, x: torch.Tensor) -> torch.Tensor:
+class StageLayer(BDHLayer):
+    """The shared block as a stage holds it, called once per layer of the stage. Inside
+    carrying(pipe, caches) call k of the engine's schedule is layer k % L of the stage's L layers
+    for micro-batch k // L, and continues that micro-batch's cache (the engine runs each stage's
+    forwards in micro-batch order)."""
+
+    def __init__(self, config: BDHConfig):
+        super().__init__(config)
+        self.layers_on_stage = 1  # set by bdh_pipeline
+        self.caches: Optional[list[BDHCache]] = None
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.caches is None:
+            return super().forward(x)
+        micro_batch, j = divmod(self.calls, self.layers_on_stage)
+        cache = self.caches[micro_batch % len(self.caches)]
+        x, cache.states[j] = super().forward(x, cache.states[j], cache.position, True)
+        if j == self.layers_on_stage - 1:
+            cache.position += x.size(-2)
+        self.calls += 1
+        return x
+
+
+def stage_layer(pipe: PipelineModule) -> StageLayer:
+    """This stage's copy of the shared block (every stage holds at least one layer)."""
+    return pipe.tied_modules[SHARED_KEY]
+
+
+@contextmanager
+def carrying(pipe: PipelineModule, caches: Optional[list[BDHCache]]) -> Iterator[None]:
+    """Within: micro-batch m of the engine's schedule continues caches[m % len(caches)] through
+    this stage's layers (caches of stage_layer(pipe).layers_on_stage layers). None, or a list of
+    None: no state."""
+    layer = stage_layer(pipe)
+    layer.caches = caches if caches and caches[0] is not None else None
+    layer.calls = 0
+    try:
+        yield
+    finally:
+        layer.caches = None
+
+
+def _run_shared(layer: StageLayer, x: torch.Tensor) -> torch.Tensor:
     return layer(x)
 
 
@@ -93,7 +138,7 @@ def pipeline_specs(config: BDHConfig, parts: list[int]) -> list:
     layers = [
         TiedLayerSpec(
             SHARED_KEY,
-            BDHLayer,
+            StageLayer,
             config,
             tied_weight_attr=SHARED_WEIGHTS,
             forward_fn=None if i in owners else _run_shared,
@@ -113,7 +158,7 @@ def bdh_pipeline(
     config = model.config
     check_pipeline(config, num_stages, partition_method)
     parts = partition(config, num_stages, partition_method)
-    ds_method = "type:BDHLayer" if partition_method == "compute" else partition_method
+    ds_method = f"type:{StageLayer.__name__}" if partition_method == "compute" else partition_method
     pipe = PipelineModule(
         layers=pipeline_specs(config, parts),
         num_stages=num_stages,
@@ -125,6 +170,8 @@ def bdh_pipeline(
         raise RuntimeError(
             f"DeepSpeed partitioned the pipeline as {list(pipe.parts)}, expected {parts}"
         )
+    start, stop = parts[pipe.stage_id], parts[pipe.stage_id + 1]
+    stage_layer(pipe).layers_on_stage = len(range(max(start, 1), min(stop, config.n_layer + 1)))
     # DeepSpeed sums gradient norms over a pipeline's stages but, Megatron-style, counts a
     # parameter outside the first stage only if it is marked model-parallel; unmarked, the
     # head's gradient would be left out of clipping. Every parameter lives on one stage except

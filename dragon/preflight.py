@@ -12,7 +12,8 @@ from transformers import HfArgumentParser
 
 from dragon.args import DiLoCoArguments, ModelArguments, PipelineArguments, TrainingArguments
 from dragon.checkpoint import resolve_resume
-from dragon.batches import TrainBatches, eval_batches
+from dragon.batches import TrainBatches, eval_batches, eval_streams
+from dragon.carry import check_state_fits
 from dragon.data import DataArguments, build_datasets
 
 from dragon.distributed import launcher_world_size
@@ -71,7 +72,13 @@ def preflight(pipeline: bool = False) -> RecipeInputs:
             ds_config["gradient_accumulation_steps"],
         )
         TrainBatches(train_set, micro, 0, dp_world * islands, accum)
-        eval_batches(valid_set, args.per_device_eval_batch_size, 0, dp_world, args.max_eval_samples)
+        valid = (valid_set, args.per_device_eval_batch_size, 0, dp_world, args.max_eval_samples)
+        eval_batches(*valid)
+        if args.eval_carried:
+            eval_streams(*valid)
+        if args.carry_state:
+            rows = micro * accum + (args.per_device_eval_batch_size if args.eval_carried else 0)
+            _check_carry(model_args, tokenizer.vocab_size, pipe_args, rows)
         resume = _resume_targets(args, diloco)
     except ValueError as e:  # DataError and config errors are ValueErrors with one-line messages
         sys.exit(f"error: {e}")
@@ -116,6 +123,27 @@ def _check_model(
         from dragon.pipe import check_pipeline  # imports DeepSpeed's pipeline module
 
         check_pipeline(config, pipe_args.pipeline_stages, pipe_args.partition_method)
+
+
+def _check_carry(
+    model_args: ModelArguments,
+    vocab_size: int,
+    pipe_args: Optional[PipelineArguments],
+    rows: int,
+) -> None:
+    """Raise when --carry_state cannot run: a pipeline that recomputes activations (its second
+    forward would advance the state twice), or states that alone exceed this rank's memory."""
+    if pipe_args is not None and pipe_args.activation_checkpoint_interval:
+        raise ValueError(
+            "--carry_state with --activation_checkpoint_interval "
+            f"{pipe_args.activation_checkpoint_interval}: a recomputed forward would carry the "
+            "state twice; use --activation_checkpoint_interval 0"
+        )
+    if model_args.model_name_or_path:
+        config = BDHConfig.from_pretrained(model_args.model_name_or_path)
+    else:
+        config = model_args.config(vocab_size)
+    check_state_fits(config, rows)
 
 
 def _resume_targets(args: TrainingArguments, diloco: DiLoCoArguments) -> dict[int, tuple[str, str]]:

@@ -13,9 +13,12 @@ step, the DiLoCo outer step, logging, evaluation, save; then the export. dragon.
 keeps the bookkeeping (data streams, resume, metrics, checkpoint contents).
 """
 
+from typing import Optional
+
 import deepspeed
 import torch
 
+from dragon.attention import BDHCache
 from dragon.diloco import DiLoCo
 from dragon.distributed import all_reduce_mean, init_distributed, rank, world_size
 from dragon.export import export_engine
@@ -28,13 +31,14 @@ from dragon.topology import enter_island
 
 
 @torch.no_grad()
-def evaluate(engine, batches) -> float:
-    """Mean validation loss over every rank's fixed batches."""
+def evaluate(engine, batches, cache: Optional[BDHCache] = None) -> float:
+    """Mean validation loss over every rank's fixed batches; with a cache each batch continues
+    the state the batches before it left (streams)."""
     engine.eval()
     losses = []
     for batch in batches:
         batch = batch.to(engine.device)
-        losses.append(engine(input_ids=batch, labels=batch).loss.item())
+        losses.append(engine(input_ids=batch, labels=batch, cache=cache).loss.item())
     engine.train()
     return all_reduce_mean([sum(losses) / len(losses)])[0]
 
@@ -76,9 +80,10 @@ def main():
     engine.train()
     while not run.done:
         losses = []
+        caches = run.step_caches()  # with --carry_state each micro-batch's rows continue a state
         for micro_step in range(run.accum):
             batch = next(run.train_batches).to(engine.device)
-            loss = engine(input_ids=batch, labels=batch).loss
+            loss = engine(input_ids=batch, labels=batch, cache=caches[micro_step]).loss
             engine.backward(loss)
             if micro_step == run.accum - 1:
                 unclipped_norm = grad_norm_before_step(engine)  # only ZeRO-0 fp32 needs it
@@ -91,6 +96,9 @@ def main():
             record.update(run.train_metrics(engine.get_global_grad_norm() or unclipped_norm))
         if run.due(args.eval_steps):
             record["eval_loss"] = evaluate(engine, run.valid_batches)
+            if run.valid_streams:
+                streams = BDHCache(model.config.n_layer)
+                record["eval_loss_carried"] = evaluate(engine, run.valid_streams, streams)
         run.log(record)
         if run.due(args.save_steps):  # with DiLoCo, save_steps is a multiple of H: an outer step
             run.save()

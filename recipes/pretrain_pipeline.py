@@ -11,15 +11,18 @@ DeepSpeed's 1F1B schedule over gradient_accumulation_steps micro-batches. The ar
 metrics, checkpoints and resume are the ZeRO recipe's.
 """
 
+from typing import Optional
+
 import deepspeed
 
+from dragon.attention import BDHCache
 from dragon.diloco import DiLoCo
 from dragon.distributed import init_distributed
 from dragon.export import export_engine
 from dragon.loop import TrainingRun, initial_model
 from dragon.metrics import RECORDED_METRICS, metrics_path, setup_logging
 from dragon.optim import client_optimizer_and_scheduler
-from dragon.pipe import bdh_pipeline
+from dragon.pipe import bdh_pipeline, carrying, stage_layer
 from dragon.preflight import preflight
 from dragon.retention import attach_retention
 from dragon.topology import enter_island
@@ -32,10 +35,12 @@ def pairs(batches):
         yield batch, batch
 
 
-def evaluate(engine, batches) -> float:
-    """Mean validation loss of every data-parallel rank's fixed batches, through the pipeline."""
+def evaluate(engine, batches, cache: Optional[BDHCache] = None) -> float:
+    """Mean validation loss of every data-parallel rank's fixed batches, through the pipeline;
+    with a cache (of this stage's layers) each batch continues the state of the ones before."""
     engine.reset_activation_shape()  # evaluation micro-batches may differ in size
-    loss = engine.eval_batch(pairs(batches), num_micro_batches=len(batches))
+    with carrying(engine.module, None if cache is None else [cache]):
+        loss = engine.eval_batch(pairs(batches), num_micro_batches=len(batches))
     engine.reset_activation_shape()
     return loss.item()
 
@@ -84,11 +89,14 @@ def main():
         dp_rank=engine.grid.data_parallel_id,
         dp_world=engine.grid.data_parallel_size,
         diloco=outer,
+        state_layers=stage_layer(pipe).layers_on_stage,
     )
 
     train_data = pairs(run.train_batches)
     while not run.done:
-        loss = engine.train_batch(train_data)  # forward, backward and step over the micro-batches
+        # With --carry_state micro-batch m's rows continue the state in run.step_caches()[m].
+        with carrying(pipe, run.step_caches()):
+            loss = engine.train_batch(train_data)  # forward, backward, step over the micro-batches
         # The loss is already averaged over the micro-batches and the data-parallel ranks.
         step = run.end_step(loss.item())
 
@@ -97,6 +105,9 @@ def main():
             record.update(run.train_metrics(engine.get_global_grad_norm(), already_averaged=True))
         if run.due(args.eval_steps):
             record["eval_loss"] = evaluate(engine, run.valid_batches)
+            if run.valid_streams:
+                streams = BDHCache(stage_layer(pipe).layers_on_stage)
+                record["eval_loss_carried"] = evaluate(engine, run.valid_streams, streams)
         run.log(record)
         if run.due(args.save_steps):  # with DiLoCo, save_steps is a multiple of H: an outer step
             run.save()

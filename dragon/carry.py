@@ -1,0 +1,85 @@
+"""The attention state carried from one training step to the next (truncated backpropagation
+through time, as the BDH paper trains).
+
+Every row of a step's batch is a stream through the corpus (dragon.batches.StreamBatches). This
+rank keeps one BDHCache per micro-batch slot of a step (gradient accumulation slot a holds the
+state of the rows micro-batch a reads); each step continues from it, and after the step it is
+detached, so gradients stop at the block boundary. The states are zeroed (and RoPE positions
+restart) when the streams wrap around the epoch and, with --state_reset_steps R, every R steps.
+A pipeline stage keeps the states of its own layers the same way (dragon.pipe.carrying).
+"""
+
+import os
+from typing import Optional
+
+import torch
+
+from dragon.attention import BDHCache
+from dragon.model import BDHConfig
+
+STATE_FILE = "carried_state"  # <name>_<rank>.pt in every checkpoint of a run with --carry_state
+
+
+def state_bytes_per_row(config: BDHConfig) -> int:
+    """One row's carried state: n_layer x n_head x N x D fp32 numbers."""
+    return 4 * config.n_layer * config.n_head * config.n_neurons * config.n_embd
+
+
+def available_memory_bytes() -> int:
+    """Memory one rank can count on: the free memory of its GPU, or its share of the node's
+    available RAM among the local ranks."""
+    if torch.cuda.is_available():
+        return torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", 0)))[0]
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    available = int(fields["MemAvailable"].split()[0]) * 1024
+    return available // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
+def check_state_fits(config: BDHConfig, rows: int, available: Optional[int] = None) -> int:
+    """The bytes of `rows` rows' states; raises when they alone exceed the memory available."""
+    need = rows * state_bytes_per_row(config)
+    available = available_memory_bytes() if available is None else available
+    if need > available:
+        raise ValueError(
+            f"--carry_state: {rows} rows x {state_bytes_per_row(config) / 2**20:,.1f} MiB of "
+            f"state = {need / 2**30:,.2f} GiB per rank, more than the {available / 2**30:,.2f} "
+            "GiB available; lower the micro batch size or gradient accumulation, or the model"
+        )
+    return need
+
+
+class CarriedState:
+    """This rank's carried states: one cache per micro-batch slot, each for `n_layer` layers (the
+    stage's layers in a pipeline)."""
+
+    def __init__(self, slots: int, n_layer: int, steps_per_epoch: int, reset_steps: int = 0):
+        self.caches = [BDHCache(n_layer) for _ in range(slots)]
+        self.steps_per_epoch, self.reset_steps = steps_per_epoch, reset_steps
+
+    def begin_step(self, step: int) -> None:
+        """Before step `step` (0-based): zero the states at an epoch wrap and every reset_steps."""
+        if step % self.steps_per_epoch == 0 or (self.reset_steps and step % self.reset_steps == 0):
+            for cache in self.caches:
+                cache.reset()
+
+    def end_step(self) -> None:
+        """After the backward: keep the values, drop the graph."""
+        for cache in self.caches:
+            cache.detach_()
+
+    def state_dict(self) -> dict:
+        return {
+            "states": [list(cache.states) for cache in self.caches],
+            "positions": [cache.position for cache in self.caches],
+        }
+
+    def load_state_dict(self, state: dict, device: torch.device) -> None:
+        if len(state["states"]) != len(self.caches):
+            raise ValueError(
+                f"the checkpoint carries {len(state['states'])} micro-batch slots of state, this "
+                f"run has {len(self.caches)}; resume with the same batch layout"
+            )
+        for cache, states, position in zip(self.caches, state["states"], state["positions"]):
+            cache.states = [None if s is None else s.to(device) for s in states]
+            cache.position = int(position)
