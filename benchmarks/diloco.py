@@ -12,13 +12,10 @@ step (ZeRO-1: reduce-scatter of gradients plus all-gather of parameters).
 """
 
 import argparse
-import json
-import os
-import subprocess
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from recipe_runs import run_recipe
 MODEL = [
     "--n_layer",
     "2",
@@ -54,35 +51,11 @@ PARAMS = 229_376
 def run(
     name: str, root: Path, steps: int, warmup: int, beta2: float, extra: list[str]
 ) -> list[dict]:
-    out = root / name
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    cmd = [
-        "torchrun",
-        "--nproc_per_node",
-        "4",
-        "--master_port",
-        str(29800 + hash(name) % 100),
-        "recipes/pretrain.py",
-        "--output_dir",
-        str(out),
-        "--max_steps",
-        str(steps),
-        "--eval_steps",
-        str(steps),
-        "--save_steps",
-        str(steps),
-        "--warmup_steps",
-        str(warmup),
-        "--adam_beta2",
-        str(beta2),
-        *MODEL,
-        *extra,
-    ]
-    subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True)
-    metrics = (
-        out / "island0" / "metrics.jsonl" if "--diloco_islands" in extra else out / "metrics.jsonl"
-    )
-    return [json.loads(line) for line in metrics.read_text().splitlines()]
+    every = ["--max_steps", "--eval_steps", "--save_steps"]
+    args = [a for flag in every for a in (flag, str(steps))]
+    args += ["--warmup_steps", str(warmup), "--adam_beta2", str(beta2), *MODEL, *extra]
+    island0 = "island0" if "--diloco_islands" in extra else ""
+    return run_recipe(root / name, 4, args, island0)
 
 
 def main():

@@ -4,23 +4,21 @@
     per row)
 
 A 229k-parameter BDH, the ZeRO recipe on 2 ranks (ZeRO-1), AdamW lr 3e-3, beta2 0.95, 2,048
-predicted tokens per step in every row. Part "carry": block 128 with --carry_state against block
-128 without and block 512 without (4 rows of 512 a step); every row also reports
-eval_loss_carried (the validation split read as streams, the state carried), so the rows can be
-compared on the same footing. Part "schedules": block 128 without carried state, warm-up then
+predicted tokens per step in every row. Part "carry": shuffled independent blocks of 128 and of
+512 (4 rows a step) against rows read as streams: with the state zeroed every step (the streams'
+data order alone), and carried with resets every 4 and 16 steps and only at the wrap. Every row
+reports eval_loss (independent validation blocks) and eval_loss_carried (the validation split
+read as streams, the state carried). Part "schedules": block 128 without carried state, warm-up then
 cosine to zero, cosine down to a floor of a tenth of the peak (the default), and a constant
 learning rate.
 """
 
 import argparse
-import json
-import os
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from recipe_runs import run_recipe
 MODEL = (
     "--n_layer 2 --n_embd 64 --n_head 2 --mlp_internal_dim_multiplier 16 --learning_rate 3e-3 "
     "--adam_beta2 0.95 --dropout 0.0 --sample_max_new_tokens 0 --disable_tqdm --logging_steps 10 "
@@ -31,39 +29,16 @@ TOKENS_PER_STEP = 2048
 
 
 def run(out: Path, steps: int, block: int, extra: list[str]) -> dict:
-    """One recipe run on 2 ranks; its final metrics and tokens/s."""
-    rows_per_rank = TOKENS_PER_STEP // block // 2
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    cmd = [
-        "torchrun",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(29700 + hash(out.name) % 100),
-        "recipes/pretrain.py",
-        "--output_dir",
-        str(out),
-        "--max_steps",
-        str(steps),
-        "--eval_steps",
-        str(steps),
-        "--save_steps",
-        str(steps),
-        "--warmup_steps",
-        str(steps // 10),
-        "--block_size",
-        str(block),
-        "--per_device_train_batch_size",
-        str(rows_per_rank),
-        *MODEL,
-        *extra,
-    ]
+    """One recipe run on 2 ranks: its final metrics, median tokens/s and wall time."""
+    every = ["--max_steps", "--eval_steps", "--save_steps"]
+    args = [a for flag in every for a in (flag, str(steps))]
+    args += ["--warmup_steps", str(steps // 10), "--block_size", str(block)]
+    args += ["--per_device_train_batch_size", str(TOKENS_PER_STEP // block // 2), *MODEL, *extra]
     start = time.perf_counter()
-    subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True)
+    metrics = run_recipe(out, 2, args)
     seconds = time.perf_counter() - start
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    speeds = [m["tokens_per_second"] for m in metrics if "tokens_per_second" in m]
-    return {**metrics[-1], "tokens_per_second": sorted(speeds)[len(speeds) // 2], "wall": seconds}
+    speeds = sorted(m["tokens_per_second"] for m in metrics if "tokens_per_second" in m)
+    return {**metrics[-1], "tokens_per_second": speeds[len(speeds) // 2], "wall": seconds}
 
 
 def row(name: str, m: dict) -> str:
@@ -86,12 +61,16 @@ def main():
     print(f"{cli.steps} steps x {TOKENS_PER_STEP:,} predicted tokens, 2 ranks\n")
     if cli.part in ("carry", "both"):
         print(header)
+        carry = ["--carry_state", "--state_reset_steps"]
         for name, block, extra in (
-            ("block 128, carried state", 128, ["--carry_state"]),
-            ("block 128", 128, []),
-            ("block 512", 512, []),
+            ("block 128, shuffled blocks", 128, []),
+            ("block 512, shuffled blocks", 512, []),
+            ("block 128, streams, state reset every step", 128, [*carry, "1"]),
+            ("block 128, streams, carried, reset every 4 steps", 128, [*carry, "4"]),
+            ("block 128, streams, carried, reset every 16 steps", 128, [*carry, "16"]),
+            ("block 128, streams, carried, reset at the wrap only", 128, [*carry, "0"]),
         ):
-            metrics = run(root / name.replace(" ", "_"), cli.steps, block, extra)
+            metrics = run(root / name.replace(" ", "_").replace(",", ""), cli.steps, block, extra)
             print(row(name, metrics), flush=True)
     if cli.part in ("schedules", "both"):
         print("\n" + header)

@@ -116,10 +116,10 @@ class TrainingArguments:
         "around the epoch).",
         default=0,
     )
-    eval_carried: Optional[bool] = _help(
+    eval_carried: bool = _help(
         "Also evaluate eval_loss_carried: the validation split read as streams with the state "
-        "carried (default: with --carry_state).",
-        default=None,
+        "carried (always on with --carry_state).",
+        default=False,
     )
     seed: int = _help("Seed for weights, data order and dropout.", default=42)
     torch_compile: bool = _help(
@@ -171,8 +171,7 @@ class TrainingArguments:
         self.retention_policy()  # raises on a bad --save_total_limit
         if self.state_reset_steps < 0:
             raise ValueError(f"--state_reset_steps={self.state_reset_steps}: must be >= 0")
-        if self.eval_carried is None:
-            self.eval_carried = self.carry_state
+        self.eval_carried = self.eval_carried or self.carry_state
         if self.metric_for_best_model == "eval_loss_carried" and not self.eval_carried:
             raise ValueError(
                 "--metric_for_best_model eval_loss_carried is recorded only with --carry_state "

@@ -130,6 +130,22 @@ class StreamBatches(TrainBatches):
         return torch.randperm(self.global_batch, generator=g)
 
 
+def _validation_count(
+    dataset: Dataset, micro_batch_size: int, dp_world: int, max_samples: Optional[int]
+) -> int:
+    """The validation samples used; raises unless they fill a micro-batch on every rank."""
+    if micro_batch_size < 1:
+        raise DataError(f"micro_batch_size {micro_batch_size} is invalid; it must be >= 1")
+    n = len(dataset) if max_samples is None else min(len(dataset), max_samples)
+    if n < micro_batch_size * dp_world:
+        raise DataError(
+            f"validation set has {n} samples, fewer than one micro-batch per rank "
+            f"({micro_batch_size} x {dp_world}); lower the micro batch size or "
+            "--block_size, or raise --validation_split_percentage"
+        )
+    return n
+
+
 def eval_streams(
     dataset: Dataset,
     micro_batch_size: int,
@@ -140,17 +156,8 @@ def eval_streams(
     """This rank's validation blocks read as streams: the first max_samples blocks cut into
     micro_batch_size x dp_world contiguous streams; batch i holds block i of this rank's
     streams. The same number of batches on every rank."""
-    if micro_batch_size < 1:
-        raise DataError(f"micro_batch_size {micro_batch_size} is invalid; it must be >= 1")
-    n = len(dataset) if max_samples is None else min(len(dataset), max_samples)
-    rows = micro_batch_size * dp_world
-    length = n // rows
-    if length == 0:
-        raise DataError(
-            f"validation set has {n} samples, fewer than one stream per row "
-            f"({micro_batch_size} x {dp_world}); lower the micro batch size or "
-            "--block_size, or raise --validation_split_percentage"
-        )
+    n = _validation_count(dataset, micro_batch_size, dp_world, max_samples)
+    length = n // (micro_batch_size * dp_world)
     data = _torch_rows(dataset)
     first = dp_rank * micro_batch_size
     starts = [(first + j) * length for j in range(micro_batch_size)]
@@ -165,20 +172,12 @@ def eval_batches(
     max_samples: Optional[int] = None,
 ) -> list[torch.Tensor]:
     """This rank's fixed validation micro-batches; every rank gets the same number of them."""
-    if micro_batch_size < 1:
-        raise DataError(f"micro_batch_size {micro_batch_size} is invalid; it must be >= 1")
-    n = len(dataset) if max_samples is None else min(len(dataset), max_samples)
+    n = _validation_count(dataset, micro_batch_size, dp_world, max_samples)
     num_batches = n // micro_batch_size
     mine = shard_indices(num_batches, dp_rank, dp_world)
     # Equal counts matter: under ZeRO-3 each forward is collective, so a rank with an extra
     # batch would wait forever for the others.
     per_rank = num_batches // dp_world
-    if per_rank == 0:
-        raise DataError(
-            f"validation set has {n} samples, fewer than one micro-batch per rank "
-            f"({micro_batch_size} x {dp_world}); lower the micro batch size or "
-            "--block_size, or raise --validation_split_percentage"
-        )
     data = _torch_rows(dataset)
     return [
         data[b * micro_batch_size : (b + 1) * micro_batch_size]["input_ids"].long()

@@ -69,10 +69,11 @@ class TrainingRun:
         self.train_batches = batches(
             inputs.train_set, self.micro, data_rank, data_world, self.accum, seed=args.seed
         )
-        valid = (inputs.valid_set, args.per_device_eval_batch_size, dp_rank, dp_world)
-        self.valid_batches = eval_batches(*valid, args.max_eval_samples)
-        streams = eval_streams(*valid, args.max_eval_samples) if args.eval_carried else []
-        self.valid_streams = streams
+        eval_micro, samples = args.per_device_eval_batch_size, args.max_eval_samples
+        valid = (inputs.valid_set, eval_micro, dp_rank, dp_world, samples)
+        self.valid_batches = eval_batches(*valid)
+        # The same validation blocks read as streams, for eval_loss_carried.
+        self.valid_streams = eval_streams(*valid) if args.eval_carried else []
         self.carried = None
         if args.carry_state:
             self.carried = CarriedState(

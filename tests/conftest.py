@@ -110,6 +110,8 @@ TINY = (
     " --sample_max_new_tokens 0 --disable_tqdm"
 ).split()
 STEPS = 8
+# Stateful training, evaluated on few enough validation blocks for one stream per row.
+CARRY = ["--carry_state", "--max_eval_samples", "64"]
 # fp32 on CPU: ranks sum gradients in a different order than one rank does, and ZeRO stages
 # partition and reduce in buckets; the differences are rounding, a few ulp of a loss near 4.
 LOSS_ATOL = 2e-5
