@@ -22,9 +22,15 @@ def load_ds_config(path: str | None) -> tuple[str, dict]:
         raise ValueError(f"--deepspeed {path}: no such file")
     try:
         with open(path) as f:
-            return path, json.load(f)
+            cfg = json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"--deepspeed {path}: not valid JSON ({e})") from None
+    stage = cfg.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(
+            f"--deepspeed {path}: zero_optimization.stage {stage!r}: valid are 0, 1, 2 and 3"
+        )
+    return path, cfg
 
 
 def _fill(section: dict, key: str, value: Any) -> None:

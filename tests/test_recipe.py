@@ -213,6 +213,14 @@ def test_bad_input_stops_before_start(monkeypatch, text_file, tmp_path, argv, en
     assert expected in run_recipe_in_process(monkeypatch, "recipes/pretrain.py", base + argv, env)
 
 
+def test_unknown_zero_stage_is_refused(monkeypatch, text_file, tmp_path):
+    config = tmp_path / "stage5.json"
+    config.write_text('{"zero_optimization": {"stage": 5}}')
+    argv = [*bad_input_base("zero2.json", tmp_path, text_file), "--deepspeed", str(config)]
+    message = run_recipe_in_process(monkeypatch, "recipes/pretrain.py", argv)
+    assert "zero_optimization.stage 5: valid are 0, 1, 2 and 3" in message
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("config", ["zero2_offload.json", "zero3_offload.json"])
 def test_cpu_offload_configs_train_like_zero2(runs, config):
