@@ -12,7 +12,7 @@ from transformers import HfArgumentParser
 
 from dragon.args import DiLoCoArguments, ModelArguments, PipelineArguments, TrainingArguments
 from dragon.checkpoint import resolve_resume
-from dragon.batches import TrainBatches, eval_batches, eval_streams
+from dragon.batches import TrainBatches, eval_batches
 from dragon.carry import check_state_fits
 from dragon.data import DataArguments, build_datasets
 
@@ -72,10 +72,8 @@ def preflight(pipeline: bool = False) -> RecipeInputs:
             ds_config["gradient_accumulation_steps"],
         )
         TrainBatches(train_set, micro, 0, dp_world * islands, accum)
-        valid = (valid_set, args.per_device_eval_batch_size, 0, dp_world, args.max_eval_samples)
-        eval_batches(*valid)
-        if args.eval_carried:
-            eval_streams(*valid)
+        # (the validation streams of eval_loss_carried need exactly what these batches need)
+        eval_batches(valid_set, args.per_device_eval_batch_size, 0, dp_world, args.max_eval_samples)
         if args.carry_state:
             rows = micro * accum + (args.per_device_eval_batch_size if args.eval_carried else 0)
             _check_carry(model_args, tokenizer.vocab_size, pipe_args, rows)
