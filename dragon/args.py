@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 from transformers import SchedulerType
 
+from dragon.faults import NAN_POLICIES, SAVE_FAILURES
 from dragon.metrics import RECORDED_METRICS
 from dragon.attention import DEFAULT_CHUNK_SIZE
 from dragon.model import BDHConfig
@@ -131,6 +132,22 @@ class TrainingArguments:
     sample_prompt: str = _help("Prompt for the sample printed at the end.", default="def ")
     sample_max_new_tokens: int = _help("Tokens in the final sample (0: none).", default=200)
     dist_timeout: float = _help("Seconds a collective may wait before failing.", default=600.0)
+    overwrite_output_dir: bool = _help(
+        "Train into an output_dir that already holds another run's checkpoints (they stay, and "
+        "retention may delete them); without it such a directory is refused unless resuming.",
+        default=False,
+    )
+    nan_policy: str = _help(
+        "A step whose loss or gradient norm is NaN or inf: skip (its update is not applied; stop "
+        "after --max_bad_steps in a row) or stop.",
+        default="skip",
+    )
+    max_bad_steps: int = _help("Consecutive skipped non-finite steps that stop the run.", default=3)
+    save_failure: str = _help(
+        "A save some rank could not write: stop (exit 1), or continue (train on; the next save "
+        "retries). `latest` keeps naming the last complete checkpoint either way.",
+        default="stop",
+    )
     disable_tqdm: bool = _help("No progress bar.", default=False)
     local_rank: int = _help("Set by the deepspeed launcher.", default=-1)
 
@@ -177,6 +194,13 @@ class TrainingArguments:
                 "--metric_for_best_model eval_loss_carried is recorded only with --carry_state "
                 "or --eval_carried"
             )
+        for name, valid in (("nan_policy", NAN_POLICIES), ("save_failure", SAVE_FAILURES)):
+            if getattr(self, name) not in valid:
+                raise ValueError(
+                    f"--{name}={getattr(self, name)!r}: valid are {', '.join(valid)}"
+                )
+        if self.max_bad_steps < 1:
+            raise ValueError(f"--max_bad_steps={self.max_bad_steps}: must be >= 1")
         if self.max_eval_samples is not None and self.max_eval_samples < 1:
             raise ValueError(f"--max_eval_samples={self.max_eval_samples}: must be >= 1")
 

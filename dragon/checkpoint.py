@@ -43,19 +43,16 @@ def save(
     client_state: dict[str, Any],
     rank_files: Optional[dict[str, Any]] = None,
 ) -> str:
-    """engine.save_checkpoint plus each rank's RNG state (and `rank_files`: name -> object, saved
-    as <name>_<rank>.pt); returns the tag.
-
-    The per-rank files are written before DeepSpeed's files, so that by the time `latest` names
-    the tag (DeepSpeed writes it last, after its barrier) the tag is complete.
-    """
+    """engine.save_checkpoint (wrapped by dragon.retention.attach_retention) with each rank's RNG
+    state and `rank_files` (name -> object, saved as <name>_<rank>.pt); returns the tag. Raises
+    dragon.faults.SaveFailed on every rank when any rank could not write its part."""
     tag = tag_for(step)
-    path = os.path.join(save_dir, tag)
-    os.makedirs(path, exist_ok=True)
-    torch.save(rng_state(), os.path.join(path, f"rng_state_{rank()}.pt"))
-    for name, obj in (rank_files or {}).items():
-        torch.save(obj, os.path.join(path, f"{name}_{rank()}.pt"))
-    engine.save_checkpoint(save_dir, tag=tag, client_state={"step": step, **client_state})
+    engine.save_checkpoint(
+        save_dir,
+        tag=tag,
+        client_state={"step": step, **client_state},
+        rank_files={"rng_state": rng_state(), **(rank_files or {})},
+    )
     return tag
 
 

@@ -100,6 +100,13 @@ class DiLoCo:
         flight."""
         if not self.is_boundary(step, final):
             return {}
+        self.topology.reach(step)
+        try:
+            return self._outer_step(step, final)
+        except RuntimeError as e:  # gloo: an island's connection closed, or the timeout passed
+            raise SystemExit(self.topology.lost(step, e)) from None
+
+    def _outer_step(self, step: int, final: bool) -> dict:
         start = time.perf_counter()
         self.outer_step += 1
         masters = self.weights.tensors()

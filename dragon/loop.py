@@ -4,6 +4,7 @@ evaluation, save) stays in the recipe."""
 
 import logging
 import os
+import sys
 import time
 from typing import Callable, Optional
 
@@ -18,6 +19,14 @@ from dragon.carry import CarriedState, state_bytes_per_row
 from dragon.diloco import STATE_FILE as DILOCO_STATE
 from dragon.diloco import DiLoCo
 from dragon.distributed import all_reduce_mean, rank, world_size
+from dragon.faults import (
+    SaveFailed,
+    StepGuard,
+    Verdict,
+    install_nan_hook,
+    skip_nonfinite_updates,
+    weights_finite,
+)
 from dragon.metrics import MetricsLogger, Throughput, peak_tflops_per_device
 from dragon.model import BDHConfig, BDHForCausalLM
 from dragon.preflight import RecipeInputs
@@ -100,6 +109,9 @@ class TrainingRun:
             peak_tflops_per_device(args.peak_tflops),
         )
         self.losses: list[float] = []
+        self.guard = StepGuard(args.nan_policy, args.max_bad_steps, topology)
+        skip_nonfinite_updates(engine)
+        install_nan_hook(engine.module, lambda: self.step + 1)  # test-only (dragon.faults)
         self._logger = MetricsLogger(
             self.output_dir,
             rank() == 0,
@@ -172,6 +184,32 @@ class TrainingRun:
         self._logger.advance()
         return self.step
 
+    def check(self, grad_norm: Optional[float]) -> Verdict:
+        """After end_step: a preemption to act on, or a non-finite loss or gradient norm, agreed by
+        every rank (with DiLoCo, preemption waits for the next outer step, where islands save
+        together)."""
+        boundary = self.diloco is None or self.diloco.is_boundary(self.step, self.done)
+        return self.guard.after_step(self.step, self.losses[-1], grad_norm, boundary)
+
+    def stop(self, verdict: Verdict) -> None:
+        """End the run early (after its save, if any): exit 0 when preempted, else 1, with the
+        verdict's message."""
+        self._logger.close()
+        if verdict.exit_code:
+            sys.exit(f"error: {verdict.message}; last complete checkpoint: {self._kept()}")
+        if self.diloco:
+            self.diloco.close()  # every island saved at this outer step
+        if rank() == 0:
+            logger.info(verdict.message)
+        sys.exit(0)
+
+    def _kept(self) -> str:
+        latest = os.path.join(self.save_dir, "latest")
+        if not os.path.exists(latest):
+            return "none"
+        with open(latest) as f:
+            return os.path.join(self.save_dir, f.read().strip())
+
     def train_metrics(self, grad_norm: Optional[float], already_averaged: bool = False) -> dict:
         """loss (averaged over the data-parallel ranks unless already), lr, grad_norm and throughput
         since the last call."""
@@ -206,7 +244,16 @@ class TrainingRun:
         if self.carried:
             rank_files[CARRIED_STATE] = self.carried.state_dict()
         data = {"data": self.train_batches.state_dict()}
-        checkpoint.save(self.engine, self.save_dir, self.step, data, rank_files)
+        if not weights_finite(self.engine):
+            self.stop(Verdict(exit_code=1, message=f"step {self.step}: weights hold NaN or inf, "
+                              "not saved"))
+        try:
+            checkpoint.save(self.engine, self.save_dir, self.step, data, rank_files)
+        except SaveFailed as e:
+            if self.args.save_failure == "continue" and not self.done:
+                logger.warning(f"{e}; training on, the next save retries (--save_failure continue)")
+                return
+            self.stop(Verdict(exit_code=1, message=f"step {self.step}: {e}"))
 
     def finish(self, export: Callable[[str], None], island: int = 0) -> Optional[str]:
         """Close the progress bar, export the model with `export(dir)`, print a sample on rank 0.

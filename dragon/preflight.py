@@ -12,6 +12,7 @@ from transformers import HfArgumentParser
 
 from dragon.args import DiLoCoArguments, ModelArguments, PipelineArguments, TrainingArguments
 from dragon.checkpoint import resolve_resume
+from dragon.retention import list_checkpoints
 from dragon.batches import TrainBatches, eval_batches
 from dragon.carry import check_state_fits
 from dragon.data import DataArguments, build_datasets
@@ -78,6 +79,8 @@ def preflight(pipeline: bool = False) -> RecipeInputs:
             rows = micro * accum + (args.per_device_eval_batch_size if args.eval_carried else 0)
             _check_carry(model_args, tokenizer.vocab_size, pipe_args, rows)
         resume = _resume_targets(args, diloco)
+        _check_output_dir(args, diloco)
+        _check_resume_sizes(model_args, tokenizer.vocab_size, resume)
     except ValueError as e:  # DataError and config errors are ValueErrors with one-line messages
         sys.exit(f"error: {e}")
     if pipeline:
@@ -155,6 +158,48 @@ def _resume_targets(args: TrainingArguments, diloco: DiLoCoArguments) -> dict[in
             diloco.resume_path(args.resume_from_checkpoint, save_dir), save_dir
         )
     return targets
+
+
+def _check_output_dir(args: TrainingArguments, diloco: DiLoCoArguments) -> None:
+    """Raise when a new run would train into another run's checkpoints (retention would mix the
+    two), unless resuming it or --overwrite_output_dir."""
+    if args.resume_from_checkpoint or args.overwrite_output_dir:
+        return
+    for island in diloco.local_islands():
+        save_dir = os.path.join(diloco.output_dir(args.output_dir, island), "checkpoints")
+        steps = list_checkpoints(save_dir)
+        found = sorted(steps, key=steps.get)
+        if found:
+            raise ValueError(
+                f"--output_dir {args.output_dir}: {save_dir} already holds checkpoints "
+                f"({', '.join(found[-3:])}); continue that run with --resume_from_checkpoint "
+                "latest, or pass --overwrite_output_dir to train a new one there"
+            )
+
+
+SIZES = ("n_layer", "n_embd", "n_head", "mlp_internal_dim_multiplier", "vocab_size")
+
+
+def _check_resume_sizes(
+    model_args: ModelArguments, vocab_size: int, resume: dict[int, tuple[str, str]]
+) -> None:
+    """Raise when a resume target holds a model of other sizes than this run builds."""
+    if model_args.model_name_or_path:
+        config = BDHConfig.from_pretrained(model_args.model_name_or_path)
+    else:
+        config = model_args.config(vocab_size)
+    for load_dir, tag in resume.values():
+        if not os.path.isfile(os.path.join(load_dir, "config.json")):
+            continue  # a checkpoint written outside the recipes: DeepSpeed checks the shapes
+        saved = BDHConfig.from_pretrained(load_dir)
+        wrong = [k for k in SIZES if getattr(saved, k) != getattr(config, k)]
+        if wrong:
+            theirs = ", ".join(f"{k}={getattr(saved, k)}" for k in wrong)
+            ours = ", ".join(f"{k}={getattr(config, k)}" for k in wrong)
+            raise ValueError(
+                f"--resume_from_checkpoint: {os.path.join(load_dir, tag)} holds a model with "
+                f"{theirs}, this run builds {ours}; resume with the same sizes"
+            )
 
 
 def _warn_about_the_bubble(micro_batches: int, stages: int) -> None:

@@ -13,8 +13,11 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
+import torch
 import torch.distributed as dist
 
+from dragon.distributed import rank
+from dragon.faults import SaveFailed, SaveGuard, fault_rank, fault_steps
 from dragon.metrics import MetricHistory
 
 logger = logging.getLogger(__name__)
@@ -74,10 +77,10 @@ class RetentionPolicy:
 
 
 def _number(value: Any) -> Optional[float]:
-    """A metric value usable for comparison; None when missing, not a number, or NaN (never the
-    best).
+    """A metric value usable for comparison; None when missing, not a number, NaN or inf (never
+    the best, whichever way is better).
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
     return float(value)
 
@@ -214,9 +217,7 @@ def prune(
             shutil.rmtree(os.path.join(save_dir, name), onerror=_ignore_missing)
     found = list_checkpoints(save_dir)
     family = _parse(current_tag) if current_tag else None
-    if (
-        family
-    ):  # a run saving `step<N>` never touches `global_step<N>` or `checkpoint_<i>`, and vice versa
+    if family:  # a run saving `step<N>` never touches `global_step<N>` or `checkpoint_<i>`
         found = {n: s for n, s in found.items() if _parse(n)[0] == family[0]}
     complete = {n: s for n, s in found.items() if is_complete(os.path.join(save_dir, n))}
     # Unmarked dirs older than every marked one predate retention (or another tool wrote them): not
@@ -259,9 +260,7 @@ def find_resume_checkpoint(save_dir: str) -> tuple[str, str]:
     if not complete:
         raise ValueError(f"resume: {save_dir} holds no complete checkpoint")
     name = max(complete, key=lambda n: (complete[n], _parse(n)[1], n))
-    if ACCEL_RE.match(
-        name
-    ):  # accelerate: load_state(path) loads the tag that path's `latest` names
+    if ACCEL_RE.match(name):  # accelerate: load_state(path) loads the tag its `latest` names
         path = os.path.join(save_dir, name)
         return path, _inner_tag(path)
     if latest is None:
@@ -279,14 +278,7 @@ def find_resume_checkpoint(save_dir: str) -> tuple[str, str]:
 def _is_deleter(engine) -> bool:
     """Global rank 0 on shared storage; each node's local rank 0 with `use_node_local_storage`."""
     node_local = hasattr(engine, "use_node_local_storage") and bool(engine.use_node_local_storage())
-    rank = (
-        getattr(engine, "local_rank", 0)
-        if node_local
-        else dist.get_rank()
-        if dist.is_initialized()
-        else 0
-    )
-    return int(rank) == 0
+    return int(getattr(engine, "local_rank", 0) if node_local else rank()) == 0
 
 
 def _barrier() -> None:
@@ -305,11 +297,15 @@ def _history_everywhere(path: str) -> dict[int, dict]:
     return box[0]
 
 
-def _write_marker(tag_dir: str, info: dict) -> None:
-    tmp = os.path.join(tag_dir, f".{MARKER}.tmp{os.getpid()}")
+def _write_atomically(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump(info, f)
-    os.replace(tmp, os.path.join(tag_dir, MARKER))  # atomic: a marker is whole or absent
+        f.write(text)
+    os.replace(tmp, path)  # a marker or `latest` is whole or absent
+
+
+def _write_marker(tag_dir: str, info: dict) -> None:
+    _write_atomically(os.path.join(tag_dir, MARKER), json.dumps(info))
 
 
 def attach_retention(
@@ -318,7 +314,13 @@ def attach_retention(
     expected_metrics: Iterable[str] = (),
     history_path: Optional[str] = None,
 ) -> None:
-    """Wrap engine.save_checkpoint so that each save is marked complete and followed by a prune."""
+    """Wrap engine.save_checkpoint so that a save is complete only when every rank wrote all of
+    it: then the completion marker, `latest` and the prune; else SaveFailed on every rank, and
+    `latest` still names the previous checkpoint.
+
+    The wrapper also takes `rank_files` (name -> object, written as <tag>/<name>_<rank>.pt
+    before DeepSpeed's files).
+    """
     if not isinstance(policy, RetentionPolicy):
         raise ValueError(f"policy must be a RetentionPolicy, got {type(policy).__name__}")
     if isinstance(expected_metrics, str):
@@ -328,24 +330,19 @@ def attach_retention(
     if ce is not None and hasattr(ce, "is_decoupled") and ce.is_decoupled():
         # a decoupled engine is still writing when save_checkpoint returns: no point is safe to mark
         raise ValueError("attach_retention: decoupled checkpoint engines are not supported")
-    original = (
-        getattr(engine, "_dragon_save_checkpoint", None) or engine.save_checkpoint
-    )  # re-attach: wrap once
+    original = getattr(engine, "_dragon_save_checkpoint", None) or engine.save_checkpoint
     first_save = [True]
 
-    def save_checkpoint(save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
-        """DeepSpeed's save_checkpoint, then a barrier, the completion marker and the prune."""
+    def save_checkpoint(
+        save_dir, tag=None, client_state=None, save_latest=True, rank_files=None, **kwargs
+    ):
         save_dir = str(save_dir)
         parent, base = os.path.split(os.path.abspath(save_dir))
-        accelerate = (
-            ACCEL_RE.match(base) is not None
-        )  # layout (b): each checkpoint_<i> is a save_dir
+        accelerate = ACCEL_RE.match(base) is not None  # layout (b): each checkpoint_<i> a save_dir
         root = parent if accelerate else save_dir
         hist_file = history_path or default_history_path(root)
         metric = policy.metric_for_best_model
-        if (
-            first_save[0] and metric is not None and metric not in expected
-        ):  # same decision on every rank
+        if first_save[0] and metric is not None and metric not in expected:  # same on every rank
             if not any(metric in record for record in _history_everywhere(hist_file).values()):
                 raise ValueError(
                     f"metric_for_best_model={metric!r} is never recorded "
@@ -353,26 +350,34 @@ def attach_retention(
                 )
         first_save[0] = False
         client_state = {} if client_state is None else client_state
-        result = original(save_dir, tag, client_state, save_latest, **kwargs)
-        tag = (
-            str(tag) if tag is not None else f"global_step{engine.global_steps}"
-        )  # DeepSpeed's default
-        _barrier()  # every rank's files are written before anyone marks or deletes
+        tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"  # DeepSpeed's
+        match = None if accelerate else TAG_RE.match(tag)
+        step = client_state.get("step") if isinstance(client_state, dict) else None
+        step = int(match.group(2)) if match else step if isinstance(step, int) else None
+        step = int(engine.global_steps) if step is None else step
+        tag_dir = os.path.join(save_dir, tag)
+        deleter = _is_deleter(engine)
+        if deleter and os.path.exists(os.path.join(tag_dir, MARKER)):
+            os.remove(os.path.join(tag_dir, MARKER))  # an overwritten tag is incomplete until done
+        _barrier()
+        inject = step in fault_steps("SAVE_STEP") and rank() == fault_rank()
+        with SaveGuard(engine, inject) as guard:
+            guard.run(os.makedirs, tag_dir, 0o777, True)
+            for name, obj in (rank_files or {}).items():
+                guard.run(torch.save, obj, os.path.join(tag_dir, f"{name}_{rank()}.pt"))
+            result = original(save_dir, tag, client_state, False, **kwargs)
+        try:
+            guard.agree(f"{tag} in {save_dir}")  # every rank's files are written, or all raise
+        except SaveFailed:
+            if deleter and _read_latest(save_dir) != tag:
+                _delete(save_dir, tag)  # never resumed from; gone at once frees the space
+            raise
         history = _history_everywhere(hist_file)
         try:
-            if _is_deleter(engine):
-                match = None if accelerate else TAG_RE.match(tag)
-                step = client_state.get("step") if isinstance(client_state, dict) else None
-                step = (
-                    int(match.group(2))
-                    if match
-                    else step
-                    if isinstance(step, int)
-                    else int(engine.global_steps)
-                )
-                _write_marker(
-                    os.path.join(save_dir, tag), {"step": step, "tag": tag, "time": time.time()}
-                )
+            if deleter:
+                _write_marker(tag_dir, {"step": step, "tag": tag, "time": time.time()})
+                if save_latest and rank() == 0:
+                    _write_atomically(os.path.join(save_dir, "latest"), tag)
                 prune(root, policy, history, current_tag=base if accelerate else tag)
         finally:
             # nobody starts the next save while deletion runs; a failure here still frees the others
@@ -380,6 +385,4 @@ def attach_retention(
         return result
 
     engine._dragon_save_checkpoint = original
-    engine.save_checkpoint = (
-        save_checkpoint  # an instance attribute: recipes and accelerate both call it
-    )
+    engine.save_checkpoint = save_checkpoint  # an instance attribute: recipes and accelerate use it

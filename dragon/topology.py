@@ -18,6 +18,7 @@ Two ways to lay islands out:
 """
 
 import os
+import re
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Optional
@@ -50,6 +51,39 @@ class Topology:
         """(data rank, data world) across all islands: island i's data rank d reads what data rank
         i * dp_world + d of one data-parallel job over every island's ranks would read."""
         return self.island * dp_world + dp_rank, self.islands * dp_world
+
+    def reach(self, step: int) -> None:
+        """Record in the store that this rank reached the outer step after inner step `step`."""
+        if self.store is not None:
+            self.store.set(self._reached_key(self.island), str(step))
+
+    def missing(self, step: int) -> list[int]:
+        """The islands whose rank (this rank's index in its island) has not reached `step`; [0]
+        when the store itself is gone (island 0's first rank, or the launcher, hosts it)."""
+        try:
+            keys = {i: self._reached_key(i) for i in range(self.islands) if i != self.island}
+            return [
+                i
+                for i, key in keys.items()
+                if not self.store.check([key]) or int(self.store.get(key)) < step
+            ]
+        except (RuntimeError, ValueError):
+            return [0]
+
+    def lost(self, step: int, error: Exception) -> str:
+        """The one-line error when a cross-island collective of the outer step after `step` fails:
+        which islands are missing, and what gloo said."""
+        missing = ", ".join(map(str, self.missing(step)))
+        # gloo's "[file:line] Read error [host]:port: Connection reset by peer. This is ..."
+        cause = re.sub(r"^\[[^\]]*\] ", "", str(error).splitlines()[0] if str(error) else "")
+        cause = cause.split(". ")[0][:160] or type(error).__name__
+        return (
+            f"error: step {step}: island {missing} did not reach this outer step ({cause}); "
+            "restart every island with --resume_from_checkpoint latest"
+        )
+
+    def _reached_key(self, island: int) -> str:
+        return f"{_PREFIX}/reached/island{island}/rank{self.island_rank}"
 
     def barrier(self) -> None:
         """Wait for every island (rank r of each). Call after the last outer sync, so that no

@@ -90,18 +90,25 @@ def main():
             engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
             losses.append(loss.item())
         step = run.end_step(sum(losses) / len(losses))
+        grad_norm = engine.get_global_grad_norm() or unclipped_norm
+        # A preemption signal or a non-finite step, as every rank sees it (the update of a
+        # non-finite step is not applied).
+        verdict = run.check(grad_norm)
 
         record = outer.maybe_outer_step(step, final=run.done) if outer else {}
         if run.due(args.logging_steps):
-            record.update(run.train_metrics(engine.get_global_grad_norm() or unclipped_norm))
+            record.update(run.train_metrics(grad_norm))
         if run.due(args.eval_steps):
             record["eval_loss"] = evaluate(engine, run.valid_batches)
             if run.valid_streams:
                 streams = BDHCache(model.config.n_layer)
                 record["eval_loss_carried"] = evaluate(engine, run.valid_streams, streams)
         run.log(record)
-        if run.due(args.save_steps):  # with DiLoCo, save_steps is a multiple of H: an outer step
+        # With DiLoCo, save_steps is a multiple of H (an outer step); a preemption waits for one.
+        if run.due(args.save_steps) or verdict.save:
             run.save()
+        if verdict.stop:
+            run.stop(verdict)
 
     run.finish(
         lambda out_dir: export_engine(engine, model.config, out_dir, run.last_checkpoint),

@@ -99,18 +99,22 @@ def main():
             loss = engine.train_batch(train_data)  # forward, backward, step over the micro-batches
         # The loss is already averaged over the micro-batches and the data-parallel ranks.
         step = run.end_step(loss.item())
+        grad_norm = engine.get_global_grad_norm()
+        verdict = run.check(grad_norm)  # preemption, non-finite steps (recipes/pretrain.py)
 
         record = outer.maybe_outer_step(step, final=run.done) if outer else {}
         if run.due(args.logging_steps):
-            record.update(run.train_metrics(engine.get_global_grad_norm(), already_averaged=True))
+            record.update(run.train_metrics(grad_norm, already_averaged=True))
         if run.due(args.eval_steps):
             record["eval_loss"] = evaluate(engine, run.valid_batches)
             if run.valid_streams:
                 streams = BDHCache(stage_layer(pipe).layers_on_stage)
                 record["eval_loss_carried"] = evaluate(engine, run.valid_streams, streams)
         run.log(record)
-        if run.due(args.save_steps):  # with DiLoCo, save_steps is a multiple of H: an outer step
+        if run.due(args.save_steps) or verdict.save:  # DiLoCo: at an outer step (pretrain.py)
             run.save()
+        if verdict.stop:
+            run.stop(verdict)
 
     run.finish(
         lambda out_dir: export_engine(engine, model.config, out_dir, run.last_checkpoint),

@@ -48,12 +48,13 @@ def recipe_args(kind, out, text_file, steps, extra=()):
     ]
 
 
-def start(kind, out, text_file, steps, extra=()):
+def start(kind, out, text_file, steps, extra=(), env=None, launcher="torchrun"):
+    """A 2-rank job in the background; `env` adds variables (the fault hooks)."""
     script, args = recipe_args(kind, out, text_file, steps, extra)
     return subprocess.Popen(
-        launch_command("torchrun", 2, script, args),
+        launch_command(launcher, 2, script, args),
         cwd=REPO,
-        env=job_env(),
+        env=job_env(**(env or {})),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -205,6 +205,9 @@ def test_export_cli_turns_checkpoint_into_model(runs, tmp_path):
         (["--lr_scheduler_type", "sideways"], {}, "valid are linear, cosine"),
         (["--n_head", "3"], {}, "not divisible by n_head=3"),
         (["--attention", "flash"], {}, "BDHConfig.attention='flash': valid are auto, quadratic"),
+        (["--nan_policy", "ignore"], {}, "--nan_policy='ignore': valid are skip, stop"),
+        (["--save_failure", "retry"], {}, "--save_failure='retry': valid are stop, continue"),
+        (["--max_bad_steps", "0"], {}, "--max_bad_steps=0: must be >= 1"),
     ],
 )
 def test_bad_input_stops_before_start(monkeypatch, text_file, tmp_path, argv, env, expected):
@@ -219,6 +222,56 @@ def test_unknown_zero_stage_is_refused(monkeypatch, text_file, tmp_path):
     argv = [*bad_input_base("zero2.json", tmp_path, text_file), "--deepspeed", str(config)]
     message = run_recipe_in_process(monkeypatch, "recipes/pretrain.py", argv)
     assert "zero_optimization.stage 5: valid are 0, 1, 2 and 3" in message
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        (
+            '{"zero_optimization": {"stage": 2},\n "gradient_clipping": 1.0,,\n}',
+            "not valid JSON (Expecting property name enclosed in double quotes: line 2 column 27",
+        ),
+        (
+            '{"train_batch_size": 7, "train_micro_batch_size_per_gpu": 4}',
+            "train_batch_size=7 != train_micro_batch_size_per_gpu=4 x "
+            "gradient_accumulation_steps=1 x world size 1",
+        ),
+    ],
+)
+def test_bad_deepspeed_json_is_refused(monkeypatch, text_file, tmp_path, text, expected):
+    config = tmp_path / "bad.json"
+    config.write_text(text)
+    argv = [*bad_input_base("zero2.json", tmp_path, text_file), "--deepspeed", str(config)]
+    assert expected in run_recipe_in_process(monkeypatch, "recipes/pretrain.py", argv)
+
+
+def fake_checkpoint(save_dir, tag="step4", **sizes):
+    """A complete-looking checkpoint of a model with `sizes`, as the recipes leave one."""
+    from dragon.model import BDHConfig
+    from dragon.retention import MARKER
+
+    BDHConfig(**{"n_layer": 2, "n_embd": 32, "n_head": 2, **sizes}).save_pretrained(save_dir)
+    (save_dir / tag).mkdir()
+    (save_dir / tag / "mp_rank_00_model_states.pt").write_bytes(b"")
+    (save_dir / tag / MARKER).write_text('{"step": 4}')
+    (save_dir / "latest").write_text(tag)
+
+
+def test_output_dir_of_another_run_is_refused(monkeypatch, text_file, tmp_path):
+    """A new run never trains into another run's checkpoints, unless told to."""
+    fake_checkpoint(tmp_path / "checkpoints")
+    argv = bad_input_base("zero2.json", tmp_path, text_file)
+    message = run_recipe_in_process(monkeypatch, "recipes/pretrain.py", argv)
+    assert "checkpoints already holds checkpoints (step4)" in message
+    assert "--resume_from_checkpoint latest, or pass --overwrite_output_dir" in message
+
+
+def test_resume_from_a_different_model_size_is_refused(monkeypatch, text_file, tmp_path):
+    fake_checkpoint(tmp_path / "checkpoints", n_embd=64)
+    resume = ["--resume_from_checkpoint", "latest"]
+    argv = bad_input_base("zero2.json", tmp_path, text_file) + resume
+    message = run_recipe_in_process(monkeypatch, "recipes/pretrain.py", argv)
+    assert "holds a model with n_embd=64, this run builds n_embd=32" in message
 
 
 @pytest.mark.slow

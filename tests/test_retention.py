@@ -117,13 +117,17 @@ def test_greater_is_better():
     assert trace[-1] == [2, 4, 5]
 
 
-def test_unknown_and_nan_metrics_are_never_the_best():
-    policy = RetentionPolicy(save_total_limit=1)
-    history = {1: {"loss": 0.1}, 2: {"eval_loss": float("nan")}, 3: {"eval_loss": 2.0}}
-    assert policy.select({"step1": 1, "step2": 2, "step3": 3, "step4": 4}, history) == {
-        "step3",
-        "step4",
+@pytest.mark.parametrize("greater", [False, True])
+def test_unknown_and_non_finite_metrics_are_never_the_best(greater):
+    policy = RetentionPolicy(save_total_limit=1, greater_is_better=greater)
+    history = {
+        1: {"loss": 0.1},
+        2: {"eval_loss": float("nan")},
+        3: {"eval_loss": 2.0},
+        4: {"eval_loss": float("-inf") if not greater else float("inf")},
     }
+    checkpoints = {"step1": 1, "step2": 2, "step3": 3, "step4": 4, "step5": 5}
+    assert policy.select(checkpoints, history) == {"step3", "step5"}
 
 
 def oracle(
