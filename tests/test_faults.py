@@ -26,11 +26,15 @@ DILOCO = ["--diloco_islands", "2", "--diloco_inner_steps", "4"]
 _reference: dict = {}
 
 
-def run(kind, out, text_file, extra=(), env=None, launcher="torchrun"):
-    """Run a job to its end: (exit code, seconds, stdout + stderr)."""
+def run(kind, out, text_file, extra=(), env=None, launcher="torchrun", fault_step=None):
+    """Run a job to its end: (exit code, seconds, stdout + stderr). The seconds run from the
+    metrics line of `fault_step` (logged just before the fault acts) to the end; without it, the
+    whole job."""
     began = time.time()
     proc = start(kind, out, text_file, STEPS, ["--save_steps", "4", *extra], env, launcher)
     stdout, stderr = proc.communicate(timeout=600)
+    if fault_step is not None:
+        began = {m["step"]: m["time"] for m in read_jsonl(out / "metrics.jsonl")}[fault_step]
     return proc.returncode, time.time() - began, stdout + stderr
 
 
@@ -69,7 +73,7 @@ def test_nan_stop_keeps_the_last_checkpoint(kind, tmp_path, tmp_path_factory, te
     reference = uninterrupted(kind, tmp_path_factory, text_file)
     out = tmp_path / "run"
     env = {"DRAGON_FAULT_NAN_STEPS": "6"}
-    code, seconds, log = run(kind, out, text_file, ["--nan_policy", "stop"], env)
+    code, seconds, log = run(kind, out, text_file, ["--nan_policy", "stop"], env, fault_step=6)
     assert code == 1 and seconds < EXIT_BOUND_S, log[-3000:]
     assert "error: step 6: the loss is nan on some rank, 1 bad step(s) in a row" in log
     assert max(logged_steps(out / "metrics.jsonl")) == 6
@@ -87,7 +91,7 @@ def test_nan_steps_are_skipped_until_too_many_in_a_row(tmp_path, text_file):
     zero0 = ["--deepspeed", str(REPO / "ds_configs/zero0.json")]
     extra = [*zero0, "--save_steps", "1", "--save_total_limit", "10", "--max_bad_steps", "3"]
     env = {"DRAGON_FAULT_NAN_STEPS": "2,4,5,6"}
-    code, seconds, log = run("zero2", out, text_file, extra, env)
+    code, seconds, log = run("zero2", out, text_file, extra, env, fault_step=6)
     assert code == 1 and seconds < EXIT_BOUND_S, log[-3000:]
     assert "step 2: the loss is nan on some rank; the update was skipped (1 of at most 3" in log
     assert "error: step 6: the loss is nan on some rank, 3 bad step(s) in a row" in log
@@ -113,7 +117,7 @@ def test_a_failed_save_on_one_rank(kind, tmp_path, tmp_path_factory, text_file):
     env = {"DRAGON_FAULT_SAVE_STEP": "8", "DRAGON_FAULT_RANK": "1"}
     if kind == "zero2":
         reference = uninterrupted(kind, tmp_path_factory, text_file)
-        code, seconds, log = run(kind, out, text_file, env=env)
+        code, seconds, log = run(kind, out, text_file, env=env, fault_step=8)
         assert code == 1 and seconds < EXIT_BOUND_S, log[-3000:]
         assert "error: step 8: saving step8 in" in log
         assert "failed on rank 1 ([Errno 28] No space left on device" in log
@@ -121,7 +125,7 @@ def test_a_failed_save_on_one_rank(kind, tmp_path, tmp_path_factory, text_file):
         resume_matches(kind, out, text_file, reference, after=4)
         report("rank 1's save fails, stop", kind, seconds, code, "step4", "equal from step 5")
     else:
-        code, _, log = run(kind, out, text_file, ["--save_failure", "continue"], env)
+        code, seconds, log = run(kind, out, text_file, ["--save_failure", "continue"], env)
         assert code == 0, log[-3000:]
         assert "failed on rank 1" in log and "training on, the next save retries" in log
         assert latest(out) == f"step{STEPS}" and "step8" not in tags(out)
