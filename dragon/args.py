@@ -196,18 +196,14 @@ class TrainingArguments:
             )
         for name, valid in (("nan_policy", NAN_POLICIES), ("save_failure", SAVE_FAILURES)):
             if getattr(self, name) not in valid:
-                raise ValueError(
-                    f"--{name}={getattr(self, name)!r}: valid are {', '.join(valid)}"
-                )
-        if self.max_bad_steps < 1:
-            raise ValueError(f"--max_bad_steps={self.max_bad_steps}: must be >= 1")
-        if self.max_eval_samples is not None and self.max_eval_samples < 1:
-            raise ValueError(f"--max_eval_samples={self.max_eval_samples}: must be >= 1")
+                raise ValueError(f"--{name}={getattr(self, name)!r}: valid are {', '.join(valid)}")
+        for name in ("max_bad_steps", "max_eval_samples"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"--{name}={getattr(self, name)}: must be >= 1")
 
     def retention_policy(self) -> RetentionPolicy:
-        return RetentionPolicy(
-            self.save_total_limit, self.metric_for_best_model, self.greater_is_better
-        )
+        return RetentionPolicy(self.save_total_limit, self.metric_for_best_model,
+                               self.greater_is_better)
 
 
 MODES = ("sync", "delayed")
@@ -252,6 +248,24 @@ class DiLoCoArguments:
         "--diloco_island_index; island 0's rank 0 hosts it).",
         default=None,
     )
+    diloco_store_external: bool = _help(
+        "The store runs on its own (python -m dragon.island_store --port P): no island hosts it, "
+        "so any island may end first.",
+        default=False,
+    )
+    diloco_elastic: bool = _help(
+        "Islands may die while the others train on: each outer step averages over the islands "
+        "that reach it within --diloco_quorum_timeout (needs one launch per island, sync mode).",
+        default=False,
+    )
+    diloco_quorum_timeout: float = _help(
+        "With --diloco_elastic, seconds an outer step waits for the islands of the last one.",
+        default=60.0,
+    )
+    diloco_min_islands: int = _help(
+        "With --diloco_elastic, the fewest islands an outer step may have; fewer stop the run.",
+        default=1,
+    )
 
     def __post_init__(self):
         n, h = self.diloco_islands, self.diloco_inner_steps
@@ -286,6 +300,8 @@ class DiLoCoArguments:
             raise ValueError(
                 "--diloco_island_index and --diloco_store go together (one launch per island)"
             )
+        if self.diloco_elastic:
+            self._check_elastic()
         if self.diloco_mode == "delayed" and self.diloco_outer_momentum > DELAYED_MOMENTUM:
             # benchmarks/README.md has the measurements behind the advice
             warnings.warn(
@@ -293,6 +309,29 @@ class DiLoCoArguments:
                 "momentum this high on one-step-late averages did worse in our benchmark; "
                 f"--diloco_outer_lr 1 --diloco_outer_momentum {DELAYED_MOMENTUM} did best"
             )
+
+    def _check_elastic(self) -> None:
+        if self.diloco_island_index is None:
+            raise ValueError(
+                "--diloco_elastic needs one launch per island (--diloco_island_index, "
+                "--diloco_store): a launcher ends every rank it started when one dies"
+            )
+        if not self.diloco_store_external:
+            raise ValueError(
+                "--diloco_elastic needs --diloco_store_external (python -m dragon.island_store): "
+                "a store hosted by island 0 would end the run with it"
+            )
+        if self.diloco_mode != "sync":
+            raise ValueError(
+                f"--diloco_elastic with --diloco_mode {self.diloco_mode}: only sync is elastic"
+            )
+        if not 1 <= self.diloco_min_islands <= self.diloco_islands:
+            raise ValueError(
+                f"--diloco_min_islands {self.diloco_min_islands}: must be in [1, "
+                f"--diloco_islands {self.diloco_islands}]"
+            )
+        if not self.diloco_quorum_timeout > 0:
+            raise ValueError(f"--diloco_quorum_timeout {self.diloco_quorum_timeout}: must be > 0")
 
     @property
     def enabled(self) -> bool:
@@ -324,14 +363,9 @@ class DiLoCoArguments:
         return list(range(self.diloco_islands))
 
     def output_dir(self, root: str, island: int) -> str:
-        """Island i's metrics.jsonl and checkpoints/: <root>/island<i> with several islands, else
-        root.
-        """
-        return (
-            os.path.join(root, f"island{island}")
-            if self.enabled and self.diloco_islands > 1
-            else root
-        )
+        """Island i's metrics.jsonl and checkpoints/: <root>/island<i> with several islands."""
+        several = self.enabled and self.diloco_islands > 1
+        return os.path.join(root, f"island{island}") if several else root
 
     def resume_path(self, resume: str, save_dir: str) -> str:
         """--resume_from_checkpoint for one island: 'latest', or the same tag in the island's

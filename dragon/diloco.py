@@ -40,8 +40,13 @@ with --diloco_checksum, float64 sums and sums of squares of the working weights 
 theta_outer over the island's ranks (equal bits on every island after a sync outer step).
 
 Inner optimizer state, LR schedule and data stream stay per island, as in DiLoCo.
+
+Elastic (--diloco_elastic, sync mode): each outer step averages over the islands that reach it
+(dragon.membership), outer_quorum records how many; an island lost during the exchange is left
+out of a retry. The average is over the members only, so a lone island steps on its own Delta.
 """
 
+import logging
 import math
 import time
 from typing import Callable, Optional
@@ -49,10 +54,14 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from dragon.exchange import Exchange
-from dragon.master_weights import MasterWeights
 from dragon.args import DiLoCoArguments
+from dragon.exchange import Exchange
+from dragon.faults import exit_in_outer_step
+from dragon.master_weights import MasterWeights
+from dragon.membership import Membership
 from dragon.topology import Topology
+
+logger = logging.getLogger("dragon")
 
 STATE_FILE = "diloco_state"  # <tag dir>/diloco_state_<rank>.pt, written with the RNG file
 
@@ -85,6 +94,11 @@ class DiLoCo:
         self.previous = torch.zeros(sum(self.numels)) if self.mode == "delayed" else None
         self.pending: Optional[Exchange] = None
         self.outer_step = 0
+        self.membership = None
+        if args.diloco_elastic:
+            self.membership = Membership(
+                topology, args.diloco_quorum_timeout, args.diloco_min_islands, topology.timeout_s
+            )
 
     @classmethod
     def from_engine(cls, engine, args: DiLoCoArguments, topology: Topology, outer_optimizer=None):
@@ -114,17 +128,13 @@ class DiLoCo:
             [o - m.to(o.device, torch.float32) for o, m in zip(self.outer_params, masters)]
         )
         own = delta.clone() if self.mode == "delayed" else None  # an fp32 all-reduce works in place
-        exchange = Exchange(
-            delta,
-            self.group,
-            self.islands,
-            self.args.diloco_compress,
-            self.args.diloco_int8_block,
-            self.numels,
-            measure_bytes=self.mode == "sync",
-        )
-        del delta
         metrics = {"outer_step": self.outer_step}
+        if self.membership is not None:
+            exchange = self._elastic_exchange(delta)
+            metrics["outer_quorum"] = len(self.membership.members)
+        else:
+            exchange = self._exchange(delta, self.group, self.islands)
+        del delta
         applied = []
         if self.mode == "sync":
             applied.append(exchange)
@@ -165,6 +175,32 @@ class DiLoCo:
         return metrics
 
     # -------------------------------------------------------------- pieces
+
+    def _exchange(self, delta: torch.Tensor, group, islands: int) -> Exchange:
+        return Exchange(
+            delta,
+            group,
+            islands,
+            self.args.diloco_compress,
+            self.args.diloco_int8_block,
+            self.numels,
+            measure_bytes=self.mode == "sync",
+        )
+
+    def _elastic_exchange(self, delta: torch.Tensor) -> Exchange:
+        """The blocking exchange among this outer step's quorum; when an island is lost during
+        it, the step's quorum forms again without it and the exchange is retried."""
+        for attempt in range(self.islands):
+            members, group = self.membership.quorum(self.outer_step, attempt)
+            exit_in_outer_step(self.topology.island, self.outer_step)  # test-only (dragon.faults)
+            try:
+                return self._exchange(delta.clone(), group, len(members))
+            except RuntimeError as e:  # gloo: a member's connection closed, or the timeout
+                logger.warning(
+                    f"outer step {self.outer_step}: the exchange among islands {members} failed "
+                    f"({str(e).splitlines()[0][:160]}); retrying without the lost island"
+                )
+        raise RuntimeError(f"outer step {self.outer_step}: no exchange succeeded")
 
     def _adopt_island0_weights(self) -> None:
         """Every island starts from island 0's weights (rank r of each island holds the same shard).
@@ -292,8 +328,10 @@ class DiLoCo:
             )
 
     def close(self) -> None:
-        """Wait for every island after the last outer step (so the store outlives its users)."""
-        self.topology.barrier()
+        """Wait for every island after the last outer step (so the store outlives its users); an
+        elastic run's store runs on its own, and its islands may be gone."""
+        if self.membership is None:
+            self.topology.barrier()
 
 
 class _Resolved:

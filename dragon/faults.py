@@ -9,6 +9,9 @@ fault-injection suite can prove what the run does (tests/test_faults.py):
   those steps (1-based) return NaN.
 - DRAGON_FAULT_SAVE_STEP=8 (and DRAGON_FAULT_RANK): rank r's checkpoint writes of the step-8 save
   raise OSError(ENOSPC), as a full disk would (dragon.retention).
+- DRAGON_FAULT_EXIT_OUTER_STEP=2 and DRAGON_FAULT_ISLAND=i: island i's processes exit at once
+  (os._exit) in elastic outer step 2, after its quorum formed and before the exchange
+  (dragon.diloco).
 """
 
 import errno
@@ -37,6 +40,13 @@ def fault_steps(name: str) -> set[int]:
     """The steps an environment hook names (DRAGON_FAULT_<name>), as a set."""
     value = os.environ.get(f"DRAGON_FAULT_{name}", "")
     return {int(s) for s in value.split(",") if s.strip()}
+
+
+def exit_in_outer_step(island: int, outer_step: int) -> None:
+    """DRAGON_FAULT_EXIT_OUTER_STEP: die here, as a machine that is lost mid-exchange."""
+    if outer_step in fault_steps("EXIT_OUTER_STEP"):
+        if island == int(os.environ.get("DRAGON_FAULT_ISLAND", "0")):
+            os._exit(1)
 
 
 def install_nan_hook(module: torch.nn.Module, step_of) -> None:

@@ -109,7 +109,10 @@ class TrainingRun:
             peak_tflops_per_device(args.peak_tflops),
         )
         self.losses: list[float] = []
-        self.guard = StepGuard(args.nan_policy, args.max_bad_steps, topology)
+        # Elastic islands do not wait for each other's preemption: a preempted one saves and
+        # leaves, the others train on.
+        shared = None if inputs.diloco.diloco_elastic else topology
+        self.guard = StepGuard(args.nan_policy, args.max_bad_steps, shared)
         skip_nonfinite_updates(engine)
         install_nan_hook(engine.module, lambda: self.step + 1)  # test-only (dragon.faults)
         self._logger = MetricsLogger(

@@ -38,9 +38,9 @@ class Topology:
     island_rank: int = 0
     island_size: int = 1
     cross_group: Optional[Any] = field(default=None, repr=False)  # ProcessGroupGloo across islands
-    store: Optional[Any] = field(
-        default=None, repr=False
-    )  # kept alive: the groups rendezvous through it
+    # kept alive: the groups rendezvous through it
+    store: Optional[Any] = field(default=None, repr=False)
+    timeout_s: float = 600.0  # of the cross-island collectives
 
     @property
     def launch_rank(self) -> int:
@@ -147,11 +147,13 @@ def enter_island(args, timeout_s: float = 600.0) -> Topology:
             host,
             port,
             world_size=None,
-            is_master=index == 0 and launch_rank == 0,
+            is_master=index == 0 and launch_rank == 0 and not args.diloco_store_external,
             timeout=timeout,
             wait_for_workers=False,
         )
-        topology = Topology(islands, index, launch_rank, launch_world, store=store)
+        topology = Topology(
+            islands, index, launch_rank, launch_world, store=store, timeout_s=timeout_s
+        )
     else:
         size = island_size(islands, launch_world)
         island, island_rank = divmod(launch_rank, size)
@@ -183,7 +185,7 @@ def enter_island(args, timeout_s: float = 600.0) -> Topology:
             world_size=size,
             timeout=timeout,
         )
-        topology = Topology(islands, island, island_rank, size, store=store)
+        topology = Topology(islands, island, island_rank, size, store=store, timeout_s=timeout_s)
     if islands > 1:
         prefix = f"{_PREFIX}/cross/rank{topology.island_rank}"
         topology.cross_group = dist.ProcessGroupGloo(

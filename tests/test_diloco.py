@@ -613,6 +613,12 @@ def test_zero0_bf16_with_bf16_pseudo_gradients(runs):
 # ------------------------------------------------------------------ bad input
 
 
+ELASTIC_LAUNCH = [
+    *"--diloco_islands 2 --diloco_inner_steps 2 --diloco_elastic --diloco_island_index 0".split(),
+    *"--diloco_store 127.0.0.1:1 --diloco_store_external".split(),
+]
+
+
 @pytest.mark.parametrize(
     "script,argv,env,expected",
     [
@@ -652,6 +658,30 @@ def test_zero0_bf16_with_bf16_pseudo_gradients(runs):
             ["--pipeline_stages", "3", "--diloco_islands", "2", "--diloco_inner_steps", "2"],
             {"WORLD_SIZE": "4"},
             "--pipeline_stages 3: the island size 2 is not divisible by it",
+        ),
+        (
+            "recipes/pretrain.py",
+            ["--diloco_islands", "2", "--diloco_inner_steps", "2", "--diloco_elastic"],
+            {},
+            "--diloco_elastic needs one launch per island (--diloco_island_index",
+        ),
+        (
+            "recipes/pretrain.py",
+            [*ELASTIC_LAUNCH, "--diloco_mode", "delayed", "--diloco_outer_momentum", "0.3"],
+            {},
+            "--diloco_elastic with --diloco_mode delayed: only sync is elastic",
+        ),
+        (
+            "recipes/pretrain.py",
+            [*ELASTIC_LAUNCH[:-1]],
+            {},
+            "--diloco_elastic needs --diloco_store_external",
+        ),
+        (
+            "recipes/pretrain.py",
+            [*ELASTIC_LAUNCH, "--diloco_min_islands", "3"],
+            {},
+            "--diloco_min_islands 3: must be in [1, --diloco_islands 2]",
         ),
     ],
 )

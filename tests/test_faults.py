@@ -180,26 +180,31 @@ def ranks_of(launcher_pid: int) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    "kind,target",
-    [("zero2", "rank"), pytest.param("pipeline", "launcher", marks=pytest.mark.slow)],
+    "kind,target,sig",
+    [
+        ("zero2", "rank", signal.SIGTERM),
+        pytest.param("pipeline", "launcher", signal.SIGINT, marks=pytest.mark.slow),
+    ],
 )
-def test_preemption_saves_and_resumes_exactly(kind, target, tmp_path, tmp_path_factory, text_file):
-    """SIGTERM to one rank (as slurm sends it) or to the launcher (which forwards it): every rank
-    agrees after the step, saves it, says so and exits 0; the resume equals the uninterrupted
-    run. A launcher that was itself signalled reports its own code."""
+def test_preemption_saves_and_resumes_exactly(
+    kind, target, sig, tmp_path, tmp_path_factory, text_file
+):
+    """SIGTERM to one rank (as slurm sends it) or SIGINT to the launcher (which forwards it):
+    every rank agrees after the step, saves it, says so and exits 0; the resume equals the
+    uninterrupted run. A launcher that was itself signalled reports its own code."""
     reference = uninterrupted(kind, tmp_path_factory, text_file)
     out = tmp_path / "run"
     proc = start(kind, out, text_file, STEPS, ["--save_steps", "4"])
-    seconds = signal_when(proc, out / "metrics.jsonl", target, signal.SIGTERM)
+    seconds = signal_when(proc, out / "metrics.jsonl", target, sig)
     log = proc.stdout.read() + proc.stderr.read()
     assert seconds < EXIT_BOUND_S
     assert target == "launcher" or proc.returncode == 0, log[-3000:]
     saved = int(latest(out)[4:])
     assert 5 <= saved < STEPS and is_complete(out / "checkpoints" / latest(out))
-    assert "preempted (SIGTERM to " in log and f"saved step {saved}" in log
+    assert f"preempted ({sig.name} to " in log and f"saved step {saved}" in log
     assert max(logged_steps(out / "metrics.jsonl")) == saved
     resume_matches(kind, out, text_file, reference, after=saved)
-    fault = f"SIGTERM to {'the launcher' if target == 'launcher' else 'rank 1'}"
+    fault = f"{sig.name} to {'the launcher' if target == 'launcher' else 'rank 1'}"
     report(fault, kind, seconds, proc.returncode, f"step{saved}", f"equal from step {saved + 1}")
 
 

@@ -1,0 +1,44 @@
+"""A store for DiLoCo islands that outlives every island: `python -m dragon.island_store --port P`.
+
+Islands launched separately meet through a TCPStore at --diloco_store HOST:PORT. By default
+island 0's first rank hosts it, so the run ends with island 0; with --diloco_elastic an island
+may die and the others train on, so the store must live elsewhere: run this on any machine the
+islands reach (a login node, the first node), start the islands with `--diloco_store HOST:P
+--diloco_store_external`, and stop it (Ctrl-C, SIGTERM) when the run is over.
+"""
+
+import argparse
+import signal
+import sys
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+def serve(host: str, port: int) -> dist.TCPStore:
+    """Host the store (returns it: it serves while the object lives)."""
+    return dist.TCPStore(
+        host, port, world_size=None, is_master=True, timeout=timedelta(days=30),
+        wait_for_workers=False,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    parser.add_argument("--port", type=int, required=True, help="port to listen on")
+    args = parser.parse_args()
+    if not 0 < args.port < 65536:
+        sys.exit(f"error: --port {args.port}: must be in 1-65535")
+    store = serve(args.host, args.port)
+    print(f"dragon island store listening on {args.host}:{args.port}", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        signal.pause()
+    except KeyboardInterrupt:
+        pass
+    del store
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Elastic DiLoCo on real processes: islands as launches of their own around a standalone store
+(python -m dragon.island_store); an island that dies leaves the others training on.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REPO, free_port, job_env, launch_command, read_jsonl
+from test_checkpoints import logged_steps, recipe_args
+from test_faults import island_losses, ranks_of
+
+STEPS = 16
+ELASTIC = ["--diloco_inner_steps", "4", "--diloco_elastic", "--diloco_store_external",
+           "--diloco_quorum_timeout", "5", "--diloco_checksum", "--save_steps", "4"]
+
+
+@pytest.fixture
+def store():
+    """A standalone island store on a free port, stopped after the test."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dragon.island_store", "--host", "127.0.0.1", "--port", str(port)],
+        cwd=REPO,
+        env=job_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert "listening" in proc.stdout.readline()
+    yield f"127.0.0.1:{port}"
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+
+
+def start(island, islands, out, text_file, store, env=None):
+    script, args = recipe_args("zero2", out, text_file, STEPS, ELASTIC)
+    args += ["--diloco_islands", str(islands), "--diloco_island_index", str(island)]
+    args += ["--diloco_store", store]
+    return subprocess.Popen(
+        launch_command("torchrun", 1, script, args),
+        cwd=REPO,
+        env=job_env(**(env or {})),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def outer(out, island) -> list[dict]:
+    return [m for m in read_jsonl(out / f"island{island}" / "metrics.jsonl") if "outer_step" in m]
+
+
+def test_a_dead_island_leaves_the_other_training_alone(tmp_path, text_file, store):
+    """SIGKILL of island 1 after its step 5 (mid-window): island 0 waits out the quorum timeout at
+    step 8, steps on alone (quorum 1) to the end and exits 0; up to the kill its losses are the
+    two-island run's (inner steps are the island's own)."""
+    out = tmp_path / "run"
+    procs = [start(i, 2, out, text_file, store) for i in (0, 1)]
+    rank = []
+    while not rank or max(logged_steps(out / "island1" / "metrics.jsonl"), default=0) < 5:
+        assert procs[1].poll() is None, procs[1].stderr.read()[-3000:]
+        rank = rank or ranks_of(procs[1].pid)
+        time.sleep(0.005)
+    began = time.time()
+    os.kill(rank[0], signal.SIGKILL)  # its launcher then exits too
+    stdout, stderr = procs[0].communicate(timeout=600)
+    assert procs[0].returncode == 0, stderr[-3000:]
+    assert time.time() - began < 60
+    assert "island [1] did not arrive; training on with islands [0]" in stdout + stderr
+    quorum = [(m["step"], m["outer_quorum"]) for m in outer(out, 0)]
+    assert quorum == [(4, 2), (8, 1), (12, 1), (16, 1)]
+    assert (out / "final" / "model.safetensors").exists()
+    losses = island_losses(out, 0)
+    assert all(v == v for v in losses.values())  # finite all the way
+    evals = [m["eval_loss"] for m in read_jsonl(out / "island0" / "metrics.jsonl")
+             if "eval_loss" in m]
+    assert evals[-1] < evals[0]
+
+
+def test_an_island_lost_during_the_exchange_is_left_out_of_a_retry(tmp_path, text_file, store):
+    """Three islands; island 2 dies in outer step 2 after the quorum formed, during the exchange:
+    islands 0 and 1 retry without it, agree (bit-identical weights after every outer step) and
+    train to the end."""
+    out = tmp_path / "run"
+    env = {"DRAGON_FAULT_EXIT_OUTER_STEP": "2", "DRAGON_FAULT_ISLAND": "2"}
+    procs = [start(i, 3, out, text_file, store, env) for i in (0, 1, 2)]
+    for proc in procs[:2]:
+        stdout, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, stderr[-3000:]
+    procs[2].wait(timeout=60)
+    assert procs[2].returncode != 0
+    assert "the exchange among islands [0, 1, 2] failed" in stdout + stderr
+    for a, b in zip(outer(out, 0), outer(out, 1)):
+        for key in ("weights_sum", "weights_sumsq", "outer_sum", "outer_sumsq", "outer_quorum"):
+            assert a[key] == b[key], (a["step"], key)
+    assert [m["outer_quorum"] for m in outer(out, 0)] == [3, 2, 2, 2]
