@@ -2,7 +2,6 @@
 (python -m dragon.island_store); an island that dies leaves the others training on.
 """
 
-import os
 import signal
 import subprocess
 import sys
@@ -10,8 +9,8 @@ import time
 
 import pytest
 from conftest import REPO, free_port, job_env, launch_command, read_jsonl
-from test_checkpoints import logged_steps, recipe_args
-from test_faults import island_losses, ranks_of
+from test_checkpoints import recipe_args
+from test_faults import island_losses, signal_after
 
 STEPS = 16
 ELASTIC = ["--diloco_inner_steps", "4", "--diloco_elastic", "--diloco_store_external",
@@ -59,16 +58,11 @@ def test_a_dead_island_leaves_the_other_training_alone(tmp_path, text_file, stor
     two-island run's (inner steps are the island's own)."""
     out = tmp_path / "run"
     procs = [start(i, 2, out, text_file, store) for i in (0, 1)]
-    rank = []
-    while not rank or max(logged_steps(out / "island1" / "metrics.jsonl"), default=0) < 5:
-        assert procs[1].poll() is None, procs[1].stderr.read()[-3000:]
-        rank = rank or ranks_of(procs[1].pid)
-        time.sleep(0.005)
-    began = time.time()
-    os.kill(rank[0], signal.SIGKILL)  # its launcher then exits too
+    metrics = out / "island1" / "metrics.jsonl"
+    sent = signal_after(procs[1], metrics, "rank", signal.SIGKILL, ranks=1)
     stdout, stderr = procs[0].communicate(timeout=600)
     assert procs[0].returncode == 0, stderr[-3000:]
-    assert time.time() - began < 60
+    assert time.time() - sent < 60
     assert "island [1] did not arrive; training on with islands [0]" in stdout + stderr
     quorum = [(m["step"], m["outer_quorum"]) for m in outer(out, 0)]
     assert quorum == [(4, 2), (8, 1), (12, 1), (16, 1)]

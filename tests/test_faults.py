@@ -133,19 +133,24 @@ def test_a_failed_save_on_one_rank(kind, tmp_path, tmp_path_factory, text_file):
         report("rank 1's save fails, continue", kind, seconds, code, f"step{STEPS}", "-")
 
 
-def signal_when(proc, metrics, target, sig, at_step=5):
-    """After `at_step` is logged, send `sig` to the launcher or to its second rank (found before,
-    so the signal lands at once); returns the seconds until the job ended."""
+def signal_after(proc, metrics, target, sig, at_step=5, ranks=2) -> float:
+    """After `at_step` is logged, send `sig` to the launcher or to its last rank (found before,
+    so the signal lands at once); returns when it was sent."""
     pid = proc.pid if target == "launcher" else None
     while pid is None or max(logged_steps(metrics), default=0) < at_step:
         assert proc.poll() is None, proc.stderr.read()[-3000:]
-        if pid is None and len(ranks := ranks_of(proc.pid)) == 2:
-            pid = ranks[1]
+        if pid is None and len(found := ranks_of(proc.pid)) == ranks:
+            pid = found[-1]
         time.sleep(0.005)
-    began = time.time()
     os.kill(pid, sig)
+    return time.time()
+
+
+def signal_when(proc, metrics, target, sig, at_step=5):
+    """signal_after, then the seconds until the job ended."""
+    sent = signal_after(proc, metrics, target, sig, at_step)
     proc.wait(timeout=600)
-    return time.time() - began
+    return time.time() - sent
 
 
 def ranks_of(launcher_pid: int) -> list[int]:
@@ -289,15 +294,10 @@ def test_a_dead_island_stops_the_other_at_the_outer_step(tmp_path, tmp_path_fact
     reference = diloco_reference(tmp_path_factory, text_file)
     out, store = tmp_path / "run", f"127.0.0.1:{free_port()}"
     procs = [start_island(i, out, text_file, store) for i in (0, 1)]
-    rank = []
-    while not rank or max(logged_steps(out / "island1" / "metrics.jsonl"), default=0) < 5:
-        assert procs[1].poll() is None, procs[1].stderr.read()[-3000:]
-        rank = rank or ranks_of(procs[1].pid)
-        time.sleep(0.005)
-    began = time.time()
-    os.kill(rank[0], signal.SIGKILL)
+    metrics = out / "island1" / "metrics.jsonl"
+    sent = signal_after(procs[1], metrics, "rank", signal.SIGKILL, ranks=1)
     procs[0].wait(timeout=600)
-    seconds = time.time() - began
+    seconds = time.time() - sent
     procs[1].wait(timeout=600)
     code, log = procs[0].returncode, procs[0].stdout.read() + procs[0].stderr.read()
     assert code != 0 and seconds < EXIT_BOUND_S, log[-3000:]
