@@ -249,8 +249,7 @@ class DiLoCoArguments:
         default=None,
     )
     diloco_store_external: bool = _help(
-        "The store runs on its own (python -m dragon.island_store --port P): no island hosts it, "
-        "so any island may end first.",
+        "No island hosts the store: it runs on its own (python -m dragon.island_store).",
         default=False,
     )
     diloco_elastic: bool = _help(
@@ -259,13 +258,14 @@ class DiLoCoArguments:
         default=False,
     )
     diloco_quorum_timeout: float = _help(
-        "With --diloco_elastic, seconds an outer step waits for the islands of the last one.",
-        default=60.0,
+        "Elastic: seconds an outer step waits for the islands of the last one.", default=60.0
     )
-    diloco_min_islands: int = _help(
-        "With --diloco_elastic, the fewest islands an outer step may have; fewer stop the run.",
-        default=1,
+    diloco_join: bool = _help(
+        "With --diloco_elastic, join the live islands at their next outer step (theta_outer, outer "
+        "optimizer state, step); --resume_from_checkpoint first restores this island's own.",
+        default=False,
     )
+    diloco_min_islands: int = _help("Elastic: fewer islands at an outer step end it.", default=1)
 
     def __post_init__(self):
         n, h = self.diloco_islands, self.diloco_inner_steps
@@ -284,9 +284,7 @@ class DiLoCoArguments:
                 f"--diloco_compress {self.diloco_compress!r}: valid are {', '.join(COMPRESSIONS)}"
             )
         if self.diloco_int8_block < 0:
-            raise ValueError(
-                f"--diloco_int8_block {self.diloco_int8_block}: must be >= 0 (0: per tensor)"
-            )
+            raise ValueError(f"--diloco_int8_block {self.diloco_int8_block}: must be >= 0")
         if not self.diloco_outer_lr > 0:
             raise ValueError(f"--diloco_outer_lr {self.diloco_outer_lr}: must be > 0")
         if not 0 <= self.diloco_outer_momentum < 1:
@@ -300,6 +298,8 @@ class DiLoCoArguments:
             raise ValueError(
                 "--diloco_island_index and --diloco_store go together (one launch per island)"
             )
+        if self.diloco_join and not self.diloco_elastic:
+            raise ValueError("--diloco_join needs --diloco_elastic")
         if self.diloco_elastic:
             self._check_elastic()
         if self.diloco_mode == "delayed" and self.diloco_outer_momentum > DELAYED_MOMENTUM:

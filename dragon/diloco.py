@@ -58,7 +58,7 @@ from dragon.args import DiLoCoArguments
 from dragon.exchange import Exchange
 from dragon.faults import exit_in_outer_step
 from dragon.master_weights import MasterWeights
-from dragon.membership import Membership
+from dragon.membership import Membership, share_state
 from dragon.topology import Topology
 
 logger = logging.getLogger("dragon")
@@ -86,6 +86,13 @@ class DiLoCo:
         masters = weights.tensors()
         self.numels = [t.numel() for t in masters]
         self.device = torch.device("cpu") if args.diloco_outer_on_cpu else masters[0].device
+        self.membership = None
+        if args.diloco_elastic:
+            self.membership = Membership(
+                topology, args.diloco_quorum_timeout, args.diloco_min_islands, topology.timeout_s
+            )
+            if not args.diloco_join:  # the islands that start together meet at outer step 0
+                self.group = self.membership.quorum(0, 0)[1]
         self._adopt_island0_weights()
         self.outer_params = [m.detach().to(self.device, torch.float32, copy=True) for m in masters]
         self._make_optimizer = outer_optimizer or args.outer_optimizer
@@ -94,11 +101,6 @@ class DiLoCo:
         self.previous = torch.zeros(sum(self.numels)) if self.mode == "delayed" else None
         self.pending: Optional[Exchange] = None
         self.outer_step = 0
-        self.membership = None
-        if args.diloco_elastic:
-            self.membership = Membership(
-                topology, args.diloco_quorum_timeout, args.diloco_min_islands, topology.timeout_s
-            )
 
     @classmethod
     def from_engine(cls, engine, args: DiLoCoArguments, topology: Topology, outer_optimizer=None):
@@ -130,7 +132,7 @@ class DiLoCo:
         own = delta.clone() if self.mode == "delayed" else None  # an fp32 all-reduce works in place
         metrics = {"outer_step": self.outer_step}
         if self.membership is not None:
-            exchange = self._elastic_exchange(delta)
+            exchange = self._elastic_exchange(delta, step)
             metrics["outer_quorum"] = len(self.membership.members)
         else:
             exchange = self._exchange(delta, self.group, self.islands)
@@ -176,7 +178,9 @@ class DiLoCo:
 
     # -------------------------------------------------------------- pieces
 
-    def _exchange(self, delta: torch.Tensor, group, islands: int) -> Exchange:
+    def _exchange(self, delta: torch.Tensor, group, islands: int, contributors=None) -> Exchange:
+        """Start the exchange among `islands` (the group's size); the average divides by the
+        `contributors` (default all: an elastic joiner adds zeros)."""
         return Exchange(
             delta,
             group,
@@ -185,16 +189,23 @@ class DiLoCo:
             self.args.diloco_int8_block,
             self.numels,
             measure_bytes=self.mode == "sync",
+            contributors=contributors,
         )
 
-    def _elastic_exchange(self, delta: torch.Tensor) -> Exchange:
-        """The blocking exchange among this outer step's quorum; when an island is lost during
-        it, the step's quorum forms again without it and the exchange is retried."""
+    def _elastic_exchange(self, delta: torch.Tensor, step: int) -> Exchange:
+        """The blocking exchange among this outer step's quorum (joiners first get the shared
+        state, and add zeros); when an island is lost during it, the step's quorum forms again
+        without it and the exchange is retried."""
         for attempt in range(self.islands):
-            members, group = self.membership.quorum(self.outer_step, attempt)
+            members, group, joiners = self.membership.quorum(self.outer_step, attempt)
             exit_in_outer_step(self.topology.island, self.outer_step)  # test-only (dragon.faults)
             try:
-                return self._exchange(delta.clone(), group, len(members))
+                if joiners:
+                    share_state(self, group, members, joiners, step)
+                contributors = len(members) - len(joiners)
+                exchange = self._exchange(delta.clone(), group, len(members), contributors)
+                self.membership.publish(self.outer_step, step, self._shape())
+                return exchange
             except RuntimeError as e:  # gloo: a member's connection closed, or the timeout
                 logger.warning(
                     f"outer step {self.outer_step}: the exchange among islands {members} failed "
@@ -202,10 +213,13 @@ class DiLoCo:
                 )
         raise RuntimeError(f"outer step {self.outer_step}: no exchange succeeded")
 
+    def _shape(self) -> dict:
+        return {"parameters on this rank": sum(self.numels), "H": self.H, "islands": self.islands}
+
     def _adopt_island0_weights(self) -> None:
         """Every island starts from island 0's weights (rank r of each island holds the same shard).
         """
-        if self.islands > 1:
+        if self.islands > 1 and self.group is not None:
             flat = _flatten(self.weights.tensors())
             self.group.broadcast(flat, 0).wait()
             self._write(flat.split(self.numels))

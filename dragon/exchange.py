@@ -88,6 +88,7 @@ class Exchange:
         block: int,
         numels: list[int],
         measure_bytes: bool,
+        contributors: Optional[int] = None,
     ):
         self.compress, self.block, self.numels, self.n, self.islands = (
             compress,
@@ -96,6 +97,7 @@ class Exchange:
             flat.numel(),
             islands,
         )
+        self.contributors = contributors  # what the sum is divided by (default: islands)
         self.error_sq, self.norm_sq = 0.0, float(torch.dot(flat, flat))
         if compress == "none":
             payload, op = flat, "allreduce"
@@ -151,7 +153,7 @@ class Exchange:
                 for packed in self.gathered:  # island order: the same sum on every island
                     scale = packed[:cut].view(torch.float32)
                     total += _int8_decode(packed[cut:], scale, self.block, self.numels, self.n)
-            self._result = total / self.islands
+            self._result = total / (self.contributors or self.islands)
             self.payload = self.gathered = None
         return self._result
 

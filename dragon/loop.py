@@ -27,6 +27,7 @@ from dragon.faults import (
     skip_nonfinite_updates,
     weights_finite,
 )
+from dragon.membership import join
 from dragon.metrics import MetricsLogger, Throughput, peak_tflops_per_device
 from dragon.model import BDHConfig, BDHForCausalLM
 from dragon.preflight import RecipeInputs
@@ -100,6 +101,8 @@ class TrainingRun:
             self._resume(*inputs.resume[topology.island])
         else:  # different dropout masks on every rank (of every island)
             torch.manual_seed(args.seed + topology.launch_rank)
+        if inputs.diloco.diloco_join:
+            self._join()
         # Each sample holds block+1 tokens and predicts block of them.
         self.tokens_per_step = self.micro * self.accum * dp_world * block
         profile = model_profile(config, block + 1)  # the FLOPs of the attention form at this length
@@ -153,6 +156,18 @@ class TrainingRun:
                 self.diloco.restart()
             else:
                 self.diloco.load_state_dict(outer_state)
+
+    def _join(self) -> None:
+        """Join the live islands (dragon.membership.join) and continue at their step: the LR
+        schedule moves on to it; the data stream stays this island's own."""
+        step = join(self.diloco)
+        scheduler = self.engine.lr_scheduler
+        for _ in range(step - self.step):
+            if scheduler is not None:
+                scheduler.step()
+        self.step = self.engine.global_steps = step
+        if rank() == 0:
+            logger.info(f"joined the run at step {step} (outer step {self.diloco.outer_step})")
 
     @property
     def last_checkpoint(self) -> str:

@@ -127,9 +127,10 @@ def _parse_store(address: str) -> tuple[str, int]:
 def enter_island(args, timeout_s: float = 600.0) -> Topology:
     """Put this process into its island before DeepSpeed starts; connect the cross-island group.
 
-    `args` has diloco_islands, diloco_island_index (None: one launch holds every island) and
-    diloco_store (HOST:PORT, needed with diloco_island_index). With one island nothing changes:
-    the launch is the island and there is no cross-island group.
+    `args` has diloco_islands, diloco_island_index (None: one launch holds every island),
+    diloco_store (HOST:PORT, needed with diloco_island_index), diloco_store_external (no island
+    hosts the store) and diloco_elastic (no static cross-island group: dragon.membership). With
+    one island nothing changes: the launch is the island and there is no cross-island group.
     """
     islands = args.diloco_islands
     index = args.diloco_island_index
@@ -186,7 +187,7 @@ def enter_island(args, timeout_s: float = 600.0) -> Topology:
             timeout=timeout,
         )
         topology = Topology(islands, island, island_rank, size, store=store, timeout_s=timeout_s)
-    if islands > 1:
+    if islands > 1 and not args.diloco_elastic:  # elastic islands meet in per-step groups
         prefix = f"{_PREFIX}/cross/rank{topology.island_rank}"
         topology.cross_group = dist.ProcessGroupGloo(
             dist.PrefixStore(prefix, store), topology.island, islands, timeout

@@ -34,8 +34,8 @@ def store():
     proc.wait(timeout=30)
 
 
-def start(island, islands, out, text_file, store, env=None):
-    script, args = recipe_args("zero2", out, text_file, STEPS, ELASTIC)
+def start(island, islands, out, text_file, store, env=None, extra=()):
+    script, args = recipe_args("zero2", out, text_file, STEPS, [*ELASTIC, *extra])
     args += ["--diloco_islands", str(islands), "--diloco_island_index", str(island)]
     args += ["--diloco_store", store]
     return subprocess.Popen(
@@ -91,3 +91,29 @@ def test_an_island_lost_during_the_exchange_is_left_out_of_a_retry(tmp_path, tex
         for key in ("weights_sum", "weights_sumsq", "outer_sum", "outer_sumsq", "outer_quorum"):
             assert a[key] == b[key], (a["step"], key)
     assert [m["outer_quorum"] for m in outer(out, 0)] == [3, 2, 2, 2]
+
+
+@pytest.mark.slow
+def test_a_killed_island_rejoins_and_both_agree(tmp_path, text_file, store):
+    """Island 1 is killed after its step 5, island 0 trains on alone, then island 1 is started
+    again with --diloco_join: at the live island's next outer step it takes theta_outer, the outer
+    momentum and the step, and from its first outer step on both islands hold bit-identical
+    weights and outer state, with quorum 2 again, to the end."""
+    steps = ["--max_steps", "1200", "--eval_steps", "600", "--save_steps", "600"]
+    out = tmp_path / "run"
+    procs = [start(i, 2, out, text_file, store, extra=steps) for i in (0, 1)]
+    metrics = out / "island1" / "metrics.jsonl"
+    signal_after(procs[1], metrics, "rank", signal.SIGKILL, ranks=1)
+    procs[1].wait(timeout=60)
+    joiner = start(1, 2, out, text_file, store, extra=[*steps, "--diloco_join"])
+    for proc in (procs[0], joiner):
+        stdout, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, stderr[-3000:]
+    assert "joined the run at step" in stdout + stderr
+    mine, theirs = outer(out, 0), {m["step"]: m for m in outer(out, 1) if m["step"] > 4}
+    assert len(theirs) >= 2 and 1 in [m["outer_quorum"] for m in mine]
+    for m in mine:
+        if m["step"] in theirs:
+            for key in ("weights_sum", "weights_sumsq", "outer_sum", "outer_sumsq"):
+                assert m[key] == theirs[m["step"]][key], (m["step"], key)
+            assert m["outer_quorum"] == 2

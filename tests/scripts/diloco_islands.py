@@ -72,7 +72,14 @@ class Weights:
 def main():
     island, store, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     topology = enter_island(
-        SimpleNamespace(diloco_islands=2, diloco_island_index=island, diloco_store=store), 60
+        SimpleNamespace(
+            diloco_islands=2,
+            diloco_island_index=island,
+            diloco_store=store,
+            diloco_store_external=False,
+            diloco_elastic=False,
+        ),
+        60,
     )
     c = centre(island)
     results = []
