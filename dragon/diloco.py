@@ -55,7 +55,8 @@ import torch
 import torch.distributed as dist
 
 from dragon.args import DiLoCoArguments
-from dragon.exchange import Exchange
+from dragon.distributed import all_reduce_values
+from dragon.exchange import Exchange, flatten
 from dragon.faults import exit_in_outer_step
 from dragon.master_weights import MasterWeights
 from dragon.membership import Membership, share_state
@@ -126,7 +127,7 @@ class DiLoCo:
         start = time.perf_counter()
         self.outer_step += 1
         masters = self.weights.tensors()
-        delta = _flatten(
+        delta = flatten(
             [o - m.to(o.device, torch.float32) for o, m in zip(self.outer_params, masters)]
         )
         own = delta.clone() if self.mode == "delayed" else None  # an fp32 all-reduce works in place
@@ -159,8 +160,8 @@ class DiLoCo:
         sums.append(norm_sq)
         if self.args.diloco_checksum:
             sums += self.weights.fingerprint() + self._outer_fingerprint()
-        sums = _island_reduce(sums, dist.ReduceOp.SUM)
-        bytes_max = _island_reduce([float(exchange.bytes_sent)], dist.ReduceOp.MAX)[0]
+        sums = all_reduce_values(sums, dist.ReduceOp.SUM)
+        bytes_max = all_reduce_values([float(exchange.bytes_sent)], dist.ReduceOp.MAX)[0]
         metrics.update(outer_bytes_sent=int(bytes_max), outer_payload_bytes=exchange.payload_bytes)
         if self.args.diloco_compress != "none":
             metrics["outer_compress_error"] = math.sqrt(sums[0] / sums[1]) if sums[1] > 0 else 0.0
@@ -220,7 +221,7 @@ class DiLoCo:
         """Every island starts from island 0's weights (rank r of each island holds the same shard).
         """
         if self.islands > 1 and self.group is not None:
-            flat = _flatten(self.weights.tensors())
+            flat = flatten(self.weights.tensors())
             self.group.broadcast(flat, 0).wait()
             self._write(flat.split(self.numels))
 
@@ -238,7 +239,7 @@ class DiLoCo:
         if self.islands == 1:
             return 0
         average = Exchange(
-            _flatten(self.outer_params),
+            flatten(self.outer_params),
             self.group,
             self.islands,
             "none",
@@ -358,19 +359,3 @@ class _Resolved:
 
     def result(self) -> torch.Tensor:
         return self.average
-
-
-def _flatten(tensors) -> torch.Tensor:
-    """One contiguous fp32 CPU vector (gloo exchanges CPU tensors)."""
-    return torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
-
-
-def _island_reduce(values: list[float], op) -> list[float]:
-    """Reduce a few numbers over this island's world (no-op without one)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return values
-    from dragon.distributed import _device
-
-    t = torch.tensor(values, dtype=torch.float64, device=_device())
-    dist.all_reduce(t, op=op)
-    return t.cpu().tolist()

@@ -62,6 +62,15 @@ def all_reduce_mean(values: list[float], weights: list[float] | None = None) -> 
     return [(t[i] / t[n + i]).item() for i in range(n)]
 
 
+def all_reduce_values(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
+    """Reduce a few numbers over this world in float64 (as they are without one)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=_device())
+    dist.all_reduce(t, op=op)
+    return t.cpu().tolist()
+
+
 def _device() -> torch.device:
     from deepspeed.accelerator import get_accelerator
 

@@ -8,6 +8,11 @@ from typing import Optional
 import torch
 
 
+def flatten(tensors) -> torch.Tensor:
+    """One contiguous fp32 CPU vector (gloo exchanges CPU tensors)."""
+    return torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
+
+
 def cpu_bytes_written() -> Optional[int]:
     """Bytes this process has passed to write()/send() so far (Linux /proc/self/io wchar), else
     None.

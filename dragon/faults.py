@@ -25,6 +25,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from dragon.distributed import all_reduce_values
+
 logger = logging.getLogger("dragon")
 
 NAN_POLICIES = ("skip", "stop")
@@ -109,7 +111,7 @@ class StepGuard:
             float(not math.isfinite(loss)),
             float(grad_norm is not None and not math.isfinite(grad_norm)),
         ]
-        flags = _all_reduce_max(values, None)
+        flags = _all_reduce_max(values)
         preempted = flags[0] > 0
         if boundary and self.topology is not None and self.topology.cross_group is not None:
             self.topology.reach(step)
@@ -150,16 +152,12 @@ class StepGuard:
         return Verdict()
 
 
-def _all_reduce_max(values: list[float], group) -> list[float]:
+def _all_reduce_max(values: list[float], group=None) -> list[float]:
+    """The maximum over this world, or over `group` (a cross-island gloo group)."""
+    if group is None:
+        return all_reduce_values(values, dist.ReduceOp.MAX)
     t = torch.tensor(values, dtype=torch.float64)
-    if group is not None:
-        group.allreduce([t], dist.ReduceOp.MAX).wait()
-    elif dist.is_initialized() and dist.get_world_size() > 1:
-        from dragon.distributed import _device
-
-        t = t.to(_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        t = t.cpu()
+    group.allreduce([t], dist.ReduceOp.MAX).wait()
     return t.tolist()
 
 
@@ -168,7 +166,7 @@ def weights_finite(engine) -> bool:
     finite = all(
         bool(torch.isfinite(getattr(p, "ds_tensor", p)).all()) for p in engine.module.parameters()
     )
-    return _all_reduce_max([float(not finite)], None)[0] == 0
+    return _all_reduce_max([float(not finite)])[0] == 0
 
 
 class SaveFailed(RuntimeError):
@@ -209,7 +207,7 @@ class SaveGuard:
         world = dist.get_world_size() if dist.is_initialized() else 1
         me = dist.get_rank() if dist.is_initialized() else 0
         flags = [float(self.error is not None and r == me) for r in range(world)]
-        failed = [r for r, f in enumerate(_all_reduce_max(flags, None)) if f]
+        failed = [r for r, f in enumerate(_all_reduce_max(flags)) if f]
         if failed:
             mine = f" ({self.error})" if self.error else ""
             ranks = ", ".join(map(str, failed))

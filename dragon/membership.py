@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from dragon.exchange import flatten
 from dragon.topology import Topology
 
 logger = logging.getLogger("dragon")
@@ -145,7 +146,7 @@ def share_state(outer, group, members: list[int], joiners: list[int], step: int)
     state = [outer.optimizer.state.get(p, {}).get("momentum_buffer") for p in params]
     momentum = [torch.zeros_like(p) if b is None else b for b, p in zip(state, params)]
     flags = torch.tensor([float(step), float(state[0] is not None)])
-    flat = torch.cat([_flat(params), _flat(momentum), flags])
+    flat = torch.cat([flatten(params), flatten(momentum), flags])
     group.broadcast(flat, root).wait()
     if outer.topology.island in joiners:
         n = sum(numels)
@@ -156,7 +157,3 @@ def share_state(outer, group, members: list[int], joiners: list[int], step: int)
                 if flat[-1] > 0:
                     outer.optimizer.state[p] = {"momentum_buffer": b.view_as(p).clone()}
     return int(flat[-2])
-
-
-def _flat(tensors) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
