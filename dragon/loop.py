@@ -31,6 +31,7 @@ from dragon.membership import join
 from dragon.metrics import MetricsLogger, Throughput, peak_tflops_per_device
 from dragon.model import BDHConfig, BDHForCausalLM
 from dragon.preflight import RecipeInputs
+from dragon.retention import find_resume_checkpoint
 from dragon.topology import Topology
 
 logger = logging.getLogger("dragon")
@@ -222,11 +223,11 @@ class TrainingRun:
         sys.exit(0)
 
     def _kept(self) -> str:
-        latest = os.path.join(self.save_dir, "latest")
-        if not os.path.exists(latest):
+        """The checkpoint a resume would take (dragon.retention), or none."""
+        try:
+            return os.path.join(*find_resume_checkpoint(self.save_dir))
+        except ValueError:
             return "none"
-        with open(latest) as f:
-            return os.path.join(self.save_dir, f.read().strip())
 
     def train_metrics(self, grad_norm: Optional[float], already_averaged: bool = False) -> dict:
         """loss (averaged over the data-parallel ranks unless already), lr, grad_norm and throughput

@@ -126,6 +126,13 @@ def _check_model(
         check_pipeline(config, pipe_args.pipeline_stages, pipe_args.partition_method)
 
 
+def _model_config(model_args: ModelArguments, vocab_size: int) -> BDHConfig:
+    """The config this run's model will have: the directory's, or the size flags'."""
+    if model_args.model_name_or_path:
+        return BDHConfig.from_pretrained(model_args.model_name_or_path)
+    return model_args.config(vocab_size)
+
+
 def _check_carry(
     model_args: ModelArguments,
     vocab_size: int,
@@ -140,10 +147,7 @@ def _check_carry(
             f"{pipe_args.activation_checkpoint_interval}: a recomputed forward would carry the "
             "state twice; use --activation_checkpoint_interval 0"
         )
-    if model_args.model_name_or_path:
-        config = BDHConfig.from_pretrained(model_args.model_name_or_path)
-    else:
-        config = model_args.config(vocab_size)
+    config = _model_config(model_args, vocab_size)
     check_state_fits(config, rows)
 
 
@@ -184,10 +188,7 @@ def _check_resume_sizes(
     model_args: ModelArguments, vocab_size: int, resume: dict[int, tuple[str, str]]
 ) -> None:
     """Raise when a resume target holds a model of other sizes than this run builds."""
-    if model_args.model_name_or_path:
-        config = BDHConfig.from_pretrained(model_args.model_name_or_path)
-    else:
-        config = model_args.config(vocab_size)
+    config = _model_config(model_args, vocab_size)
     for load_dir, tag in resume.values():
         if not os.path.isfile(os.path.join(load_dir, "config.json")):
             continue  # a checkpoint written outside the recipes: DeepSpeed checks the shapes

@@ -102,9 +102,8 @@ def kill_when(proc, condition, then=None, until=None, timeout=300):
     proc.wait()
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL a launcher and every process below it at once (torchrun starts ranks in new
-    sessions)."""
+def descendants(pid: int) -> list[int]:
+    """pid and every process below it (torchrun starts ranks in sessions of their own)."""
     children: dict[int, list[int]] = {}
     for stat in os.listdir("/proc"):
         if stat.isdigit():
@@ -118,7 +117,12 @@ def kill_tree(pid: int) -> None:
     while todo:
         tree.append(todo.pop())
         todo += children.get(tree[-1], [])
-    for p in tree:
+    return tree
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a launcher and every process below it at once."""
+    for p in descendants(pid):
         try:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:

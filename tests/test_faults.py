@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 from conftest import REPO, free_port, job_env, launch_command, losses, read_jsonl
-from test_checkpoints import logged_steps, recipe_args, start, tags
+from test_checkpoints import descendants, logged_steps, recipe_args, start, tags
 
 from dragon.export import model_from_checkpoint
 from dragon.retention import is_complete
@@ -154,22 +154,7 @@ def signal_when(proc, metrics, target, sig, at_step=5):
 
 
 def ranks_of(launcher_pid: int) -> list[int]:
-    """The recipe processes below a launcher (torchrun starts them in sessions of their own), by
-    pid."""
-    parent = {}
-    for name in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                parent[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError):
-            continue
-
-    def below(pid):
-        while pid in parent and pid > 1:
-            pid = parent[pid]
-            if pid == launcher_pid:
-                return True
-        return False
+    """The recipe processes below a launcher, by pid."""
 
     def is_recipe(pid):
         try:
@@ -181,7 +166,7 @@ def ranks_of(launcher_pid: int) -> list[int]:
         scripts = [i for i, a in enumerate(args) if "/recipes/" in a and a.endswith(".py")]
         return bool(scripts) and all(a in (args[0], "-u") for a in args[: scripts[0]])
 
-    return sorted(p for p in parent if below(p) and is_recipe(p))
+    return sorted(p for p in descendants(launcher_pid)[1:] if is_recipe(p))
 
 
 @pytest.mark.parametrize(
