@@ -254,7 +254,7 @@ class DiLoCoArguments:
     )
     diloco_elastic: bool = _help(
         "Islands may die while the others train on: each outer step averages over the islands "
-        "that reach it within --diloco_quorum_timeout (needs one launch per island, sync mode).",
+        "that reach it within --diloco_quorum_timeout (needs one launch per island).",
         default=False,
     )
     diloco_quorum_timeout: float = _help(
@@ -320,10 +320,6 @@ class DiLoCoArguments:
             raise ValueError(
                 "--diloco_elastic needs --diloco_store_external (python -m dragon.island_store): "
                 "a store hosted by island 0 would end the run with it"
-            )
-        if self.diloco_mode != "sync":
-            raise ValueError(
-                f"--diloco_elastic with --diloco_mode {self.diloco_mode}: only sync is elastic"
             )
         if not 1 <= self.diloco_min_islands <= self.diloco_islands:
             raise ValueError(

@@ -109,6 +109,10 @@ class TrainBatches:
             )
         self.epoch, self.micro_step, self.seed = epoch, micro_step, int(state["seed"])
 
+    def seek(self, step: int) -> None:
+        """Stand where this stream is after `step` optimizer steps from its start."""
+        self.epoch, self.micro_step = divmod(step * self.grad_accum, self.micro_steps_per_epoch)
+
 
 class StreamBatches(TrainBatches):
     """Training micro-batches whose rows are streams: row g of the global batch reads block

@@ -41,9 +41,11 @@ theta_outer over the island's ranks (equal bits on every island after a sync out
 
 Inner optimizer state, LR schedule and data stream stay per island, as in DiLoCo.
 
-Elastic (--diloco_elastic, sync mode): each outer step averages over the islands that reach it
+Elastic (--diloco_elastic): each outer step averages over the islands that reach it
 (dragon.membership), outer_quorum records how many; an island lost during the exchange is left
 out of a retry. The average is over the members only, so a lone island steps on its own Delta.
+Delayed: an average in flight that failed (an island died during it) is redone at the next outer
+step from the survivors' kept Deltas, so the late average is the survivors' average.
 """
 
 import logging
@@ -56,10 +58,9 @@ import torch.distributed as dist
 
 from dragon.args import DiLoCoArguments
 from dragon.distributed import all_reduce_values
-from dragon.exchange import Exchange, flatten
-from dragon.faults import exit_in_outer_step
+from dragon.exchange import Exchange, Round, flatten
 from dragon.master_weights import MasterWeights
-from dragon.membership import Membership, share_state
+from dragon.membership import Membership, elastic_round
 from dragon.topology import Topology
 
 logger = logging.getLogger("dragon")
@@ -101,6 +102,8 @@ class DiLoCo:
         # delayed: this island's pseudo-gradient in flight, and the exchange carrying it
         self.previous = torch.zeros(sum(self.numels)) if self.mode == "delayed" else None
         self.pending: Optional[Exchange] = None
+        self.previous_share = self.islands  # what the late average divided `previous` by
+        self.contributed = True  # `previous` is this island's share of it
         self.outer_step = 0
 
     @classmethod
@@ -123,35 +126,45 @@ class DiLoCo:
         except RuntimeError as e:  # gloo: an island's connection closed, or the timeout passed
             raise SystemExit(self.topology.lost(step, e)) from None
 
-    def _outer_step(self, step: int, final: bool) -> dict:
+    def _outer_step(self, step: int, final: bool, joining: Optional[tuple] = None) -> dict:
         start = time.perf_counter()
         self.outer_step += 1
         masters = self.weights.tensors()
-        delta = flatten(
-            [o - m.to(o.device, torch.float32) for o, m in zip(self.outer_params, masters)]
-        )
+        if joining is None:
+            delta = flatten(
+                [o - m.to(o.device, torch.float32) for o, m in zip(self.outer_params, masters)]
+            )
+        else:  # a joiner trained nothing from the live islands' theta_outer
+            delta = torch.zeros(sum(self.numels))
         own = delta.clone() if self.mode == "delayed" else None  # an fp32 all-reduce works in place
         metrics = {"outer_step": self.outer_step}
         if self.membership is not None:
-            exchange = self._elastic_exchange(delta, step)
+            round_ = elastic_round(self, delta, own, step, final, joining)
             metrics["outer_quorum"] = len(self.membership.members)
         else:
-            exchange = self._exchange(delta, self.group, self.islands)
+            round_ = Round(self.exchange(delta, self.group, self.islands), self.pending)
+        exchange, late = round_.exchange, round_.late
         del delta
         applied = []
         if self.mode == "sync":
             applied.append(exchange)
-            self._apply(exchange.result())
+            self._apply(exchange.result() if round_.gradient is None else round_.gradient)
         else:
-            applied += [e for e in (self.pending, exchange if final else None) if e is not None]
-            self._apply(self._eager_gradient(own, exchange, final))
+            applied += [e for e in (late, exchange if final else None) if e is not None]
+            gradient = round_.gradient
+            if gradient is None:
+                gradient = self.eager_gradient(own, late, exchange, final, round_.contributors)
+            self._apply(gradient)
             # after the last step nothing is in flight: a run extended past it starts its pipeline
             # afresh
             self.previous, self.pending = (
                 (torch.zeros_like(own), None) if final else (own, exchange)
             )
+            self.previous_share = round_.contributors or self.islands
+            self.contributed = joining is None  # to the exchange now in flight
             if final:
                 exchange.bytes_sent += self._average_islands()
+        self.joined_step = round_.step
         self._write(self.outer_params)
 
         # metrics: one small all-reduce within the island
@@ -179,7 +192,7 @@ class DiLoCo:
 
     # -------------------------------------------------------------- pieces
 
-    def _exchange(self, delta: torch.Tensor, group, islands: int, contributors=None) -> Exchange:
+    def exchange(self, delta: torch.Tensor, group, islands: int, contributors=None) -> Exchange:
         """Start the exchange among `islands` (the group's size); the average divides by the
         `contributors` (default all: an elastic joiner adds zeros)."""
         return Exchange(
@@ -193,28 +206,17 @@ class DiLoCo:
             contributors=contributors,
         )
 
-    def _elastic_exchange(self, delta: torch.Tensor, step: int) -> Exchange:
-        """The blocking exchange among this outer step's quorum (joiners first get the shared
-        state, and add zeros); when an island is lost during it, the step's quorum forms again
-        without it and the exchange is retried."""
-        for attempt in range(self.islands):
-            members, group, joiners = self.membership.quorum(self.outer_step, attempt)
-            exit_in_outer_step(self.topology.island, self.outer_step)  # test-only (dragon.faults)
-            try:
-                if joiners:
-                    share_state(self, group, members, joiners, step)
-                contributors = len(members) - len(joiners)
-                exchange = self._exchange(delta.clone(), group, len(members), contributors)
-                self.membership.publish(self.outer_step, step, self._shape())
-                return exchange
-            except RuntimeError as e:  # gloo: a member's connection closed, or the timeout
-                logger.warning(
-                    f"outer step {self.outer_step}: the exchange among islands {members} failed "
-                    f"({str(e).splitlines()[0][:160]}); retrying without the lost island"
-                )
-        raise RuntimeError(f"outer step {self.outer_step}: no exchange succeeded")
+    def join(self) -> tuple[int, dict]:
+        """--diloco_join: wait to be let into the live islands' next outer step, take
+        theta_outer, the outer optimizer's state and the step from them, and take that outer step
+        with them (sync: their average; delayed: the gradient their first island applies), ending
+        it on their weights. Returns the step and the outer step's metrics."""
+        target, quorum = self.membership.admit(self.shape())
+        self.outer_step = target - 1
+        metrics = self._outer_step(0, False, joining=quorum)
+        return self.joined_step, metrics
 
-    def _shape(self) -> dict:
+    def shape(self) -> dict:
         return {"parameters on this rank": sum(self.numels), "H": self.H, "islands": self.islands}
 
     def _adopt_island0_weights(self) -> None:
@@ -225,23 +227,26 @@ class DiLoCo:
             self.group.broadcast(flat, 0).wait()
             self._write(flat.split(self.numels))
 
-    def _eager_gradient(self, own: torch.Tensor, exchange: Exchange, final: bool) -> torch.Tensor:
+    def eager_gradient(
+        self, own: torch.Tensor, late, exchange: Exchange, final: bool, contributors=None
+    ) -> torch.Tensor:
         """Kale et al.'s eager outer gradient: the late average with this island's share of it
         swapped for its fresh one (at the last step, for the whole fresh average)."""
-        late = self.pending.result() if self.pending is not None else torch.zeros_like(own)
-        fresh = exchange.result() if final else own / self.islands
-        return late - self.previous / self.islands + fresh
+        late = late.result() if late is not None else torch.zeros_like(own)
+        fresh = exchange.result() if final else own / (contributors or self.islands)
+        return late - self.previous / self.previous_share + fresh
 
     def _average_islands(self) -> int:
         """theta_outer averaged over the islands (each stepped its own momentum); returns bytes
         sent.
         """
-        if self.islands == 1:
+        islands = len(self.membership.members) if self.membership else self.islands
+        if islands == 1:
             return 0
         average = Exchange(
             flatten(self.outer_params),
             self.group,
-            self.islands,
+            islands,
             "none",
             0,
             self.numels,
@@ -289,7 +294,10 @@ class DiLoCo:
         """theta_outer, the outer optimizer, the outer step and (delayed) this island's last
         pseudo-gradient and the average in flight (waited for here: the save point is the same on
         every island)."""
-        pending = self.pending.result().clone() if self.pending is not None else None
+        try:
+            pending = self.pending.result().clone() if self.pending is not None else None
+        except RuntimeError:  # elastic: an island died during it; the next outer step redoes it
+            pending = "lost"
         return {
             "outer_step": self.outer_step,
             "mode": self.mode,
@@ -298,6 +306,8 @@ class DiLoCo:
             "optimizer": self.optimizer.state_dict(),
             "previous": None if self.previous is None else self.previous.clone(),
             "pending": pending,
+            "previous_share": self.previous_share,
+            "contributed": self.contributed,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -315,7 +325,9 @@ class DiLoCo:
                 self.previous.copy_(state["previous"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.outer_step = state["outer_step"]
-        self.pending = _Resolved(state["pending"]) if state["pending"] is not None else None
+        self.pending = None if state["pending"] is None else _Resolved(state["pending"])
+        self.previous_share = state.get("previous_share", self.islands)
+        self.contributed = state.get("contributed", True)
 
     def restart(self) -> None:
         """Start the outer loop afresh from the current weights (a checkpoint saved without DiLoCo).
@@ -350,12 +362,14 @@ class DiLoCo:
 
 
 class _Resolved:
-    """A finished exchange restored from a checkpoint."""
+    """A finished exchange restored from a checkpoint ("lost": one that failed, to be redone)."""
 
     seconds = hidden_seconds = 0.0
 
-    def __init__(self, average: torch.Tensor):
+    def __init__(self, average):
         self.average = average
 
     def result(self) -> torch.Tensor:
+        if isinstance(self.average, str):
+            raise RuntimeError("the exchange in flight at this checkpoint failed")
         return self.average

@@ -3,6 +3,7 @@ an all-gather of int8 codes with absmax scales; asynchronous, with the bytes it 
 modelled) and its times recorded."""
 
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -176,3 +177,14 @@ class Exchange:
     def hidden_seconds(self) -> float:
         """The part of the collective that ran before anyone waited for it."""
         return max(0.0, min(self._done, self.waited) - self.started)
+
+
+@dataclass
+class Round:
+    """One outer step's exchange, and what an elastic round settled with it."""
+
+    exchange: Exchange
+    late: Optional[Exchange] = None  # delayed: the average applied one step late
+    gradient: Optional[torch.Tensor] = None  # delayed or shared by a live island
+    contributors: Optional[int] = None  # what the exchange divides by (default: every island)
+    step: int = 0  # the step shared with a joiner

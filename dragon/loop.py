@@ -27,7 +27,6 @@ from dragon.faults import (
     skip_nonfinite_updates,
     weights_finite,
 )
-from dragon.membership import join
 from dragon.metrics import MetricsLogger, Throughput, peak_tflops_per_device
 from dragon.model import BDHConfig, BDHForCausalLM
 from dragon.preflight import RecipeInputs
@@ -102,8 +101,7 @@ class TrainingRun:
             self._resume(*inputs.resume[topology.island])
         else:  # different dropout masks on every rank (of every island)
             torch.manual_seed(args.seed + topology.launch_rank)
-        if inputs.diloco.diloco_join:
-            self._join()
+        joined = self._join(topology.island in inputs.resume) if inputs.diloco.diloco_join else {}
         # Each sample holds block+1 tokens and predicts block of them.
         self.tokens_per_step = self.micro * self.accum * dp_world * block
         profile = model_profile(config, block + 1)  # the FLOPs of the attention form at this length
@@ -127,6 +125,7 @@ class TrainingRun:
             self.step,
             progress=not args.disable_tqdm,
         )
+        self.log(joined)  # the outer step this island joined the run at
         if rank() == 0:
             logger.info(
                 f"BDH: {profile.parameters:,} parameters, {len(inputs.train_set):,} train / "
@@ -158,10 +157,13 @@ class TrainingRun:
             else:
                 self.diloco.load_state_dict(outer_state)
 
-    def _join(self) -> None:
-        """Join the live islands (dragon.membership.join) and continue at their step: the LR
-        schedule moves on to it; the data stream stays this island's own."""
-        step = join(self.diloco)
+    def _join(self, resumed: bool) -> dict:
+        """Join the live islands (DiLoCo.join) and continue at their step: the LR schedule moves
+        on to it. The data stream stays this island's own: from its checkpoint when it resumed
+        one, else from where an island that trained all along would read at that step."""
+        step, metrics = self.diloco.join()
+        if not resumed:
+            self.train_batches.seek(step)
         scheduler = self.engine.lr_scheduler
         for _ in range(step - self.step):
             if scheduler is not None:
@@ -169,6 +171,7 @@ class TrainingRun:
         self.step = self.engine.global_steps = step
         if rank() == 0:
             logger.info(f"joined the run at step {step} (outer step {self.diloco.outer_step})")
+        return metrics
 
     @property
     def last_checkpoint(self) -> str:

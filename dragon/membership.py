@@ -10,9 +10,19 @@ island died during it), the survivors form the step's quorum again and retry wit
 
 An island started with --diloco_join announces itself as joining for the live islands' next outer
 step (it never decides a quorum: it would not know whom to wait for); it is a member of that step
-if it arrived before the decision, else it tries the step after.
+if it arrived before the decision, else it tries the step after. It adds a zero Delta (the
+average divides by the other members), receives theta_outer, the outer optimizer's state_dict
+and the step from the first other member, and applies the outer gradient that member applies
+(sync: the average; delayed: that member's eager gradient), so it ends the step on that member's
+weights. Its data stream continues from its own checkpoint, or (a fresh island) from where an
+island that trained all along would read at that step: islands read disjoint samples.
+
+Delayed mode: an average in flight that failed on any member (an island died during it) is
+redone at the next outer step among its members, from the pseudo-gradients each kept, divided by
+the members that contributed to it: the late average is then the survivors' average.
 """
 
+import io
 import json
 import logging
 import time
@@ -22,7 +32,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from dragon.exchange import flatten
+from dragon.exchange import Round
+from dragon.faults import exit_in_outer_step
 from dragon.topology import Topology
 
 logger = logging.getLogger("dragon")
@@ -57,7 +68,7 @@ class Membership:
         self.store.wait([f"{key}/members"], self.timeout)
         members = [int(i) for i in self.store.get(f"{key}/members").decode().split(",")]
         if t.island not in members:
-            if joining:
+            if joining and attempt == 0:
                 return None
             raise SystemExit(
                 f"error: island {t.island} reached outer step {outer_step} after its quorum "
@@ -105,6 +116,15 @@ class Membership:
         if self.topology.island_rank == 0:
             self.store.set(f"{_PREFIX}/progress", json.dumps([outer_step, step, shape]))
 
+    def admit(self, shape: dict) -> tuple[int, tuple]:
+        """--diloco_join: (the outer step, its quorum) of the live islands' next outer step that
+        lets this island in."""
+        while True:
+            target = self.progress(shape) + 1
+            quorum = self.quorum(target, 0, joining=True)
+            if quorum is not None:
+                return target, quorum
+
     def progress(self, shape: dict) -> int:
         """The last outer step the live islands published (waits for one); exits with one line
         when this island's model or H differ from theirs."""
@@ -118,42 +138,96 @@ class Membership:
         return outer_step
 
 
-def join(outer) -> int:
-    """--diloco_join for DiLoCo `outer`: wait for the live islands' next outer step, take
-    theta_outer, the outer optimizer's state and the step from them, and take that outer step
-    with them (adding no pseudo-gradient: this island trained nothing from their theta_outer);
-    returns the step."""
-    while True:
-        target = outer.membership.progress(outer._shape()) + 1
-        quorum = outer.membership.quorum(target, 0, joining=True)
-        if quorum is not None:
-            break
-    members, group, joiners = quorum
-    step = share_state(outer, group, members, joiners, 0)
-    outer.outer_step = target
-    zeros = torch.zeros(sum(outer.numels))
-    exchange = outer._exchange(zeros, group, len(members), len(members) - len(joiners))
-    outer._apply(exchange.result())
-    outer._write(outer.outer_params)
-    return step
+def elastic_round(outer, delta: torch.Tensor, own, step: int, final: bool, joining=None):
+    """DiLoCo `outer`'s exchange among this outer step's quorum (`joining`: the quorum a joiner
+    was let into); delayed, also the late average and the eager gradient. Joiners take the
+    shared state. When an island is lost during any of it, the step's quorum forms again without
+    it and the whole round is retried (nothing is applied before one succeeds). Returns a
+    dragon.exchange.Round."""
+    for attempt in range(outer.islands):
+        if joining is not None and attempt == 0:
+            members, group, joiners = joining
+        else:
+            members, group, joiners = outer.membership.quorum(
+                outer.outer_step, attempt, joining is not None
+            )
+        try:
+            late = late_average(outer, group, members) if outer.mode == "delayed" else None
+            exit_in_outer_step(outer.topology.island, outer.outer_step)  # test-only
+            contributors = len(members) - len(joiners)
+            exchange = outer.exchange(delta.clone(), group, len(members), contributors)
+            gradient = None
+            if outer.mode == "delayed":
+                gradient = outer.eager_gradient(own, late, exchange, final, contributors)
+            if joiners:
+                step, gradient = share_state(outer, group, members, joiners, step, gradient)
+            outer.membership.publish(outer.outer_step, step, outer.shape())
+            outer.group = group
+            return Round(exchange, late, gradient, contributors, step)
+        except RuntimeError as e:  # gloo: a member's connection closed, or the timeout
+            logger.warning(
+                f"outer step {outer.outer_step}: the exchange among islands {members} failed "
+                f"({str(e).splitlines()[0][:160]}); retrying without the lost island"
+            )
+    raise RuntimeError(f"outer step {outer.outer_step}: no exchange succeeded")
 
 
-def share_state(outer, group, members: list[int], joiners: list[int], step: int) -> int:
-    """Broadcast theta_outer, the SGD momentum and the step from the first member that is not
-    joining; the joiners take them. Returns the step."""
-    params, numels = outer.outer_params, outer.numels
+def late_average(outer, group, members: list[int]):
+    """Delayed: the average in flight since the last outer step. When it failed on any member
+    (an island died during it), the members redo it from their kept pseudo-gradients: the late
+    average is then the survivors' average."""
+    failed = 0.0
+    if outer.pending is not None:
+        try:
+            outer.pending.result()
+        except RuntimeError:
+            failed = 1.0
+    flags = [failed, float(outer.contributed)]
+    if group is not None:
+        t = torch.tensor(flags, dtype=torch.float64)
+        group.allreduce([t]).wait()
+        flags = t.tolist()
+    if flags[0] == 0:
+        return outer.pending
+    logger.warning(f"outer step {outer.outer_step}: the average in flight since the last outer "
+                   f"step failed; islands {members} redo it among themselves")
+    outer.previous_share = max(int(flags[1]), 1)
+    redo = outer.exchange(outer.previous.clone(), group, len(members), outer.previous_share)
+    redo.result()
+    return redo
+
+
+def share_state(outer, group, members: list[int], joiners: list[int], step: int, gradient):
+    """Broadcast theta_outer, the outer optimizer's state, the step and (delayed) the outer
+    gradient from the first member that is not joining; the joiners take theta_outer and the
+    optimizer's state. Returns (step, gradient) as the sender has them."""
     root = members.index(min(i for i in members if i not in joiners))
-    state = [outer.optimizer.state.get(p, {}).get("momentum_buffer") for p in params]
-    momentum = [torch.zeros_like(p) if b is None else b for b, p in zip(state, params)]
-    flags = torch.tensor([float(step), float(state[0] is not None)])
-    flat = torch.cat([flatten(params), flatten(momentum), flags])
-    group.broadcast(flat, root).wait()
-    if outer.topology.island in joiners:
-        n = sum(numels)
-        values, buffers = flat[:n].split(numels), flat[n : 2 * n].split(numels)
+    joining = outer.topology.island in joiners
+    state = None if joining else {
+        "step": step,
+        "theta_outer": [p.detach().cpu() for p in outer.outer_params],
+        "optimizer": outer.optimizer.state_dict(),
+        "gradient": gradient,
+    }
+    state = _broadcast_object(state, group, root)
+    if joining:
         with torch.no_grad():
-            for p, v, b in zip(params, values, buffers):
+            for p, v in zip(outer.outer_params, state["theta_outer"]):
                 p.copy_(v.view_as(p))
-                if flat[-1] > 0:
-                    outer.optimizer.state[p] = {"momentum_buffer": b.view_as(p).clone()}
-    return int(flat[-2])
+        outer.optimizer.load_state_dict(state["optimizer"])
+    return state["step"], state["gradient"]
+
+
+def _broadcast_object(value: Any, group, root: int) -> Any:
+    """`value` of member `root`, on every member of a gloo group (torch.save's format)."""
+    size = torch.zeros(1, dtype=torch.int64)
+    if value is not None:
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        size[0] = payload.numel()
+    group.broadcast(size, root).wait()
+    if value is None:
+        payload = torch.empty(int(size[0]), dtype=torch.uint8)
+    group.broadcast(payload, root).wait()
+    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)

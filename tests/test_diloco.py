@@ -667,9 +667,9 @@ ELASTIC_LAUNCH = [
         ),
         (
             "recipes/pretrain.py",
-            [*ELASTIC_LAUNCH, "--diloco_mode", "delayed", "--diloco_outer_momentum", "0.3"],
+            ["--diloco_islands", "2", "--diloco_inner_steps", "2", "--diloco_join"],
             {},
-            "--diloco_elastic with --diloco_mode delayed: only sync is elastic",
+            "--diloco_join needs --diloco_elastic",
         ),
         (
             "recipes/pretrain.py",
