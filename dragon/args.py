@@ -123,6 +123,7 @@ class TrainingArguments:
         default=False,
     )
     seed: int = _help("Seed for weights, data order and dropout.", default=42)
+    dry_run: bool = _help("Print the checked plan (topology, sizes, memory); exit.", default=False)
     torch_compile: bool = _help(
         "torch.compile the model (engine.compile()); losses equal eager's.", default=False
     )

@@ -213,6 +213,9 @@ class DiLoCo:
         it on their weights. Returns the step and the outer step's metrics."""
         target, quorum = self.membership.admit(self.shape())
         self.outer_step = target - 1
+        if self.previous is not None:  # what this island's own checkpoint had in flight is stale
+            self.previous.zero_()
+        self.pending, self.contributed = None, False
         metrics = self._outer_step(0, False, joining=quorum)
         return self.joined_step, metrics
 

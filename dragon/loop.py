@@ -9,6 +9,7 @@ import time
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from dragon import checkpoint
 from dragon.cost import model_profile
@@ -18,7 +19,7 @@ from dragon.carry import STATE_FILE as CARRIED_STATE
 from dragon.carry import CarriedState, state_bytes_per_row
 from dragon.diloco import STATE_FILE as DILOCO_STATE
 from dragon.diloco import DiLoCo
-from dragon.distributed import all_reduce_mean, rank, world_size
+from dragon.distributed import all_reduce_mean, all_reduce_values, rank, world_size
 from dragon.faults import (
     SaveFailed,
     StepGuard,
@@ -27,6 +28,7 @@ from dragon.faults import (
     skip_nonfinite_updates,
     weights_finite,
 )
+from dragon.memory import peak_bytes
 from dragon.metrics import MetricsLogger, Throughput, peak_tflops_per_device
 from dragon.model import BDHConfig, BDHForCausalLM
 from dragon.preflight import RecipeInputs
@@ -241,6 +243,9 @@ class TrainingRun:
             "loss": mean if already_averaged else all_reduce_mean([mean])[0],
             "lr": self.engine.get_lr()[0],
             "grad_norm": None if grad_norm is None else float(grad_norm),
+            # the most loaded rank's (a pipeline's stages differ)
+            "memory_peak_mib": all_reduce_values([peak_bytes(self.engine.device) / 2**20],
+                                                 dist.ReduceOp.MAX)[0],
             **self._throughput.report(),
         }
 

@@ -20,6 +20,8 @@ from dragon.data import DataArguments, build_datasets
 from dragon.distributed import launcher_world_size
 from dragon.ds_config import load_ds_config, resolve_ds_config, zero_stage
 from dragon.model import BDHConfig
+from dragon.memory import mark_baseline
+from dragon.plan import plan_lines
 from dragon.topology import pipeline_data_parallel
 
 
@@ -81,22 +83,20 @@ def preflight(pipeline: bool = False) -> RecipeInputs:
         resume = _resume_targets(args, diloco)
         _check_output_dir(args, diloco)
         _check_resume_sizes(model_args, tokenizer.vocab_size, resume)
+        config = _model_config(model_args, tokenizer.vocab_size)
     except ValueError as e:  # DataError and config errors are ValueErrors with one-line messages
         sys.exit(f"error: {e}")
     if pipeline:
         _warn_about_the_bubble(ds_config["gradient_accumulation_steps"], pipe_args.pipeline_stages)
-    return RecipeInputs(
-        model_args,
-        data_args,
-        args,
-        diloco,
-        pipe_args,
-        ds_config,
-        train_set,
-        valid_set,
-        tokenizer,
-        resume,
+    inputs = RecipeInputs(
+        model_args, data_args, args, diloco, pipe_args, ds_config, train_set, valid_set,
+        tokenizer, resume,
     )
+    if args.dry_run:
+        print("\n".join(plan_lines(inputs, config, dp_world)))
+        sys.exit(0)
+    mark_baseline()  # memory_peak_mib counts from here: the model, engine and training
+    return inputs
 
 
 def _data_parallel_world(

@@ -1,0 +1,83 @@
+"""--dry_run: the resolved plan of a run, printed after every check a real start runs, before any
+process group, model or engine exists (dragon.preflight calls it and exits 0)."""
+
+import json
+
+from dragon.cost import model_profile
+from dragon.distributed import launcher_world_size
+from dragon.memory import estimate
+
+MIB = 2**20
+
+
+def rank_layout(world: int, islands: int, stages: int, one_launch_per_island: bool) -> list[str]:
+    """One line per launch rank: its island, pipeline stage and data-parallel rank (DeepSpeed's
+    pipe-major order inside an island: rank = stage x data-parallel degree + data rank)."""
+    size = world if one_launch_per_island else world // islands
+    dp = size // stages
+    lines = []
+    for r in range(world):
+        island, local = (0, r) if one_launch_per_island else divmod(r, size)
+        stage, data = divmod(local, dp)
+        where = [f"island {island}"] if islands > 1 else []
+        where += [f"stage {stage}"] if stages > 1 else []
+        lines.append(f"  rank {r}: {', '.join(where + [f'data rank {data} of {dp}'])}")
+    return lines
+
+
+def plan_lines(inputs, config, dp_world: int) -> list[str]:
+    """The plan as printed lines (inputs: dragon.preflight.RecipeInputs; config: its BDHConfig)."""
+    args, diloco, ds = inputs.train, inputs.diloco, inputs.ds_config
+    stages = inputs.pipeline.pipeline_stages if inputs.pipeline else 1
+    islands = diloco.diloco_islands if diloco.enabled else 1
+    block = inputs.data.block_size
+    micro, accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
+    world = launcher_world_size()
+    profile = model_profile(config, block + 1)
+    tokens = micro * accum * dp_world * islands * block
+    steps_per_epoch = len(inputs.train_set) // (micro * accum * dp_world * islands)
+    one_launch = diloco.diloco_island_index is not None
+    lines = [f"dry run: {'pipeline' if stages > 1 else 'ZeRO'} recipe, nothing is trained"]
+    lines.append(
+        f"topology: {islands} island(s) x {stages} pipeline stage(s) x {dp_world} "
+        "data-parallel rank(s)"
+        + (f" (this launch is island {diloco.diloco_island_index})" if one_launch else "")
+    )
+    lines += rank_layout(world, islands, stages, one_launch)
+    lines.append(
+        f"model: {profile.parameters:,} parameters, {config.n_layer} layers, attention "
+        f"{config.attention} (chunk {config.attention_chunk_size}); "
+        f"{profile.train_flops_per_token / 1e6:,.1f} MFLOPs per token (forward + backward)"
+    )
+    lines.append(
+        f"data: {len(inputs.train_set):,} train / {len(inputs.valid_set):,} valid samples of "
+        f"{block + 1} tokens; {tokens:,} tokens per step; {steps_per_epoch:,} steps per epoch; "
+        f"{args.max_steps:,} steps = {args.max_steps * tokens:,} tokens"
+    )
+    if diloco.enabled:
+        lines.append(
+            f"DiLoCo: outer step every {diloco.diloco_inner_steps} steps, {diloco.diloco_mode}, "
+            f"compression {diloco.diloco_compress}"
+            + (", elastic" if diloco.diloco_elastic else "")
+        )
+    lines.append("DeepSpeed config (resolved):")
+    lines += ["  " + line for line in json.dumps(ds, indent=2, sort_keys=True).splitlines()]
+    lines += memory_lines(inputs, config, dp_world, stages)
+    return lines
+
+
+def memory_lines(inputs, config, dp_world: int, stages: int) -> list[str]:
+    diloco, ds, args = inputs.diloco, inputs.ds_config, inputs.train
+    outer = 0
+    if diloco.enabled:  # theta_outer, plus SGD's momentum buffer when there is momentum
+        outer = 1 + (diloco.diloco_outer_momentum > 0)
+    rows = 0
+    if args.carry_state:
+        micro = ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
+        rows = micro + (args.per_device_eval_batch_size if args.eval_carried else 0)
+    parts = estimate(config, ds, inputs.data.block_size, dp_world, stages, outer, rows)
+    device = sum(v for k, v in parts.items() if not k.startswith("host"))
+    lines = ["memory per rank (estimate, dragon.memory):"]
+    lines += [f"  {name}: {value / MIB:,.1f} MiB" for name, value in parts.items()]
+    lines.append(f"  total: {device / MIB:,.1f} MiB")
+    return lines
