@@ -109,6 +109,19 @@ class HFTokenizer:
         return f"HFTokenizer({self.tokenizer.name_or_path!r}, vocab_size={self.vocab_size})"
 
 
+def tokenizer_in(directory: str, vocab_size: int) -> Union[ByteTokenizer, HFTokenizer]:
+    """The tokenizer a run saved in `directory` (next to its checkpoints, or in an export);
+    bytes when it saved none and the model has the byte vocabulary."""
+    if os.path.isfile(os.path.join(directory, "tokenizer_config.json")):
+        return load_tokenizer(DataArguments(tokenizer_name=directory))
+    if vocab_size != ByteTokenizer.vocab_size:
+        raise DataError(
+            f"{directory} holds no tokenizer and the model's vocabulary is {vocab_size}, not "
+            "the 256 UTF-8 bytes; give --tokenizer_name"
+        )
+    return ByteTokenizer()
+
+
 def load_tokenizer(args: DataArguments) -> Union[ByteTokenizer, HFTokenizer]:
     """ByteTokenizer by default, else the AutoTokenizer saved at local path tokenizer_name."""
     if args.tokenizer_name is None:

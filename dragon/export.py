@@ -15,8 +15,15 @@ import torch
 import torch.distributed as dist
 
 from dragon.distributed import rank
+from dragon.metrics import MetricHistory, metrics_path
 from dragon.model import BDHConfig, BDHForCausalLM
 from dragon.pipe import is_pipeline_checkpoint, model_from_pipeline_checkpoint
+from dragon.retention import (
+    RetentionPolicy,
+    find_resume_checkpoint,
+    is_complete,
+    list_checkpoints,
+)
 
 ROPE_KEY = "layer.attn.freqs"  # recomputed by the model, so a checkpoint may lack it
 
@@ -76,3 +83,56 @@ def model_from_checkpoint(tag_dir: str) -> BDHForCausalLM:
         module_file = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
         state = torch.load(module_file, map_location="cpu", weights_only=False)["module"]
     return _model_from_state(state, config, tag_dir)
+
+
+def is_hf_directory(path: str) -> bool:
+    names = os.listdir(path) if os.path.isdir(path) else []
+    return "config.json" in names and any(n.endswith((".safetensors", ".bin")) for n in names)
+
+
+def resolve_checkpoint(path: str, checkpoint: str = "best", metric: str = "eval_loss") -> str:
+    """What PATH names: a Hugging Face directory or a checkpoint tag directory, as it is; a run's
+    output directory (island 0's, for DiLoCo islands), its checkpoint `checkpoint`: "best" (by
+    `metric` in the run's metrics.jsonl, lowest; the latest complete one when none has it),
+    "latest" (the one a resume takes) or a tag. ValueError naming PATH otherwise."""
+    path = os.path.normpath(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"{path}: no such directory")
+    if is_hf_directory(path) or _is_tag_dir(path):
+        return path
+    if os.path.isdir(os.path.join(path, "island0")):
+        path = os.path.join(path, "island0")
+    save_dir = os.path.join(path, "checkpoints")
+    if not os.path.isdir(save_dir):
+        raise ValueError(
+            f"{path}: neither a Hugging Face directory, a checkpoint tag directory, nor a run's "
+            "output directory (no checkpoints/)"
+        )
+    if checkpoint not in ("best", "latest"):
+        tag_dir = os.path.join(save_dir, checkpoint)
+        if not is_complete(tag_dir):
+            raise ValueError(f"--checkpoint {checkpoint}: {tag_dir} is not a complete checkpoint")
+        return tag_dir
+    latest = os.path.join(*find_resume_checkpoint(save_dir))
+    if checkpoint == "latest":
+        return latest
+    complete = {n: s for n, s in list_checkpoints(save_dir).items()
+                if is_complete(os.path.join(save_dir, n))}
+    history = MetricHistory(metrics_path(path)).load()
+    best = RetentionPolicy(metric_for_best_model=metric).best(complete, history)
+    return os.path.join(save_dir, best) if best else latest
+
+
+def _is_tag_dir(path: str) -> bool:
+    parent = os.path.dirname(path)
+    return os.path.isfile(os.path.join(parent, "config.json")) and (
+        is_pipeline_checkpoint(path)
+        or os.path.isfile(os.path.join(path, "mp_rank_00_model_states.pt"))
+    )
+
+
+def load_model(path: str) -> BDHForCausalLM:
+    """The fp32 model of a Hugging Face directory or a checkpoint tag directory."""
+    if is_hf_directory(path):
+        return BDHForCausalLM.from_pretrained(path)
+    return model_from_checkpoint(path)

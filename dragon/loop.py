@@ -28,6 +28,7 @@ from dragon.faults import (
     skip_nonfinite_updates,
     weights_finite,
 )
+from dragon.card import run_info, write_model_card, write_run_info
 from dragon.memory import peak_bytes
 from dragon.metrics import MetricsLogger, Throughput, peak_tflops_per_device
 from dragon.model import BDHConfig, BDHForCausalLM
@@ -72,6 +73,7 @@ class TrainingRun:
         stage's own; default all)."""
         args, block = inputs.train, inputs.data.block_size
         self.engine, self.inputs, self.args, self.diloco = engine, inputs, args, diloco
+        self.config = config
         self.micro, self.accum = (
             engine.train_micro_batch_size_per_gpu(),
             engine.gradient_accumulation_steps(),
@@ -96,8 +98,10 @@ class TrainingRun:
             )
         self.output_dir = inputs.run_dir(topology.island)
         self.save_dir = os.path.join(self.output_dir, "checkpoints")
-        if rank() == 0:  # recipes/export.py reads it to turn any checkpoint into a model
+        if rank() == 0:  # recipes/export.py and sample.py read them to use any checkpoint
             config.save_pretrained(self.save_dir)
+            if hasattr(inputs.tokenizer, "save_pretrained"):
+                inputs.tokenizer.save_pretrained(self.save_dir)
         self.step = 0
         if topology.island in inputs.resume:
             self._resume(*inputs.resume[topology.island])
@@ -106,6 +110,10 @@ class TrainingRun:
         joined = self._join(topology.island in inputs.resume) if inputs.diloco.diloco_join else {}
         # Each sample holds block+1 tokens and predicts block of them.
         self.tokens_per_step = self.micro * self.accum * dp_world * block
+        self.run_tokens_per_step = self.tokens_per_step * topology.islands  # every island's
+        if rank() == 0:  # the model card of every export names it
+            info = run_info(inputs, topology.islands, dp_world, self.run_tokens_per_step)
+            write_run_info(self.save_dir, info)
         profile = model_profile(config, block + 1)  # the FLOPs of the attention form at this length
         self._throughput = Throughput(
             profile.train_flops_per_token * (block + 1) / block,
@@ -242,6 +250,7 @@ class TrainingRun:
         return {
             "loss": mean if already_averaged else all_reduce_mean([mean])[0],
             "lr": self.engine.get_lr()[0],
+            "tokens": self.step * self.run_tokens_per_step,
             "grad_norm": None if grad_norm is None else float(grad_norm),
             # the most loaded rank's (a pipeline's stages differ)
             "memory_peak_mib": all_reduce_values([peak_bytes(self.engine.device) / 2**20],
@@ -298,6 +307,8 @@ class TrainingRun:
         if rank() == 0:
             if hasattr(tokenizer, "save_pretrained"):
                 tokenizer.save_pretrained(final_dir)
+            write_model_card(final_dir, self.config, self.save_dir, self.step,
+                             f"the end of its run (step {self.step})")
             if self.args.sample_max_new_tokens > 0:
                 model = BDHForCausalLM.from_pretrained(final_dir).eval()
                 prompt = torch.tensor([tokenizer.encode(self.args.sample_prompt)])

@@ -1,34 +1,49 @@
-"""Turn a DeepSpeed checkpoint of either recipe into a Hugging Face BDH directory.
+"""Turn a DeepSpeed checkpoint of either recipe into a Hugging Face BDH directory with a model
+card (README.md).
 
     python recipes/export.py --checkpoint runs/x/checkpoints/step1000 --output bdh-hf
+    python recipes/export.py --checkpoint runs/x --output bdh-hf     # the run's best checkpoint
 
 ZeRO 1-3 checkpoints are merged with DeepSpeed's zero_to_fp32, ZeRO-0 ones hold the module's
 weights, pipeline ones are read from their layer files (dragon.export). The model's config is the
-config.json the recipe wrote next to the checkpoints.
+config.json the recipe wrote next to the checkpoints. A DiLoCo island's checkpoint holds its
+theta_outer: the islands save right after an outer step, which writes theta_outer into the
+weights. The card names the run's recipe, DeepSpeed stage, islands, steps, tokens and the last
+validation loss up to the checkpoint (dragon.card).
 """
 
+import os
 import sys
 from dataclasses import dataclass, field
 
 from transformers import HfArgumentParser
 
-from dragon.export import model_from_checkpoint
+from dragon.card import write_model_card
+from dragon.export import model_from_checkpoint, resolve_checkpoint
+from dragon.retention import list_checkpoints
 
 
 @dataclass
 class ExportArguments:
-    checkpoint: str = field(metadata={"help": "A tag directory, e.g. runs/x/checkpoints/step1000."})
+    checkpoint: str = field(
+        metadata={"help": "A tag directory (runs/x/checkpoints/step1000) or a run's directory."}
+    )
     output: str = field(metadata={"help": "Directory to save_pretrained into."})
+    metric: str = field(default="eval_loss", metadata={"help": "From a run: lowest is best."})
 
 
 def main():
     (args,) = HfArgumentParser(ExportArguments).parse_args_into_dataclasses()
     try:
-        model = model_from_checkpoint(args.checkpoint)
+        tag_dir = resolve_checkpoint(args.checkpoint, "best", args.metric)
+        model = model_from_checkpoint(tag_dir)
     except ValueError as e:
         sys.exit(f"error: {e}")
     model.save_pretrained(args.output)
-    print(f"wrote {args.output} from {args.checkpoint}")
+    save_dir, tag = os.path.split(os.path.normpath(tag_dir))
+    step = list_checkpoints(save_dir).get(tag)
+    write_model_card(args.output, model.config, save_dir, step, f"checkpoint {tag_dir}")
+    print(f"wrote {args.output} from {tag_dir}")
 
 
 if __name__ == "__main__":

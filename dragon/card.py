@@ -1,0 +1,100 @@
+"""What a run was, for the people who use its model: run.json next to the checkpoints (written at
+start) and the README.md model card of every Hugging Face export."""
+
+import json
+import os
+import sys
+from typing import Optional
+
+from dragon.cost import parameter_count
+from dragon.ds_config import zero_stage
+from dragon.metrics import MetricHistory, metrics_path
+from dragon.model import BDHConfig
+
+RUN_FILE = "run.json"
+
+
+def run_info(inputs, islands: int, dp_world: int, tokens_per_step: int) -> dict:
+    """The training configuration a model card names (inputs: dragon.preflight.RecipeInputs)."""
+    diloco = inputs.diloco
+    return {
+        "recipe": os.path.basename(sys.argv[0]),
+        "command": sys.argv[1:],
+        "zero_stage": zero_stage(inputs.ds_config),
+        "bf16": bool(inputs.ds_config.get("bf16", {}).get("enabled")),
+        "islands": islands,
+        "diloco_inner_steps": diloco.diloco_inner_steps if diloco.enabled else None,
+        "pipeline_stages": inputs.pipeline.pipeline_stages if inputs.pipeline else 1,
+        "data_parallel": dp_world,
+        "block_size": inputs.data.block_size,
+        "tokens_per_step": tokens_per_step,
+        "max_steps": inputs.train.max_steps,
+        "carry_state": inputs.train.carry_state,
+    }
+
+
+def write_run_info(save_dir: str, info: dict) -> None:
+    os.makedirs(save_dir, exist_ok=True)
+    with open(os.path.join(save_dir, RUN_FILE), "w") as f:
+        json.dump(info, f, indent=2)
+
+
+def _final_eval(run_dir: str, up_to: Optional[int]) -> tuple[Optional[int], Optional[float]]:
+    """(step, eval_loss) of the run's last evaluation at or before step `up_to`."""
+    history = MetricHistory(metrics_path(run_dir)).load()
+    evals = [(s, m["eval_loss"]) for s, m in history.items()
+             if m.get("eval_loss") is not None and (up_to is None or s <= up_to)]
+    return max(evals) if evals else (None, None)
+
+
+def model_card(config: BDHConfig, save_dir: str, step: Optional[int], source: str) -> str:
+    """The README.md of an export of checkpoint step `step` (None: the end of the run) of the run
+    whose checkpoints are in `save_dir`."""
+    info = {}
+    if os.path.isfile(os.path.join(save_dir, RUN_FILE)):
+        with open(os.path.join(save_dir, RUN_FILE)) as f:
+            info = json.load(f)
+    steps = step if step is not None else info.get("max_steps")
+    eval_step, eval_loss = _final_eval(os.path.dirname(os.path.abspath(save_dir)), step)
+    tokens = steps * info["tokens_per_step"] if steps and "tokens_per_step" in info else None
+    lines = [
+        "---", "library_name: transformers", "tags: [bdh, dragon, deepspeed]", "---", "",
+        f"# BDH, {parameter_count(config):,} parameters", "",
+        f"A BDH (Baby Dragon Hatchling) language model trained with dragon, from {source}.", "",
+        "## Architecture", "",
+        f"{config.n_layer} layers sharing one block, n_embd {config.n_embd}, {config.n_head} "
+        f"heads of {config.n_neurons} neurons, vocabulary {config.vocab_size}, attention "
+        f"{config.attention} (chunk {config.attention_chunk_size}), RoPE.", "",
+        "## Training", "",
+        "| | |", "|---|---|",
+    ]
+    rows = [
+        ("recipe", info.get("recipe")),
+        ("DeepSpeed", f"ZeRO-{info['zero_stage']}, {'bf16' if info['bf16'] else 'fp32'}"
+         if "zero_stage" in info else None),
+        ("DiLoCo islands", f"{info['islands']} (outer step every {info['diloco_inner_steps']})"
+         if info.get("islands", 1) > 1 else None),
+        ("pipeline stages", info.get("pipeline_stages") if info.get("pipeline_stages", 1) > 1
+         else None),
+        ("data-parallel ranks", info.get("data_parallel")),
+        ("steps", steps),
+        ("tokens", f"{tokens:,}" if tokens else None),
+        ("block size", info.get("block_size")),
+        ("carried state", "yes" if info.get("carry_state") else None),
+        ("final validation loss", f"{eval_loss:.4f} (step {eval_step})" if eval_loss is not None
+         else "not evaluated"),
+    ]
+    lines += [f"| {name} | {value} |" for name, value in rows if value is not None]
+    lines += [
+        "", "## Load", "", "```python",
+        "import dragon  # registers BDH with transformers' Auto classes",
+        "from transformers import AutoModelForCausalLM", "",
+        'model = AutoModelForCausalLM.from_pretrained("path/to/this/directory")', "```", "",
+    ]
+    return "\n".join(lines)
+
+
+def write_model_card(out_dir: str, config: BDHConfig, save_dir: str, step: Optional[int],
+                     source: str) -> None:
+    with open(os.path.join(out_dir, "README.md"), "w") as f:
+        f.write(model_card(config, save_dir, step, source))

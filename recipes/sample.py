@@ -1,0 +1,78 @@
+"""Generate text from a trained BDH: a run's output directory, a checkpoint of either recipe, or a
+Hugging Face directory.
+
+    python recipes/sample.py runs/x --prompt "def " --max_new_tokens 200
+    python recipes/sample.py runs/x/checkpoints/step1000 --prompt "def " --temperature 0.8 --top_k 5
+
+From a run's directory it takes the best checkpoint by the run's own metric history (or
+--checkpoint latest / a tag); a DiLoCo run's island 0. Greedy by default; generation reads
+BDH's recurrent state cache, one token at a time. Only the text goes to stdout (prompt and
+continuation), so it pipes; which weights were used goes to stderr.
+"""
+
+import contextlib
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from transformers import HfArgumentParser
+
+from dragon.data import tokenizer_in
+
+
+@dataclass
+class SampleArguments:
+    prompt: str = field(default="", metadata={"help": "The text to continue."})
+    max_new_tokens: int = field(default=200, metadata={"help": "Tokens to generate."})
+    temperature: float = field(default=0.0, metadata={"help": "0: greedy; else sample."})
+    top_k: Optional[int] = field(default=None, metadata={"help": "Sample from the k likeliest."})
+    seed: int = field(default=0, metadata={"help": "Seed of the sampling."})
+    checkpoint: str = field(
+        default="best", metadata={"help": "From a run's directory: best, latest or a tag."}
+    )
+    metric: str = field(default="eval_loss", metadata={"help": "What 'best' is lowest in."})
+    tokenizer_name: Optional[str] = field(
+        default=None, metadata={"help": "Where the tokenizer is, when the run saved none."}
+    )
+
+
+def main() -> None:
+    parser = HfArgumentParser(SampleArguments)
+    parser.add_argument("path", metavar="PATH", help="Run, checkpoint or Hugging Face directory.")
+    args, rest = parser.parse_args_into_dataclasses()
+    if args.max_new_tokens < 0 or args.temperature < 0 or (args.top_k or 1) < 1:
+        sys.exit(
+            f"error: --max_new_tokens {args.max_new_tokens}, --temperature {args.temperature}, "
+            f"--top_k {args.top_k}: must be >= 0, >= 0 and >= 1"
+        )
+    try:
+        # DeepSpeed's logger and zero_to_fp32 print to stdout: stdout stays the text's alone
+        with contextlib.redirect_stdout(sys.stderr):
+            from dragon.export import is_hf_directory, load_model, resolve_checkpoint
+
+            source = resolve_checkpoint(rest.path, args.checkpoint, args.metric)
+            model = load_model(source).eval()
+        # a checkpoint's tokenizer lies next to its config.json, one level up
+        near = source if is_hf_directory(source) else os.path.dirname(source)
+        tokenizer = tokenizer_in(args.tokenizer_name or near, model.config.vocab_size)
+    except (ValueError, OSError) as e:
+        sys.exit(f"error: {e}")
+    ids = tokenizer.encode(args.prompt)
+    if not ids:
+        sys.exit("error: --prompt is empty; give at least one token to continue")
+    print(f"sampling from {source}", file=sys.stderr)
+    torch.manual_seed(args.seed)
+    sampling = {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k}
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=args.max_new_tokens,
+            **(sampling if args.temperature > 0 else {"do_sample": False}),
+        )
+    sys.stdout.write(tokenizer.decode(out[0].tolist()) + "\n")
+
+
+if __name__ == "__main__":
+    main()
