@@ -23,6 +23,7 @@ from dragon.retention import (
     find_resume_checkpoint,
     is_complete,
     list_checkpoints,
+    looks_like_tag_dir,
 )
 
 ROPE_KEY = "layer.attn.freqs"  # recomputed by the model, so a checkpoint may lack it
@@ -125,10 +126,7 @@ def resolve_checkpoint(path: str, checkpoint: str = "best", metric: str = "eval_
 
 def _is_tag_dir(path: str) -> bool:
     parent = os.path.dirname(path)
-    return os.path.isfile(os.path.join(parent, "config.json")) and (
-        is_pipeline_checkpoint(path)
-        or os.path.isfile(os.path.join(path, "mp_rank_00_model_states.pt"))
-    )
+    return os.path.isfile(os.path.join(parent, "config.json")) and looks_like_tag_dir(path)
 
 
 def load_model(path: str) -> BDHForCausalLM:

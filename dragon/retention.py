@@ -128,7 +128,7 @@ def _parse(name: str) -> Optional[tuple[str, int]]:
     return (match.group(1), int(match.group(2))) if match else None
 
 
-def _looks_like_tag_dir(path: str) -> bool:
+def looks_like_tag_dir(path: str) -> bool:
     return any(DS_FILE_RE.match(name) for name in _listdir(path))
 
 
@@ -166,14 +166,14 @@ def list_checkpoints(save_dir: str) -> dict[str, int]:
     found: dict[str, int] = {}
     for name in _listdir(save_dir):
         path, parsed = os.path.join(save_dir, name), _parse(name)
-        if parsed and parsed[0] != "checkpoint_" and _looks_like_tag_dir(path):
+        if parsed and parsed[0] != "checkpoint_" and looks_like_tag_dir(path):
             found[name] = parsed[1]
         elif (
             parsed
             and parsed[0] == "checkpoint_"
             and (
                 os.path.isfile(os.path.join(path, "latest"))
-                or any(_looks_like_tag_dir(os.path.join(path, d)) for d in _listdir(path))
+                or any(looks_like_tag_dir(os.path.join(path, d)) for d in _listdir(path))
             )
         ):
             # accelerate's index counts saves, not steps: the marker holds the training step

@@ -15,6 +15,7 @@ from conftest import (
     read_jsonl,
     run_recipe_in_process,
 )
+from test_checkpoints import start
 
 PIPE = "recipes/pretrain_pipeline.py"
 
@@ -101,3 +102,151 @@ def test_the_memory_estimate_is_near_the_measured_peak(
                if "memory_peak_mib" in m)
     print(f"{config}: estimate {estimate:.0f} MiB, measured peak {peak:.0f} MiB")
     assert abs(estimate / peak - 1) < 0.25, (estimate, peak)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, text_file) -> dict:
+    """Real 8-step runs, each saving at steps 4 and 8: ZeRO-3 on 2 ranks, a 2-stage pipeline, and
+    2 DiLoCo islands of one rank (H = 4)."""
+    root = tmp_path_factory.mktemp("runs")
+    kinds = {
+        "zero3": ("zero2", ["--deepspeed", str(REPO / "ds_configs/zero3.json")]),
+        "pipeline": ("pipeline", []),
+        "diloco": ("zero2", ["--diloco_islands", "2", "--diloco_inner_steps", "4"]),
+    }
+    for name, (kind, extra) in kinds.items():
+        job = start(kind, root / name, text_file, "8", [*extra, "--diloco_checksum"]
+                    if name == "diloco" else extra)
+        _, stderr = job.communicate(timeout=600)
+        assert job.returncode == 0, stderr[-3000:]
+    return {name: root / name for name in kinds}
+
+
+def recipe_in_process(monkeypatch, capsys, script: str, argv: list[str]) -> str:
+    """A tool's main() in this process; returns its stdout."""
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    runpy.run_path(str(REPO / script), run_name="__main__")
+    captured = capsys.readouterr()
+    recipe_in_process.stderr = captured.err
+    return captured.out
+
+
+def test_plots_of_one_run_and_of_two_overlaid(monkeypatch, capsys, runs, tmp_path):
+    """The PNG has the requested size (read back); the axes cover every step logged; a DiLoCo
+    run is drawn per island, with its cross-island bytes."""
+    from matplotlib.image import imread
+
+    one, two = tmp_path / "one.png", tmp_path / "two.png"
+    recipe_in_process(monkeypatch, capsys, "recipes/plot.py",
+                      [str(runs["zero3"]), "--output", str(one), "--width", "6", "--height", "4",
+                       "--dpi", "50"])
+    assert imread(one).shape[:2] == (200, 300)
+    recipe_in_process(monkeypatch, capsys, "recipes/plot.py",
+                      [str(runs["zero3"]), str(runs["diloco"]), "--output", str(two)])
+    assert imread(two).shape[:2] == (800, 1500)
+    tool = runpy.run_path(str(REPO / "recipes/plot.py"))
+    lines = tool["series"](str(runs["zero3"]), "dp") + tool["series"](str(runs["diloco"]), "dl")
+    assert [name for name, _ in lines] == ["dp", "dl island0", "dl island1"]
+    fig = tool["plot"](lines, (15, 8), 100)
+    by_step, by_tokens, _ = fig.axes[:3]
+    low, high = by_step.get_xlim()
+    assert low <= 1 and high >= 8
+    assert by_tokens.get_xlim()[1] >= max(m.get("tokens", 0) for _, h in lines for m in h.values())
+    legend = [t.get_text() for t in fig.axes[4].get_legend().get_texts()]
+    assert legend == ["dl island0", "dl island1"]  # only DiLoCo sends between islands
+
+
+def greedy(monkeypatch, capsys, path, *extra) -> str:
+    argv = [str(path), "--prompt", "def ", "--max_new_tokens", "12", *extra]
+    return recipe_in_process(monkeypatch, capsys, "recipes/sample.py", argv)
+
+
+def test_sampling_from_each_checkpoint_kind_equals_its_export(
+    monkeypatch, capsys, runs, tmp_path
+):
+    """Greedy text from a ZeRO-3 run's directory (its best checkpoint), a pipeline checkpoint
+    and a DiLoCo island's run directory equals the greedy text of the Hugging Face export of the
+    same weights; only the text is on stdout."""
+    for name, path in (
+        ("zero3", runs["zero3"]),
+        ("pipeline", runs["pipeline"] / "checkpoints" / "step4"),
+        ("diloco", runs["diloco"]),
+    ):
+        text = greedy(monkeypatch, capsys, path)
+        assert text.startswith("def ") and text.count("\n") >= 1, text
+        hf = tmp_path / name
+        recipe_in_process(monkeypatch, capsys, "recipes/export.py",
+                          ["--checkpoint", str(path), "--output", str(hf)])
+        assert greedy(monkeypatch, capsys, hf) == text, name
+    losses = {m["step"]: m["eval_loss"] for m in read_jsonl(runs["zero3"] / "metrics.jsonl")
+              if "eval_loss" in m}
+    greedy(monkeypatch, capsys, runs["zero3"])
+    assert f"step{min(losses, key=losses.get)}\n" in recipe_in_process.stderr
+    greedy(monkeypatch, capsys, runs["zero3"], "--checkpoint", "latest")
+    assert "step8\n" in recipe_in_process.stderr
+    sampled = greedy(monkeypatch, capsys, runs["zero3"], "--temperature", "1", "--seed", "3")
+    assert sampled == greedy(monkeypatch, capsys, runs["zero3"], "--temperature", "1", "--seed",
+                             "3")
+
+
+def test_export_round_trips_logits_and_its_card_names_the_validation_loss(
+    monkeypatch, capsys, runs, tmp_path
+):
+    """The export of a ZeRO-3 checkpoint gives the checkpoint's logits exactly; its model card
+    names the stage, the steps, the tokens and the last validation loss; the run's own final/
+    export has a card too."""
+    from dragon.export import model_from_checkpoint
+    from dragon.model import BDHForCausalLM
+
+    tag = runs["zero3"] / "checkpoints" / "step8"
+    recipe_in_process(monkeypatch, capsys, "recipes/export.py",
+                      ["--checkpoint", str(tag), "--output", str(tmp_path / "hf")])
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model_from_checkpoint(str(tag)).eval()(ids).logits
+        theirs = BDHForCausalLM.from_pretrained(tmp_path / "hf").eval()(ids).logits
+    assert torch.equal(ours, theirs)
+    loss = [m["eval_loss"] for m in read_jsonl(runs["zero3"] / "metrics.jsonl")
+            if m["step"] == 8 and "eval_loss" in m][0]
+    card = (tmp_path / "hf" / "README.md").read_text()
+    assert f"| final validation loss | {loss:.4f} (step 8) |" in card
+    assert "| DeepSpeed | ZeRO-3, fp32 |" in card and "| steps | 8 |" in card
+    assert "| tokens | " in card and "import dragon" in card
+    assert "| recipe | pretrain.py |" in card
+    assert f"{loss:.4f} (step 8)" in (runs["zero3"] / "final" / "README.md").read_text()
+
+
+def test_deepspeed_zero_to_fp32_works_on_our_checkpoints(runs, tmp_path):
+    """The zero_to_fp32.py DeepSpeed copies next to the checkpoints merges ours into the same
+    weights our export has."""
+    from safetensors.torch import load_file
+
+    from dragon.export import model_from_checkpoint
+
+    save_dir = runs["zero3"] / "checkpoints"
+    script = save_dir / "zero_to_fp32.py"
+    assert script.exists()
+    job = subprocess.run([sys.executable, str(script), str(save_dir), str(tmp_path / "out"),
+                          "-t", "step8", "--safe_serialization"], capture_output=True, text=True,
+                         env=job_env(), timeout=300)
+    assert job.returncode == 0, job.stderr[-3000:]
+    merged = load_file(tmp_path / "out" / "model.safetensors")
+    ours = model_from_checkpoint(str(save_dir / "step8")).state_dict()
+    assert set(merged) <= set(ours)
+    for name, value in merged.items():
+        assert torch.equal(value, ours[name]), name
+
+
+def test_a_diloco_checkpoint_holds_theta_outer(runs):
+    """Each island saves right after an outer step, which writes theta_outer into its weights:
+    the export of island 0's checkpoint has the float64 sum and sum of squares of the
+    theta_outer in its DiLoCo state (equal within 1e-9 relative)."""
+    from dragon.export import model_from_checkpoint
+
+    tag = runs["diloco"] / "island0" / "checkpoints" / "step8"
+    state = torch.load(tag / "diloco_state_0.pt", weights_only=False)
+    outer = torch.cat([p.reshape(-1) for p in state["outer_params"]]).double()
+    model = model_from_checkpoint(str(tag))
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
+    for ours, theirs in ((weights.sum(), outer.sum()), (weights.pow(2).sum(), outer.pow(2).sum())):
+        assert abs(float(ours) / float(theirs) - 1) < 1e-9
