@@ -318,6 +318,17 @@ def test_train_batches_resume(consumed):
     assert take(resumed, 8) == expected
 
 
+@pytest.mark.parametrize("steps", [0, 2, 3, 7])
+def test_train_batches_seek_stands_where_a_stream_that_read_all_along_would(steps):
+    """An elastic joiner without a checkpoint seeks to the step it joins at (past epoch ends)."""
+    data = indexed_blocks(27)  # 3 steps of 2 micro-batches per rank per epoch
+    make = lambda: TrainBatches(data, 2, 1, 2, grad_accum=2, seed=11)  # noqa: E731
+    expected = take(make(), steps * 2 + 8)[steps * 2 :]
+    sought = make()
+    sought.seek(steps)
+    assert take(sought, 8) == expected
+
+
 def test_train_batches_too_few_samples():
     with pytest.raises(DataError) as e:
         TrainBatches(indexed_blocks(3), 2, 0, 2)
