@@ -75,9 +75,13 @@ def resolve_resume(resume: str, save_dir: str) -> tuple[str, str]:
         ) from None
 
 
-def resume(engine, load_dir: str, tag: str) -> dict:
-    """Load model, optimizer, scheduler and this rank's RNG; returns the client state."""
-    path, client_state = engine.load_checkpoint(load_dir, tag=tag)
+def resume(engine, load_dir: str, tag: str, universal: bool = False) -> dict:
+    """Load model, optimizer, scheduler and this rank's RNG; returns the client state.
+    `universal`: through DeepSpeed's universal form of the checkpoint (dragon.reshape)."""
+    from dragon.reshape import universal_tag
+
+    load_tag = universal_tag(load_dir, tag) if universal else tag
+    path, client_state = engine.load_checkpoint(load_dir, tag=load_tag)
     if path is None:  # DeepSpeed only warns and carries on from fresh weights
         raise RuntimeError(
             f"no loadable DeepSpeed checkpoint in {load_dir} (tag {tag or 'from latest'})"

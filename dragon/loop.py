@@ -104,7 +104,7 @@ class TrainingRun:
                 inputs.tokenizer.save_pretrained(self.save_dir)
         self.step = 0
         if topology.island in inputs.resume:
-            self._resume(*inputs.resume[topology.island])
+            self._resume(*inputs.resume[topology.island], inputs.reshaped.get(topology.island))
         else:  # different dropout masks on every rank (of every island)
             torch.manual_seed(args.seed + topology.launch_rank)
         joined = self._join(topology.island in inputs.resume) if inputs.diloco.diloco_join else {}
@@ -152,12 +152,17 @@ class TrainingRun:
                     f"{f'every {every} steps and ' if every else ''}when the streams wrap"
                 )
 
-    def _resume(self, load_dir: str, tag: str) -> None:
-        state = checkpoint.resume(self.engine, load_dir, tag)
+    def _resume(self, load_dir: str, tag: str, reshaped: Optional[str] = None) -> None:
+        """`reshaped`: the line of a resume on another layout (dragon.reshape)."""
+        if reshaped and rank() == 0:
+            logger.info(reshaped)
+        state = checkpoint.resume(self.engine, load_dir, tag, universal=bool(reshaped))
         self.step = state["step"]
         self.train_batches.load_state_dict(state["data"])
+        if reshaped:  # the saved position counts this launch's micro-batches per step
+            self.train_batches.seek(self.step)
         carried = checkpoint.load_rank_file(load_dir, tag, CARRIED_STATE)
-        if self.carried and carried is not None:  # else the states start from zero
+        if self.carried and carried is not None and not reshaped:  # else they start from zero
             self.carried.load_state_dict(carried, self.engine.device)
         if self.diloco:
             self.diloco.check_same_step(self.step)

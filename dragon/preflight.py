@@ -5,7 +5,7 @@ input exits with one line naming it; what was built for the checks is returned f
 import os
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from transformers import HfArgumentParser
@@ -22,6 +22,7 @@ from dragon.ds_config import load_ds_config, resolve_ds_config, zero_stage
 from dragon.model import BDHConfig
 from dragon.memory import mark_baseline
 from dragon.plan import plan_lines
+from dragon.reshape import Layout, reshape_message, saved_layout
 from dragon.topology import pipeline_data_parallel
 
 
@@ -39,6 +40,7 @@ class RecipeInputs:
     valid_set: Any
     tokenizer: Any
     resume: dict[int, tuple[str, str]]  # island -> (load_dir, tag) of --resume_from_checkpoint
+    reshaped: dict[int, str] = field(default_factory=dict)  # island -> what the resume converts
 
     def run_dir(self, island: int) -> str:
         """Where island `island` writes metrics.jsonl and checkpoints/ (<output_dir> without
@@ -83,6 +85,7 @@ def preflight(pipeline: bool = False) -> RecipeInputs:
         resume = _resume_targets(args, diloco)
         _check_output_dir(args, diloco)
         _check_resume_sizes(model_args, tokenizer.vocab_size, resume)
+        reshaped = _check_reshape(resume, ds_config, dp_world, pipeline, diloco)
         config = _model_config(model_args, tokenizer.vocab_size)
     except ValueError as e:  # DataError and config errors are ValueErrors with one-line messages
         sys.exit(f"error: {e}")
@@ -90,7 +93,7 @@ def preflight(pipeline: bool = False) -> RecipeInputs:
         _warn_about_the_bubble(ds_config["gradient_accumulation_steps"], pipe_args.pipeline_stages)
     inputs = RecipeInputs(
         model_args, data_args, args, diloco, pipe_args, ds_config, train_set, valid_set,
-        tokenizer, resume,
+        tokenizer, resume, reshaped,
     )
     if args.dry_run:
         print("\n".join(plan_lines(inputs, config, dp_world)))
@@ -162,6 +165,30 @@ def _resume_targets(args: TrainingArguments, diloco: DiLoCoArguments) -> dict[in
             diloco.resume_path(args.resume_from_checkpoint, save_dir), save_dir
         )
     return targets
+
+
+def _check_reshape(
+    resume: dict, ds_config: dict, dp_world: int, pipeline: bool, diloco: DiLoCoArguments
+) -> dict[int, str]:
+    """island -> the line a resume on another layout prints (dragon.reshape); switches the
+    engine to DeepSpeed's universal checkpoint loading when one converts."""
+    launch = Layout(zero_stage(ds_config), dp_world, pipeline)
+    reshaped = {}
+    for island, (load_dir, tag) in resume.items():
+        saved = saved_layout(load_dir, tag)
+        message = reshape_message(saved, launch)
+        if saved.global_batch and saved.global_batch != ds_config["train_batch_size"]:
+            warnings.warn(
+                f"--resume_from_checkpoint: the global batch changes from {saved.global_batch} "
+                f"to {ds_config['train_batch_size']} samples; the data order then differs from "
+                "the uninterrupted run's"
+            )
+        if message is not None:
+            if diloco.enabled:
+                raise ValueError(f"{message[len('resume: '):]}: not yet with DiLoCo islands")
+            reshaped[island] = message
+            ds_config.setdefault("checkpoint", {})["load_universal"] = True
+    return reshaped
 
 
 def _check_output_dir(args: TrainingArguments, diloco: DiLoCoArguments) -> None:

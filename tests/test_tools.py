@@ -84,13 +84,12 @@ MEMORY = (
 ).split()
 
 
-@pytest.mark.parametrize("config", ["zero0.json", "zero2.json"])
-def test_the_memory_estimate_is_near_the_measured_peak(
-    monkeypatch, capsys, tmp_path, text_file, config
-):
-    """A 3.3M-parameter BDH at block 256 (activations dominate, as they do for BDH): the dry
-    run's per-rank total is within 25 % of the peak a real 3-step run measures (resident memory
-    above what the process held before the model was built)."""
+def test_the_memory_estimate_is_near_the_measured_peak(monkeypatch, capsys, tmp_path, text_file):
+    """A 3.3M-parameter BDH at block 256 under ZeRO-2 (activations dominate, as they do for BDH):
+    the dry run's per-rank total is within 25 % of the peak a real 3-step run measures (resident
+    memory above what the process held before the model was built; benchmarks/memory.py has
+    more stages)."""
+    config = "zero2.json"
     argv = ["--deepspeed", str(REPO / "ds_configs" / config), "--output_dir", str(tmp_path)]
     argv += ["--train_file", str(text_file), *MEMORY]
     out = dry_run(monkeypatch, capsys, "recipes/pretrain.py", argv)
