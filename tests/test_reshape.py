@@ -28,15 +28,15 @@ def resumed_from_step4(src, dst):
 @pytest.mark.parametrize(
     "saved, saved_ranks, resumed, resumed_ranks, resumed_extra",
     [
-        # the same global batch of 8: 2 x 4, 1 x 4 x accumulation 2, 4 x 2
+        # the same global batch of 8: 2 ranks x 4, 1 rank x 4 x accumulation 2
         ("zero2.json", 2, "zero1.json", 1, ["--gradient_accumulation_steps", "2"]),
-        ("zero3.json", 2, "zero3.json", 4, ["--per_device_train_batch_size", "2"]),
+        ("zero3.json", 2, "zero3.json", 1, ["--gradient_accumulation_steps", "2"]),
     ],
 )
 def test_a_zero_checkpoint_resumes_on_another_layout_with_the_same_losses(
     monkeypatch, tmp_path, text_file, saved, saved_ranks, resumed, resumed_ranks, resumed_extra
 ):
-    """ZeRO-2 on 2 ranks to ZeRO-1 on 1 rank with accumulation 2, ZeRO-3 on 2 ranks to 4: steps
+    """ZeRO-2 on 2 ranks to ZeRO-1 on 1 rank with accumulation 2, ZeRO-3 on 2 ranks to 1: steps
     5-8 of the resumed run equal the uninterrupted run's within 2e-5 (2 ranks already
     equal 1 rank with accumulation 2 within it), as do the evaluation losses; the resume says
     from what it converted to what."""
