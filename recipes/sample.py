@@ -42,11 +42,10 @@ def main() -> None:
     parser = HfArgumentParser(SampleArguments)
     parser.add_argument("path", metavar="PATH", help="Run, checkpoint or Hugging Face directory.")
     args, rest = parser.parse_args_into_dataclasses()
-    if args.max_new_tokens < 0 or args.temperature < 0 or (args.top_k or 1) < 1:
-        sys.exit(
-            f"error: --max_new_tokens {args.max_new_tokens}, --temperature {args.temperature}, "
-            f"--top_k {args.top_k}: must be >= 0, >= 0 and >= 1"
-        )
+    for name, value, least in (("max_new_tokens", args.max_new_tokens, 0),
+                               ("temperature", args.temperature, 0), ("top_k", args.top_k, 1)):
+        if value is not None and value < least:
+            sys.exit(f"error: --{name} {value}: must be >= {least}")
     try:
         # DeepSpeed's logger and zero_to_fp32 print to stdout: stdout stays the text's alone
         with contextlib.redirect_stdout(sys.stderr):
