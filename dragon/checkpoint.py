@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from dragon.distributed import rank
+from dragon.reshape import universal_tag
 from dragon.retention import MARKER, find_resume_checkpoint
 
 
@@ -78,8 +79,6 @@ def resolve_resume(resume: str, save_dir: str) -> tuple[str, str]:
 def resume(engine, load_dir: str, tag: str, universal: bool = False) -> dict:
     """Load model, optimizer, scheduler and this rank's RNG; returns the client state.
     `universal`: through DeepSpeed's universal form of the checkpoint (dragon.reshape)."""
-    from dragon.reshape import universal_tag
-
     load_tag = universal_tag(load_dir, tag) if universal else tag
     path, client_state = engine.load_checkpoint(load_dir, tag=load_tag)
     if path is None:  # DeepSpeed only warns and carries on from fresh weights
