@@ -357,11 +357,14 @@ class DiLoCo:
                 "resume every island from the same checkpoint step"
             )
 
-    def close(self) -> None:
+    def close(self, ended_at: Optional[int] = None) -> None:
         """Wait for every island after the last outer step (so the store outlives its users); an
-        elastic run's store runs on its own, and its islands may be gone."""
+        elastic run's store runs on its own, and its islands may be gone: a run that `ended_at`
+        its last step says so to islands still joining."""
         if self.membership is None:
             self.topology.barrier()
+        elif ended_at is not None:
+            self.membership.end(ended_at)
 
 
 class _Resolved:

@@ -303,7 +303,7 @@ class TrainingRun:
         <output_dir>/final; the others return None."""
         self._logger.close()
         if self.diloco:
-            self.diloco.close()  # every island is past its last outer step
+            self.diloco.close(ended_at=self.step)  # every island is past its last outer step
             if island != 0:
                 return None
         final_dir = os.path.join(self.args.output_dir, "final")

@@ -52,20 +52,24 @@ class Membership:
         self.members = list(range(topology.islands))
 
     def quorum(
-        self, outer_step: int, attempt: int, joining: bool = False
+        self, outer_step: int, attempt: int, joining: bool = False, final: bool = False
     ) -> Optional[tuple[list[int], Optional[Any], list[int]]]:
         """(members, their gloo group for this rank or None when this island is alone, the
         members that are joining) of attempt `attempt` of outer step `outer_step`. Exits with one
         line when this island is not a member (None instead when joining) or the quorum is below
-        --diloco_min_islands."""
+        --diloco_min_islands. The run's `final` outer step lets no joiner in: it would end there
+        without training."""
         t, key = self.topology, f"{_PREFIX}/{outer_step}/{attempt}"
         if t.island_rank == 0:
             if joining:
                 self.store.set(f"{key}/joining/{t.island}", "1")
             self.store.set(f"{key}/arrived/{t.island}", "1")
             if not joining and self.store.add(f"{key}/arrivals", 1) == 1:  # the first decides
-                self.store.set(f"{key}/members", ",".join(map(str, self._arrived(key))))
-        self.store.wait([f"{key}/members"], self.timeout)
+                arrived = self._arrived(key)
+                if final:
+                    arrived = [i for i in arrived if not self.store.check([f"{key}/joining/{i}"])]
+                self.store.set(f"{key}/members", ",".join(map(str, arrived)))
+        self._wait_for_decision(f"{key}/members", joining)
         members = [int(i) for i in self.store.get(f"{key}/members").decode().split(",")]
         if t.island not in members:
             if joining and attempt == 0:
@@ -111,6 +115,28 @@ class Membership:
                 return arrived
             time.sleep(0.01)
 
+    def _wait_for_decision(self, key: str, joining: bool) -> None:
+        """A joiner also watches for the end of the run: no decision comes after it."""
+        if not joining:
+            self.store.wait([key], self.timeout)
+            return
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while not self.store.check([key]):
+            if self.store.check([f"{_PREFIX}/ended"]):
+                step = self.store.get(f"{_PREFIX}/ended").decode()
+                raise SystemExit(f"error: --diloco_join: the live islands ended the run at step "
+                                 f"{step}; no outer step is left to join (to train on, resume "
+                                 "every island with a larger --max_steps)")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"error: --diloco_join: no outer step of the live islands "
+                                 f"within {self.timeout.total_seconds():.0f} s")
+            time.sleep(0.05)
+
+    def end(self, step: int) -> None:
+        """The run reached its last step: islands still joining are told so."""
+        if self.topology.island_rank == 0:
+            self.store.set(f"{_PREFIX}/ended", str(step))
+
     def publish(self, outer_step: int, step: int, shape: dict) -> None:
         """After an outer step: where the run is, and what a joiner must match."""
         if self.topology.island_rank == 0:
@@ -149,7 +175,7 @@ def elastic_round(outer, delta: torch.Tensor, own, step: int, final: bool, joini
             members, group, joiners = joining
         else:
             members, group, joiners = outer.membership.quorum(
-                outer.outer_step, attempt, joining is not None
+                outer.outer_step, attempt, joining is not None, final
             )
         try:
             late = late_average(outer, group, members) if outer.mode == "delayed" else None

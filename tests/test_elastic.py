@@ -2,12 +2,16 @@
 (python -m dragon.island_store); an island that dies leaves the others training on.
 """
 
+import contextlib
+import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import REPO, free_port, job_env, launch_command, read_jsonl
 from test_checkpoints import recipe_args
 from test_faults import signal_after
@@ -17,9 +21,9 @@ ELASTIC = ["--diloco_inner_steps", "4", "--diloco_elastic", "--diloco_store_exte
            "--diloco_quorum_timeout", "5", "--diloco_checksum", "--save_steps", "4"]
 
 
-@pytest.fixture
-def store():
-    """A standalone island store on a free port, stopped after the test."""
+@contextlib.contextmanager
+def island_store():
+    """A standalone island store on a free port (HOST:PORT), stopped on exit."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "dragon.island_store", "--host", "127.0.0.1", "--port", str(port)],
@@ -29,9 +33,17 @@ def store():
         text=True,
     )
     assert "listening" in proc.stdout.readline()
-    yield f"127.0.0.1:{port}"
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=30)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+@pytest.fixture
+def store():
+    with island_store() as address:
+        yield address
 
 
 def start(island, islands, out, text_file, store, env=None, extra=(), kind="zero2"):
@@ -52,6 +64,38 @@ def start(island, islands, out, text_file, store, env=None, extra=(), kind="zero
 
 def outer(out, island) -> list[dict]:
     return [m for m in read_jsonl(out / f"island{island}" / "metrics.jsonl") if "outer_step" in m]
+
+
+def test_a_survivor_trains_on_as_a_one_island_diloco_would(tmp_path, store):
+    """Toy weights (tests/scripts/diloco_islands.py), two elastic islands, sync then delayed
+    mode; island 1 leaves after outer step 1. Island 0's outer steps 2-4 (quorum 1) give bit for
+    bit the weights and theta_outer of a one-island DiLoCo started from island 0's state after
+    outer step 1 (theta_outer, outer momentum, and in delayed mode the two-island average in
+    flight) on the same inner steps. Island 1, joining after the run ended, is told so in one
+    line."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(REPO / "tests/scripts/diloco_islands.py"), str(i), store,
+             str(tmp_path / f"island{i}.json"), "elastic"],
+            cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for i in (0, 1)
+    ]
+    stderr = [proc.communicate(timeout=300)[1] for proc in procs]
+    for proc, err in zip(procs, stderr):
+        assert proc.returncode == 0, err[-3000:]
+    assert "island [1] did not arrive; training on with islands [0]" in stderr[0]
+    told = json.loads((tmp_path / "island1.json").read_text())["join"]
+    assert told.startswith("error: --diloco_join: the live islands ended the run at step 12; "
+                           "no outer step is left to join"), told
+    for mode, record in json.loads((tmp_path / "island0.json").read_text()).items():
+        assert [r["metrics"]["outer_quorum"] for r in record] == [2, 1, 1, 1]
+        for k, r in enumerate(record[1:], 2):
+            for key in ("weights", "outer"):
+                got, want = (torch.tensor(sum(x[key], [])) for x in (r, r["alone"]))
+                assert torch.equal(got, want), (mode, k, key, (got - want).abs().max())
+            norm = r["alone"]["metrics"]["outer_grad_norm"]
+            assert r["metrics"]["outer_grad_norm"] == norm, (mode, k)
 
 
 @pytest.mark.parametrize("mode", ["sync", "delayed"])
@@ -98,11 +142,12 @@ def test_a_killed_island_leaves_the_other_training_then_rejoins(
     that step on island 0's weights (bit-identical checksums). Sync: both islands stay
     bit-identical to the end. Delayed: each island's own fresh share makes them differ in
     between, and the last step's average makes them identical again. Quorum 2 from the join on;
-    both exit 0."""
+    both exit 0. Sync: both islands restarted from the checkpoint after the join (a fresh store)
+    repeat the run's next losses and checksums bit for bit."""
     last = 800 if kind == "zero2" else 600  # a pipeline island runs at about half the speed
     steps = ["--max_steps", str(last), "--eval_steps", str(last // 2)]
-    steps += ["--save_steps", str(last // 2), "--diloco_mode", mode]
-    steps += ["--diloco_outer_momentum", "0.3"]
+    steps += ["--save_steps", str(last // 4), "--diloco_mode", mode]
+    steps += ["--diloco_outer_momentum", "0.3", "--lr_scheduler_type", "constant_with_warmup"]
     out = tmp_path / "run"
     procs = [start(i, 2, out, text_file, store, extra=steps, kind=kind) for i in (0, 1)]
     metrics = out / "island1" / "metrics.jsonl"
@@ -126,6 +171,35 @@ def test_a_killed_island_leaves_the_other_training_then_rejoins(
             if mode == "sync" or m["step"] in (joined, last):
                 for key in ("weights_sum", "weights_sumsq", "outer_sum", "outer_sumsq"):
                     assert m[key] == theirs[m["step"]][key], (m["step"], key)
+    if mode == "sync":  # the last checkpoint before the end, saved after the join
+        saved = max(int(p.name[len("step"):]) for p in
+                    (out / "island1" / "checkpoints").glob("step*"))
+        saved = saved - last // 4 if saved == last else saved
+        assert joined < saved, (joined, saved)
+        resume_after_the_join(out, tmp_path / "again", text_file, steps, saved)
+
+
+def resume_after_the_join(out, again, text_file, steps, saved):
+    """Both islands of `out` restarted from their step-`saved` checkpoints for 16 steps in a
+    copy of the run: the same losses and outer checksums as the run had."""
+    shutil.copytree(out, again)
+    before = [len(read_jsonl(again / f"island{i}" / "metrics.jsonl")) for i in (0, 1)]
+    resume = [*steps, "--max_steps", str(saved + 16), "--resume_from_checkpoint",
+              f"step{saved}"]
+    with island_store() as fresh:
+        procs = [start(i, 2, again, text_file, fresh, extra=resume) for i in (0, 1)]
+        for proc in procs:
+            _, stderr = proc.communicate(timeout=600)
+            assert proc.returncode == 0, stderr[-3000:]
+    keys = ("loss", "weights_sum", "outer_sum")
+    for i in (0, 1):
+        ran = read_jsonl(out / f"island{i}" / "metrics.jsonl")
+        first = {(m["step"], k): m[k] for m in ran for k in keys if k in m and m["step"] > saved}
+        redone = read_jsonl(again / f"island{i}" / "metrics.jsonl")[before[i]:]
+        pairs = [((m["step"], k), m[k]) for m in redone for k in keys if k in m]
+        assert len(pairs) >= 20 and max(step for (step, _), _ in pairs) == saved + 16
+        for key, value in pairs:
+            assert value == first[key], (i, key)
 
 
 def test_a_joiner_of_another_model_size_or_h_is_refused(tmp_path, text_file, store):

@@ -1,14 +1,21 @@
 """One island of a two-island DiLoCo run on toy weights, for tests/test_diloco.py.
 
-    python diloco_islands.py ISLAND HOST:PORT OUT_JSON
+    python diloco_islands.py ISLAND HOST:PORT OUT_JSON [elastic]
 
 Two processes (islands 0 and 1, one rank each) meet through a real ProcessGroupGloo built by
 dragon.topology.enter_island (one launch per island). The "inner optimizer" is a gradient step
 on a quadratic with an island-specific centre, so each island's progress depends on the weights
 it starts from and the delayed schedule matters. Each scenario records, after every outer step,
 the island's weights, theta_outer and the metrics, for the test to check against a hand simulation.
+
+`elastic` (a standalone store at HOST:PORT): an elastic run in sync mode, then one in delayed
+mode; in each, island 1 leaves after outer step 1 (its exchange done), and island 0 trains on
+beside a one-island DiLoCo started from its state at that point (theta_outer, outer optimizer,
+what was in flight) on the same inner steps; it records both. Then island 1 tries to join the
+ended delayed run.
 """
 
+import copy
 import json
 import sys
 from types import SimpleNamespace
@@ -17,7 +24,7 @@ import torch
 
 from dragon.args import DiLoCoArguments
 from dragon.diloco import DiLoCo
-from dragon.topology import enter_island
+from dragon.topology import Topology, enter_island
 
 SHAPES = [(20, 30), (400,)]  # two tensors, 1000 values
 INNER_STEPS, OUTER_STEPS, INNER_LR = 3, 4, 0.3
@@ -69,8 +76,81 @@ class Weights:
         ]
 
 
+def inner_steps(weights, c) -> None:
+    for _ in range(INNER_STEPS):
+        with torch.no_grad():
+            for w, ci in zip(weights.tensors(), c):
+                w.sub_(INNER_LR * (w - ci))
+
+
+def record_of(weights, outer, metrics) -> dict:
+    return {
+        "weights": [w.flatten().tolist() for w in weights.tensors()],
+        "outer": [p.flatten().tolist() for p in outer.outer_params],
+        "metrics": metrics,
+    }
+
+
+def elastic_options(island: int, store: str) -> dict:
+    return dict(diloco_islands=2, diloco_island_index=island, diloco_store=store,
+                diloco_store_external=True, diloco_elastic=True)
+
+
+def elastic(island: int, mode: str, topology, options: dict) -> list[dict]:
+    """Island 0's record of each outer step: itself and the one-island copy ("alone")."""
+    args = DiLoCoArguments(diloco_inner_steps=INNER_STEPS, diloco_mode=mode,
+                           diloco_outer_momentum=0.3, diloco_quorum_timeout=1, **options)
+    weights = Weights(initial_weights())
+    outer, alone, c, record = DiLoCo(weights, args, topology), None, centre(island), []
+    for k in range(1, OUTER_STEPS + 1):
+        final = k == OUTER_STEPS
+        inner_steps(weights, c)
+        metrics = outer.maybe_outer_step(k * INNER_STEPS, final)
+        entry = record_of(weights, outer, metrics)
+        if alone is not None:
+            inner_steps(alone.weights, c)
+            entry["alone"] = record_of(alone.weights, alone, alone.maybe_outer_step(k, final))
+        record.append(entry)
+        if k == 1 and island == 1:
+            outer.state_dict()  # waits for its exchange in flight: it leaves after it
+            return record
+        if k == 1:
+            one = DiLoCoArguments(diloco_inner_steps=1, diloco_mode=mode, diloco_outer_momentum=0.3)
+            alone = DiLoCo(Weights([w.clone() for w in weights.tensors()]), one, Topology())
+            alone.load_state_dict(copy.deepcopy(outer.state_dict()))  # shares no tensor
+    outer.close(ended_at=OUTER_STEPS * INNER_STEPS)
+    return record
+
+
+def elastic_runs(island: int, store: str) -> dict:
+    """Sync, then delayed (each run's quorums in a store namespace of its own), then island 1
+    joining the delayed run after it ended: what it was told."""
+    options = elastic_options(island, store)
+    topology = enter_island(SimpleNamespace(**options), 60)
+    base, records = topology.store, {}
+    for mode in ("sync", "delayed", "join"):
+        base.set(f"{island}-{mode}", "1")
+        base.wait([f"{1 - island}-{mode}"])  # both islands start the next part together
+        if mode == "join":
+            break
+        topology.store = torch.distributed.PrefixStore(mode, base)
+        records[mode] = elastic(island, mode, topology, options)
+    if island == 1:
+        args = DiLoCoArguments(diloco_inner_steps=INNER_STEPS, diloco_mode="delayed",
+                               diloco_outer_momentum=0.3, diloco_join=True, **options)
+        try:
+            DiLoCo(Weights(initial_weights()), args, topology).join()
+        except SystemExit as e:
+            records["join"] = str(e)
+    return records
+
+
 def main():
     island, store, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    if sys.argv[4:5] == ["elastic"]:
+        with open(out, "w") as f:
+            json.dump(elastic_runs(island, store), f)
+        return
     topology = enter_island(
         SimpleNamespace(
             diloco_islands=2,
