@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from dragon.distributed import rank
-from dragon.reshape import universal_tag
+from dragon.reshape import converted_tag
 from dragon.retention import MARKER, find_resume_checkpoint
 
 
@@ -78,8 +78,9 @@ def resolve_resume(resume: str, save_dir: str) -> tuple[str, str]:
 
 def resume(engine, load_dir: str, tag: str, universal: bool = False) -> dict:
     """Load model, optimizer, scheduler and this rank's RNG; returns the client state.
-    `universal`: through DeepSpeed's universal form of the checkpoint (dragon.reshape)."""
-    load_tag = universal_tag(load_dir, tag) if universal else tag
+    `universal`: a checkpoint of another layout, through its universal form (dragon.reshape)."""
+    to_zero0 = engine.zero_optimization_stage() == 0
+    load_tag = converted_tag(load_dir, tag, to_zero0) if universal else tag
     path, client_state = engine.load_checkpoint(load_dir, tag=load_tag)
     if path is None:  # DeepSpeed only warns and carries on from fresh weights
         raise RuntimeError(

@@ -172,7 +172,8 @@ def _check_reshape(
 ) -> dict[int, str]:
     """island -> the line a resume on another layout prints (dragon.reshape); switches the
     engine to DeepSpeed's universal checkpoint loading when one converts."""
-    launch = Layout(zero_stage(ds_config), dp_world, pipeline)
+    bf16 = bool(ds_config.get("bf16", {}).get("enabled", False))
+    launch = Layout(zero_stage(ds_config), dp_world, pipeline, bf16=bf16)
     reshaped = {}
     for island, (load_dir, tag) in resume.items():
         saved = saved_layout(load_dir, tag)
@@ -187,7 +188,8 @@ def _check_reshape(
             if diloco.enabled:
                 raise ValueError(f"{message[len('resume: '):]}: not yet with DiLoCo islands")
             reshaped[island] = message
-            ds_config.setdefault("checkpoint", {})["load_universal"] = True
+            if launch.zero_stage > 0:  # a ZeRO-0 launch loads a ZeRO-0 checkpoint made for it
+                ds_config.setdefault("checkpoint", {})["load_universal"] = True
     return reshaped
 
 

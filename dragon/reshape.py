@@ -1,32 +1,32 @@
-"""Resume a ZeRO checkpoint on another data-parallel size, or between ZeRO-1 and ZeRO-2, exactly.
+"""Resume a ZeRO checkpoint on another data-parallel size or ZeRO stage, exactly.
 
-DeepSpeed's universal checkpoint converts: ds_to_universal writes one file per parameter and
-state (fp32 weights, Adam's two moments, the step) next to the checkpoint, in <tag>_universal/,
-and an engine whose config has "checkpoint": {"load_universal": true} loads them into its own
-partitioning. The LR schedule and the client state (step, data position) travel in the model
+A checkpoint saved on one layout is converted once into its universal form (dragon.universal:
+one file per parameter and state, fp32 weights, Adam's two moments, the step), next to it in
+<tag>_universal/; an engine whose config has "checkpoint": {"load_universal": true} loads that
+into its own partitioning, and a ZeRO-0 launch loads a ZeRO-0 checkpoint made from it
+(<tag>_zero0/). The LR schedule and the client state (step, data position) travel in the model
 states file. dragon's data position is global (the step), so with the same global batch the
 resumed run reads the batches the uninterrupted run would have. Per-rank RNG streams cannot
 follow a change of rank count: each rank takes the saved stream of its own rank number where
 one exists; the others restore none, so their dropout masks differ from the uninterrupted run's.
 
-ZeRO-0 checkpoints hold the whole model and optimizer in one file, which DeepSpeed already loads
-on any number of ranks. ZeRO-3's universal files have another layout than ZeRO-1/2's (flat, no
-shapes, no step file), so DeepSpeed converts within {ZeRO-1, ZeRO-2} and within ZeRO-3 only; a
-change across those, between ZeRO-0 and the others, or of a pipeline is refused in one line.
+A ZeRO-0 checkpoint on another number of ranks loads as it is (one file). Pipeline checkpoints,
+and bf16 ZeRO-0 ones (their master weights live in DeepSpeed's bf16 optimizer), are refused in
+one line.
 """
 
-import argparse
 import glob
 import logging
 import os
-import shutil
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
+from dragon import universal
+
 logger = logging.getLogger("dragon")
-UNIVERSAL = "_universal"
+UNIVERSAL, ZERO0 = "_universal", "_zero0"
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class Layout:
     data_parallel: int
     pipeline: bool = False
     global_batch: int = field(default=0, compare=False)  # samples per step
+    bf16: bool = field(default=False, compare=False)
 
     def __str__(self) -> str:
         kind = "pipeline " if self.pipeline else ""
@@ -44,14 +45,17 @@ class Layout:
 def saved_layout(load_dir: str, tag: str) -> Layout:
     """The layout a checkpoint was saved with (its model states file records it)."""
     tag_dir = os.path.join(load_dir, tag)
-    files = sorted(glob.glob(os.path.join(tag_dir, "*mp_rank_00_model_states.pt")))
-    if not files:
+    try:
+        path = universal.model_states_file(tag_dir)
+    except ValueError:
         raise ValueError(f"--resume_from_checkpoint: {tag_dir} holds no DeepSpeed model states")
-    state = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)
-    stage = int(state["ds_config"].get("zero_optimization", {}).get("stage", 0))
+    state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    config = state["ds_config"]
+    stage = int(config.get("zero_optimization", {}).get("stage", 0))
     pipeline = bool(glob.glob(os.path.join(tag_dir, "layer_*-model_states.pt")))
-    batch = int(state["ds_config"].get("train_batch_size", 0))
-    return Layout(stage, int(state["dp_world_size"]), pipeline, batch)
+    batch = int(config.get("train_batch_size", 0))
+    bf16 = bool(config.get("bf16", {}).get("enabled", False))
+    return Layout(stage, int(state["dp_world_size"]), pipeline, batch, bf16)
 
 
 def reshape_message(saved: Layout, launch: Layout) -> Optional[str]:
@@ -60,45 +64,42 @@ def reshape_message(saved: Layout, launch: Layout) -> Optional[str]:
     if saved == launch or (saved.zero_stage == launch.zero_stage == 0
                            and saved.pipeline == launch.pipeline):
         return None  # ZeRO-0: one file with everything, loaded on any number of ranks
-    family = lambda layout: 3 if layout.zero_stage == 3 else layout.zero_stage > 0  # noqa: E731
-    if saved.pipeline or launch.pipeline or 0 in (saved.zero_stage, launch.zero_stage) or (
-        family(saved) != family(launch)
-    ):
+    bf16_zero0 = any(x.zero_stage == 0 and x.bf16 for x in (saved, launch))
+    if saved.pipeline or launch.pipeline or bf16_zero0:
         raise ValueError(
             f"--resume_from_checkpoint: the checkpoint was saved as {saved} and this launch is "
-            f"{launch}; resuming across that change is not supported yet (ZeRO-1 and 2 on any "
-            "number of ranks, and ZeRO-3 on any number of ranks, are)"
+            f"{launch}; resuming across that change is not supported yet (ZeRO-0 to 3 on any "
+            "number of ranks are, without a pipeline, and ZeRO-0 in fp32)"
         )
     return (
-        f"resume: converting the checkpoint from {saved} to {launch} (DeepSpeed's universal "
-        "checkpoint); weights, Adam moments and step, LR schedule and data position are kept"
+        f"resume: converting the checkpoint from {saved} to {launch} (a universal checkpoint); "
+        "weights, Adam moments and step, LR schedule and data position are kept"
     )
 
 
-def universal_tag(load_dir: str, tag: str) -> str:
-    """Convert checkpoint `tag` once (global rank 0; the others wait) and return the tag of
-    its universal form. The conversion is written to a temporary directory and renamed, so a
-    crash never leaves a half-converted one behind."""
+def convert(load_dir: str, tag: str, to_zero0: bool) -> str:
+    """The tag of checkpoint `tag` in the form a launch loads: its universal form, or (for a
+    ZeRO-0 launch) a ZeRO-0 checkpoint made from that. Each is written once, atomically."""
+    tag_dir = os.path.join(load_dir, tag)
+    target = os.path.join(load_dir, tag + UNIVERSAL)
+    if not os.path.isdir(target):
+        zero0 = saved_layout(load_dir, tag).zero_stage == 0
+        make = (lambda out: universal.from_zero0(tag_dir, out)) if zero0 else (
+            lambda out: universal.from_deepspeed(tag_dir, out))
+        universal.write_atomically(make, target)
+    if not to_zero0:
+        return tag + UNIVERSAL
+    if not os.path.isdir(os.path.join(load_dir, tag + ZERO0)):
+        universal.write_atomically(lambda out: universal.to_zero0(target, out),
+                                   os.path.join(load_dir, tag + ZERO0))
+    return tag + ZERO0
+
+
+def converted_tag(load_dir: str, tag: str, to_zero0: bool) -> str:
+    """convert() on global rank 0 while the others wait."""
     import torch.distributed as dist
 
-    target = os.path.join(load_dir, tag + UNIVERSAL)
-    if dist.get_rank() == 0 and not os.path.isdir(target):
-        from deepspeed.checkpoint import ds_to_universal
-
-        partial = target + ".partial"
-        shutil.rmtree(partial, ignore_errors=True)
-        ds_to_universal.main(
-            argparse.Namespace(
-                input_folder=os.path.join(load_dir, tag),
-                output_folder=partial,
-                num_extract_workers=1,
-                num_merge_workers=1,
-                keep_temp_folder=False,
-                strict=True,
-                inject_missing_state=True,  # a plain data-parallel model needs nothing more
-            )
-        )
-        os.replace(partial, target)
+    if dist.get_rank() == 0:
+        convert(load_dir, tag, to_zero0)
     dist.barrier()
-    return tag + UNIVERSAL
-
+    return tag + (ZERO0 if to_zero0 else UNIVERSAL)
