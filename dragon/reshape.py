@@ -24,9 +24,10 @@ from typing import Optional
 import torch
 
 from dragon import universal
+from dragon.retention import CONVERSIONS
 
 logger = logging.getLogger("dragon")
-UNIVERSAL, ZERO0 = "_universal", "_zero0"
+UNIVERSAL, ZERO0 = CONVERSIONS  # retention deletes them with their checkpoint
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,15 @@ def reshape_message(saved: Layout, launch: Layout) -> Optional[str]:
     if saved == launch or (saved.zero_stage == launch.zero_stage == 0
                            and saved.pipeline == launch.pipeline):
         return None  # ZeRO-0: one file with everything, loaded on any number of ranks
+    check_convertible(saved, launch)
+    return (
+        f"resume: converting the checkpoint from {saved} to {launch} (a universal checkpoint); "
+        "weights, Adam moments and step, LR schedule and data position are kept"
+    )
+
+
+def check_convertible(saved: Layout, launch: Layout) -> None:
+    """ValueError in one line for a pair no conversion covers."""
     bf16_zero0 = any(x.zero_stage == 0 and x.bf16 for x in (saved, launch))
     if saved.pipeline or launch.pipeline or bf16_zero0:
         raise ValueError(
@@ -71,10 +81,6 @@ def reshape_message(saved: Layout, launch: Layout) -> Optional[str]:
             f"{launch}; resuming across that change is not supported yet (ZeRO-0 to 3 on any "
             "number of ranks are, without a pipeline, and ZeRO-0 in fp32)"
         )
-    return (
-        f"resume: converting the checkpoint from {saved} to {launch} (a universal checkpoint); "
-        "weights, Adam moments and step, LR schedule and data position are kept"
-    )
 
 
 def convert(load_dir: str, tag: str, to_zero0: bool) -> str:

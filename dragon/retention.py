@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 MARKER = "dragon_complete.json"
 HISTORY = "metric_history.jsonl"
 DELETING = ".deleting-"
+CONVERSIONS = ("_universal", "_zero0")  # dragon.reshape's forms of a checkpoint for another layout
 # Layout (a): tag dirs in one save_dir (dragon's `step<N>`, DeepSpeed's default `global_step<N>`);
 # layout (b): accelerate's `checkpoint_<i>` dirs, each a DeepSpeed save_dir of its own.
 TAG_RE = re.compile(r"^(step|global_step)(\d+)$")
@@ -191,6 +192,7 @@ def _ignore_missing(func, path, exc_info) -> None:
 
 def _delete(save_dir: str, name: str) -> bool:
     """Rename to a hidden name first, so a crash mid-rmtree never leaves a checkpoint-looking dir.
+    The checkpoint's conversions for another layout (dragon.reshape) go with it, after it.
     """
     trash = os.path.join(save_dir, DELETING + name)
     if os.path.exists(trash):
@@ -200,6 +202,8 @@ def _delete(save_dir: str, name: str) -> bool:
     except FileNotFoundError:
         return False
     shutil.rmtree(trash, onerror=_ignore_missing)
+    for suffix in CONVERSIONS:
+        shutil.rmtree(os.path.join(save_dir, name + suffix), onerror=_ignore_missing)
     return True
 
 

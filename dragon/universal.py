@@ -155,6 +155,16 @@ def to_zero0(universal: str, out: str) -> None:
                os.path.join(out, STATES))
 
 
+def fp32_weights(folder: str) -> dict[str, torch.Tensor]:
+    """The trained parameters' fp32 weights of a universal folder or a ZeRO-0 one made from it."""
+    states = _load(os.path.join(folder, STATES))
+    shapes = parameter_shapes(states)
+    if not os.path.isdir(os.path.join(folder, "zero")):  # ZeRO-0: in the module
+        return {name: states["module"][name] for name in shapes}
+    return {name: _load(os.path.join(folder, "zero", name, "fp32.pt"))["param"]
+            for name in shapes}
+
+
 def write_atomically(make, target: str) -> None:
     """make(folder) into a temporary folder renamed to `target`: a crash never leaves half a
     conversion behind."""

@@ -1,8 +1,10 @@
 """Resume on another layout (dragon.reshape): a ZeRO checkpoint of any stage continues on another
 number of ranks or ZeRO stage, with the losses of the uninterrupted run."""
 
+import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 from conftest import REPO, job_env, launch_command, losses, read_jsonl, run_recipe_in_process
@@ -63,7 +65,8 @@ def test_a_zero_checkpoint_resumes_on_another_layout_with_the_same_losses(
     uninterrupted, tmp_path, text_file, saved, resumed
 ):
     """ZeRO-2 on 2 ranks to ZeRO-1 on 1 rank with accumulation 2, ZeRO-3 on 2 ranks to ZeRO-2 on
-    4, ZeRO-0 on 1 rank to ZeRO-3 on 2, ZeRO-3 on 2 ranks to ZeRO-0 on 1: steps 5-8 of the
+    4, ZeRO-0 on 1 rank to ZeRO-3 on 2, ZeRO-3 on 2 ranks to ZeRO-0 on 1 (converted ahead by
+    recipes/reshape_checkpoint.py, which checks the weights, and reused): steps 5-8 of the
     resumed run equal the uninterrupted run's within 2e-5 (2 ranks already equal 1 rank with
     accumulation 2 within it), as do the evaluation losses, so the weights, Adam's moments and
     step and the LR schedule came across (fresh moments would change step 5's update by far
@@ -71,7 +74,18 @@ def test_a_zero_checkpoint_resumes_on_another_layout_with_the_same_losses(
     base = uninterrupted(saved)
     other = tmp_path / "reshaped"
     tag = resumed_from_step4(base, other)
+    offline = resumed == "zero0 x1"  # converted ahead by recipes/reshape_checkpoint.py
+    if offline:
+        stdout, _ = finish(subprocess.Popen(
+            [sys.executable, "recipes/reshape_checkpoint.py", "--checkpoint", tag,
+             "--zero_stage", "0"], cwd=REPO, env=job_env(), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True))
+        assert f"wrote {tag}_zero0: ZeRO-3 on 2 data-parallel rank(s) for ZeRO-0" in stdout
+        assert "its 5 fp32 weights equal the checkpoint's bit for bit" in stdout
+        written = os.stat(f"{tag}_zero0/mp_rank_00_model_states.pt").st_mtime_ns
     _, stderr = finish(job(resumed, other, text_file, ["--resume_from_checkpoint", tag]))
+    if offline:  # the resume reuses the conversion
+        assert os.stat(f"{tag}_zero0/mp_rank_00_model_states.pt").st_mtime_ns == written
     assert (f"resume: converting the checkpoint from {describe(saved)} to {describe(resumed)}"
             in stderr)
     expected = {m["step"]: m for m in read_jsonl(base / "metrics.jsonl") if m["step"] > 4}
