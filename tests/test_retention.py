@@ -325,6 +325,19 @@ def test_prune_keeps_last_k_and_best_and_leaves_foreign_things_alone(tmp_path):
     )
 
 
+def test_a_checkpoints_conversions_for_another_layout_go_with_it(tmp_path):
+    """step1's universal and ZeRO-0 forms (dragon.reshape) are deleted with it; a kept
+    checkpoint's stay, as does a foreign directory named like one."""
+    d = str(tmp_path)
+    for s in range(1, 4):
+        make_tag(d, f"step{s}", s)
+    for name in ("step1_universal", "step1_zero0", "step3_universal", "step1_notes"):
+        make_tag(d, name, complete=False)
+    set_latest(d, "step3")
+    prune(d, RetentionPolicy(save_total_limit=2, metric_for_best_model=None), {}, "step3")
+    assert names(d) == ["latest", "step1_notes", "step2", "step3", "step3_universal"]
+
+
 def test_prune_never_deletes_what_latest_names(tmp_path):
     d = str(tmp_path)
     for s in range(1, 5):
