@@ -332,6 +332,13 @@ class DiLoCo:
         self.previous_share = state.get("previous_share", self.islands)
         self.contributed = state.get("contributed", True)
 
+    def forget_own_share(self) -> None:
+        """A new island resumed from island 0's state has no pseudo-gradient of its own in the
+        average in flight."""
+        if self.previous is not None:
+            self.previous.zero_()
+        self.contributed = False
+
     def restart(self) -> None:
         """Start the outer loop afresh from the current weights (a checkpoint saved without DiLoCo).
         """

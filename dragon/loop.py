@@ -73,7 +73,7 @@ class TrainingRun:
         stage's own; default all)."""
         args, block = inputs.train, inputs.data.block_size
         self.engine, self.inputs, self.args, self.diloco = engine, inputs, args, diloco
-        self.config = config
+        self.config, self.topology = config, topology
         self.micro, self.accum = (
             engine.train_micro_batch_size_per_gpu(),
             engine.gradient_accumulation_steps(),
@@ -104,7 +104,8 @@ class TrainingRun:
                 inputs.tokenizer.save_pretrained(self.save_dir)
         self.step = 0
         if topology.island in inputs.resume:
-            self._resume(*inputs.resume[topology.island], inputs.reshaped.get(topology.island))
+            self._resume(*inputs.resume[topology.island], inputs.reshaped.get(topology.island),
+                         inputs.regrouped.get(topology.island))
         else:  # different dropout masks on every rank (of every island)
             torch.manual_seed(args.seed + topology.launch_rank)
         joined = self._join(topology.island in inputs.resume) if inputs.diloco.diloco_join else {}
@@ -152,15 +153,21 @@ class TrainingRun:
                     f"{f'every {every} steps and ' if every else ''}when the streams wrap"
                 )
 
-    def _resume(self, load_dir: str, tag: str, reshaped: Optional[str] = None) -> None:
-        """`reshaped`: the line of a resume on another layout (dragon.reshape)."""
-        if reshaped and rank() == 0:
-            logger.info(reshaped)
+    def _resume(self, load_dir: str, tag: str, reshaped: Optional[str] = None,
+                regrouped: Optional[tuple[str, bool]] = None) -> None:
+        """`reshaped`: the line of a resume on another layout; `regrouped`: (the line of a resume
+        by another number of islands, whether this island is new) (dragon.reshape)."""
+        regrouped, new_island = regrouped or (None, False)
+        for line in (reshaped, regrouped):
+            if line and rank() == 0:
+                logger.info(line)
         state = checkpoint.resume(self.engine, load_dir, tag, universal=bool(reshaped))
         self.step = state["step"]
         self.train_batches.load_state_dict(state["data"])
-        if reshaped:  # the saved position counts this launch's micro-batches per step
+        if reshaped or regrouped:  # the saved position counts another launch's micro-batches
             self.train_batches.seek(self.step)
+        if new_island:  # island 0's dropout masks are not this island's
+            torch.manual_seed(self.args.seed + self.topology.launch_rank + self.step)
         carried = checkpoint.load_rank_file(load_dir, tag, CARRIED_STATE)
         if self.carried and carried is not None and not reshaped:  # else they start from zero
             self.carried.load_state_dict(carried, self.engine.device)
@@ -171,6 +178,8 @@ class TrainingRun:
                 self.diloco.restart()
             else:
                 self.diloco.load_state_dict(outer_state)
+                if new_island:
+                    self.diloco.forget_own_share()
 
     def _join(self, resumed: bool) -> dict:
         """Join the live islands (DiLoCo.join) and continue at their step: the LR schedule moves

@@ -22,7 +22,7 @@ from dragon.ds_config import load_ds_config, resolve_ds_config, zero_stage
 from dragon.model import BDHConfig
 from dragon.memory import mark_baseline
 from dragon.plan import plan_lines
-from dragon.reshape import Layout, reshape_message, saved_layout
+from dragon.reshape import Layout, regroup_message, reshape_message, saved_islands, saved_layout
 from dragon.topology import pipeline_data_parallel
 
 
@@ -41,6 +41,8 @@ class RecipeInputs:
     tokenizer: Any
     resume: dict[int, tuple[str, str]]  # island -> (load_dir, tag) of --resume_from_checkpoint
     reshaped: dict[int, str] = field(default_factory=dict)  # island -> what the resume converts
+    # island -> (the line of a resume by another number of islands, whether it is a new island)
+    regrouped: dict[int, tuple[str, bool]] = field(default_factory=dict)
 
     def run_dir(self, island: int) -> str:
         """Where island `island` writes metrics.jsonl and checkpoints/ (<output_dir> without
@@ -82,7 +84,7 @@ def preflight(pipeline: bool = False) -> RecipeInputs:
         if args.carry_state:
             rows = micro * accum + (args.per_device_eval_batch_size if args.eval_carried else 0)
             _check_carry(model_args, tokenizer.vocab_size, pipe_args, rows)
-        resume = _resume_targets(args, diloco)
+        resume, regrouped = _resume_targets(args, diloco)
         _check_output_dir(args, diloco)
         _check_resume_sizes(model_args, tokenizer.vocab_size, resume)
         reshaped = _check_reshape(resume, ds_config, dp_world, pipeline, diloco)
@@ -93,7 +95,7 @@ def preflight(pipeline: bool = False) -> RecipeInputs:
         _warn_about_the_bubble(ds_config["gradient_accumulation_steps"], pipe_args.pipeline_stages)
     inputs = RecipeInputs(
         model_args, data_args, args, diloco, pipe_args, ds_config, train_set, valid_set,
-        tokenizer, resume, reshaped,
+        tokenizer, resume, reshaped, regrouped,
     )
     if args.dry_run:
         print("\n".join(plan_lines(inputs, config, dp_world)))
@@ -154,17 +156,40 @@ def _check_carry(
     check_state_fits(config, rows)
 
 
-def _resume_targets(args: TrainingArguments, diloco: DiLoCoArguments) -> dict[int, tuple[str, str]]:
-    """island -> (load_dir, tag) for --resume_from_checkpoint, for each island this launch runs."""
-    if not args.resume_from_checkpoint:
-        return {}
-    targets = {}
+def _resume_targets(
+    args: TrainingArguments, diloco: DiLoCoArguments
+) -> tuple[dict[int, tuple[str, str]], dict[int, tuple[str, bool]]]:
+    """(island -> (load_dir, tag) for --resume_from_checkpoint, for each island this launch runs;
+    island -> (the line a resume by another number of islands prints, whether it is new)). A
+    run saved by I islands resumes `latest` or a tag by I' islands: island i < I from its own
+    checkpoint, the others from island 0's (theta_outer, the outer optimizer's state, the
+    step). Islands launched apart see only their own directory: one without checkpoints takes
+    island 0's."""
+    resume, root = args.resume_from_checkpoint, args.output_dir
+    if not resume:
+        return {}, {}
+    launch = diloco.diloco_islands if diloco.enabled else 1
+    together = diloco.diloco_island_index is None  # every island's directory is here
+    saved = saved_islands(root) if together else None
+    plain = resume == "latest" or os.sep not in resume  # a tag of this run, not a path
+    targets, regrouped = {}, {}
     for island in diloco.local_islands():
-        save_dir = os.path.join(diloco.output_dir(args.output_dir, island), "checkpoints")
-        targets[island] = resolve_resume(
-            diloco.resume_path(args.resume_from_checkpoint, save_dir), save_dir
-        )
-    return targets
+        save_dir = os.path.join(diloco.output_dir(root, island), "checkpoints")
+        if plain and (saved not in (None, launch) or not list_checkpoints(save_dir)):
+            own = _with_checkpoints(root, island, save_dir)
+            save_dir = own or _with_checkpoints(root, 0, save_dir) or save_dir
+            regrouped[island] = (regroup_message(saved, launch, island, not own), not own)
+        targets[island] = resolve_resume(diloco.resume_path(resume, save_dir), save_dir)
+    return targets, regrouped
+
+
+def _with_checkpoints(root: str, island: int, launch_dir: str) -> Optional[str]:
+    """Island `island`'s checkpoints/ under `root` as it was saved (alone, or one of several
+    islands), where it holds any."""
+    for save_dir in (os.path.join(root, f"island{island}", "checkpoints"), launch_dir):
+        if list_checkpoints(save_dir):
+            return save_dir
+    return None
 
 
 def _check_reshape(

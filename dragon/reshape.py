@@ -10,6 +10,9 @@ resumed run reads the batches the uninterrupted run would have. Per-rank RNG str
 follow a change of rank count: each rank takes the saved stream of its own rank number where
 one exists; the others restore none, so their dropout masks differ from the uninterrupted run's.
 
+A run of DiLoCo islands resumes by another number of islands (saved_islands, regroup_message):
+each island that was saved continues from its own checkpoint and a new one from island 0's.
+
 A ZeRO-0 checkpoint on another number of ranks loads as it is (one file). Pipeline checkpoints,
 and bf16 ZeRO-0 ones (their master weights live in DeepSpeed's bf16 optimizer), are refused in
 one line.
@@ -109,3 +112,23 @@ def converted_tag(load_dir: str, tag: str, to_zero0: bool) -> str:
         convert(load_dir, tag, to_zero0)
     dist.barrier()
     return tag + (ZERO0 if to_zero0 else UNIVERSAL)
+
+
+def saved_islands(root: str) -> int:
+    """The DiLoCo islands a run under `root` saved checkpoints for (1: a run without islands)."""
+    count = 0
+    while os.path.isdir(os.path.join(root, f"island{count}", "checkpoints")):
+        count += 1
+    return count or 1
+
+
+def regroup_message(saved: Optional[int], launch: int, island: int, new: bool) -> str:
+    """The line island `island` prints when a run saved by `saved` islands (None: not known
+    here) resumes by `launch`; a `new` island starts from island 0's checkpoint."""
+    origin = ("island 0's checkpoint (theta_outer, the outer optimizer's state and the step; its "
+              "own RNG streams)" if new else "its own checkpoint")
+    left = f"; islands {list(range(launch, saved))} are left out" if (saved or 0) > launch else ""
+    by = f"was saved by {saved} island(s) and " if saved else ""
+    return (f"resume: the run {by}resumes by {launch}: island {island} continues from "
+            f"{origin}{left}; the data is shared out among {launch} island(s) from this step "
+            "on, so its order differs from the uninterrupted run's")

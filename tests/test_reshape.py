@@ -106,3 +106,45 @@ def test_a_pipeline_change_is_refused_before_start(uninterrupted, monkeypatch, t
     line = run_recipe_in_process(monkeypatch, script, [str(a) for a in args], {"WORLD_SIZE": "2"})
     assert "saved as ZeRO-2 on 2 data-parallel rank(s) and this launch is pipeline ZeRO-0" in line
     assert "not supported yet" in line
+
+
+
+def islands_job(ranks, out, text_file, extra=()):
+    """A ZeRO-2 job of 8 steps on `ranks` ranks (islands of one rank each with --diloco_islands)."""
+    script, args = recipe_args("zero2", out, text_file, "8", extra)
+    args += ["--dropout", "0.0"]
+    return subprocess.Popen(launch_command("torchrun", ranks, script, args), cwd=REPO,
+                            env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+@pytest.mark.slow
+def test_a_diloco_run_resumes_by_another_number_of_islands(tmp_path, text_file):
+    """Two islands (sync, H 4) saved at step 4. Resumed without islands on 2 ranks (the same
+    global batch), step 5 starts from theta_outer on the same 8 samples: its loss is the mean of
+    the islands' step-5 losses within 2e-5. Resumed by 3 islands, island 2 takes island 0's
+    checkpoint: after the outer step at 8 all three hold bit-identical weights and theta_outer
+    (its outer momentum is theirs)."""
+    diloco = ["--diloco_islands", "2", "--diloco_inner_steps", "4", "--diloco_checksum"]
+    base = tmp_path / "islands"
+    finish(islands_job(2, base, text_file, diloco))
+    ran = [read_jsonl(base / f"island{i}" / "metrics.jsonl") for i in (0, 1)]
+    three = ["--diloco_islands", "3", *diloco[2:]]
+    for name, ranks, extra in (("one", 2, []), ("three", 3, three)):
+        out = tmp_path / name
+        for i in (0, 1):
+            resumed_from_step4(base / f"island{i}", out / f"island{i}")
+        _, stderr = finish(islands_job(ranks, out, text_file,
+                                       [*extra, "--resume_from_checkpoint", "latest"]))
+        if name == "one":
+            assert "the run was saved by 2 island(s) and resumes by 1: island 0 continues from " \
+                "its own checkpoint; islands [1] are left out" in stderr
+            step5 = next(m["loss"] for m in read_jsonl(out / "metrics.jsonl") if m["step"] == 5)
+            expected = sum(next(m["loss"] for m in r if m["step"] == 5) for r in ran) / 2
+            assert abs(step5 - expected) < 2e-5, (step5, expected)
+        else:
+            assert "resumes by 3: island 2 continues from island 0's checkpoint" in stderr
+            last = [read_jsonl(out / f"island{i}" / "metrics.jsonl")[-1] for i in (0, 1, 2)]
+            assert all(m["step"] == 8 and "outer_step" in m for m in last)
+            for key in ("weights_sum", "weights_sumsq", "outer_sum", "outer_sumsq"):
+                assert last[0][key] == last[1][key] == last[2][key], key
