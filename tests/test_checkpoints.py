@@ -165,19 +165,13 @@ def test_retention_keeps_last_k_and_the_best(kind, tmp_path, text_file):
     assert tags(out)[-2:] == ["step9", "step10"] and "step1" not in tags(out)
 
 
-@pytest.mark.parametrize(
-    "kind,carry",
-    [
-        ("zero2", []),
-        ("pipeline", []),
-        pytest.param("zero2", CARRY, marks=pytest.mark.slow, id="zero2-carry_state"),
-        pytest.param("pipeline", CARRY, marks=pytest.mark.slow, id="pipeline-carry_state"),
-    ],
-)
-def test_sigkill_then_resume_matches_uninterrupted(kind, carry, tmp_path, text_file):
-    """Killed between checkpoints, resumed from latest: the same per-step losses (bit-equal). With
-    --carry_state the rows' states come back from the checkpoint too (zero states would differ).
-    """
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["zero2", "pipeline"])
+def test_sigkill_then_resume_matches_uninterrupted(kind, tmp_path, text_file):
+    """Killed between checkpoints, resumed from latest: the same per-step losses (bit-equal):
+    model, optimizer, LR schedule, data position and RNG came back, and with --carry_state the
+    rows' states too (zero states would differ)."""
+    carry = CARRY
     steps, extra = 12, ["--save_steps", "4", *carry]
     full = tmp_path / "full"
     finish(start(kind, full, text_file, steps, extra))
@@ -190,7 +184,7 @@ def test_sigkill_then_resume_matches_uninterrupted(kind, carry, tmp_path, text_f
     kill_when(proc, lambda: max(logged_steps(metrics), default=0) >= 6)
     done = max(logged_steps(metrics))
     assert done < 8, "killed too late"
-    assert (out / "checkpoints" / "step4" / "carried_state_0.pt").exists() == bool(carry)
+    assert (out / "checkpoints" / "step4" / "carried_state_0.pt").exists()
     finish(start(kind, out, text_file, steps, [*extra, "--resume_from_checkpoint", "latest"]))
     records = read_jsonl(metrics)
     resumed = [m for m in records if m["step"] > 4][-(steps - 4) :]
