@@ -94,7 +94,9 @@ def test_a_zero_checkpoint_resumes_on_another_layout_with_the_same_losses(
     for key in ("loss", "eval_loss"):
         ours, theirs = losses(got.values(), key), losses(expected.values(), key)
         assert len(ours) == len(theirs) > 0
-        assert max(abs(a - b) for a, b in zip(ours, theirs)) < 2e-5, (key, ours, theirs)
+        gap = max(abs(a - b) for a, b in zip(ours, theirs))
+        print(f"| {describe(saved)} | {describe(resumed)} | {key} | {gap:.1e} |")
+        assert gap < 2e-5, (key, ours, theirs)
 
 
 def test_a_pipeline_change_is_refused_before_start(uninterrupted, monkeypatch, tmp_path,
@@ -141,6 +143,8 @@ def test_a_diloco_run_resumes_by_another_number_of_islands(tmp_path, text_file):
                 "its own checkpoint; islands [1] are left out" in stderr
             step5 = next(m["loss"] for m in read_jsonl(out / "metrics.jsonl") if m["step"] == 5)
             expected = sum(next(m["loss"] for m in r if m["step"] == 5) for r in ran) / 2
+            print(f"| 2 islands | no islands, 2 ranks | step-5 loss vs islands' mean | "
+                  f"{abs(step5 - expected):.1e} |")
             assert abs(step5 - expected) < 2e-5, (step5, expected)
         else:
             assert "resumes by 3: island 2 continues from island 0's checkpoint" in stderr
