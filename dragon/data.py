@@ -58,6 +58,18 @@ class DataArguments:
     preprocessing_num_workers: Optional[int] = field(
         default=None, metadata={"help": "Processes for tokenization/packing."}
     )
+    streaming: bool = field(
+        default=False,
+        metadata={"help": "Read, tokenize and pack the data as training reads it (dragon.stream)."},
+    )
+    validation_file: Optional[str] = field(
+        default=None,
+        metadata={"help": "--streaming: validation text files (as --train_file); default: the "
+                  "stream's first --validation_blocks blocks, held out."},
+    )
+    validation_blocks: int = field(
+        default=256, metadata={"help": "--streaming: blocks at the stream's head held out."}
+    )
     cache_dir: Optional[str] = field(
         default=None, metadata={"help": "datasets cache directory (default: datasets' own)."}
     )
@@ -80,6 +92,9 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
     def decode(self, ids: Union[Sequence[int], torch.Tensor]) -> str:
         ids = ids.tolist() if hasattr(ids, "tolist") else ids
         return bytes(ids).decode("utf-8", errors="replace")
@@ -97,6 +112,9 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         # verbose=False: documents are longer than model_max_length by design (we pack them).
         return self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.asarray(self.encode(text), dtype=np.int64)
 
     def decode(self, ids: Union[Sequence[int], torch.Tensor]) -> str:
         ids = ids.tolist() if hasattr(ids, "tolist") else ids
@@ -240,8 +258,8 @@ def load_text(args: DataArguments) -> Dataset:
 
 def _pack_batch(batch: dict[str, list], tokenizer: Any, block_size: int) -> dict[str, Any]:
     """Tokenize a batch of documents, concatenate them, cut into rows of block_size+1 ids."""
-    pieces = [np.asarray(tokenizer.encode(text), dtype=np.int64) for text in batch["text"]]
-    stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+    pieces = [tokenizer.encode_array(text) for text in batch["text"]]
+    stream = np.concatenate(pieces).astype(np.int64) if pieces else np.zeros(0, dtype=np.int64)
     width = block_size + 1
     rows = len(stream) // width
     return {"input_ids": stream[: rows * width].reshape(rows, width)}

@@ -34,6 +34,8 @@ from dragon.metrics import MetricsLogger, Throughput, peak_tflops_per_device
 from dragon.model import BDHConfig, BDHForCausalLM
 from dragon.preflight import RecipeInputs
 from dragon.retention import find_resume_checkpoint
+from dragon.stream import STATE_FILE as STREAM_STATE
+from dragon.stream import StreamedBatches
 from dragon.topology import Topology
 
 logger = logging.getLogger("dragon")
@@ -79,10 +81,16 @@ class TrainingRun:
             engine.gradient_accumulation_steps(),
         )
         data_rank, data_world = topology.data_shard(dp_rank, dp_world)
-        batches = StreamBatches if args.carry_state else TrainBatches
-        self.train_batches = batches(
-            inputs.train_set, self.micro, data_rank, data_world, self.accum, seed=args.seed
-        )
+        self.streamed = inputs.data.streaming
+        if self.streamed:  # every island's rank reads its own share of one global stream
+            self.train_batches = StreamedBatches(
+                inputs.train_set, self.micro, data_rank, data_world, self.accum
+            )
+        else:
+            batches = StreamBatches if args.carry_state else TrainBatches
+            self.train_batches = batches(
+                inputs.train_set, self.micro, data_rank, data_world, self.accum, seed=args.seed
+            )
         eval_micro, samples = args.per_device_eval_batch_size, args.max_eval_samples
         valid = (inputs.valid_set, eval_micro, dp_rank, dp_world, samples)
         self.valid_batches = eval_batches(*valid)
@@ -137,8 +145,9 @@ class TrainingRun:
         )
         self.log(joined)  # the outer step this island joined the run at
         if rank() == 0:
+            train = "streamed" if self.streamed else f"{len(inputs.train_set):,}"
             logger.info(
-                f"BDH: {profile.parameters:,} parameters, {len(inputs.train_set):,} train / "
+                f"BDH: {profile.parameters:,} parameters, {train} train / "
                 f"{len(inputs.valid_set):,} valid samples of {block + 1} tokens, "
                 f"{self.tokens_per_step:,} tokens per step"
             )
@@ -158,9 +167,16 @@ class TrainingRun:
             logger.info(reshaped)
         state = checkpoint.resume(self.engine, load_dir, tag, universal=bool(reshaped))
         self.step = state["step"]
-        self.train_batches.load_state_dict(state["data"])
-        if reshaped:  # the saved position counts this launch's micro-batches per step
-            self.train_batches.seek(self.step)
+        if self.streamed:  # each rank's own position; another layout reads up to its own
+            stream = None if reshaped else checkpoint.load_rank_file(load_dir, tag, STREAM_STATE)
+            if stream is None:
+                self.train_batches.seek(self.step)
+            else:
+                self.train_batches.load_state_dict(stream)
+        else:
+            self.train_batches.load_state_dict(state["data"])
+        if reshaped and not self.streamed:  # the saved position counts this launch's micro-
+            self.train_batches.seek(self.step)  # batches per step
         carried = checkpoint.load_rank_file(load_dir, tag, CARRIED_STATE)
         if self.carried and carried is not None and not reshaped:  # else they start from zero
             self.carried.load_state_dict(carried, self.engine.device)
@@ -284,6 +300,8 @@ class TrainingRun:
             rank_files[DILOCO_STATE] = self.diloco.state_dict()
         if self.carried:
             rank_files[CARRIED_STATE] = self.carried.state_dict()
+        if self.streamed:
+            rank_files[STREAM_STATE] = self.train_batches.state_dict()
         data = {"data": self.train_batches.state_dict()}
         if not weights_finite(self.engine):
             self.stop(Verdict(exit_code=1, message=f"step {self.step}: weights hold NaN or inf, "
