@@ -1,0 +1,163 @@
+"""--streaming (dragon.stream) on real files and the real `datasets` streaming, and through real
+2-rank DeepSpeed jobs: the streamed blocks are the materialised ones, 2 ranks read what 1 rank
+reads at the same global batch, a resumed stream reads what the uninterrupted one reads."""
+
+import json
+import os
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # before datasets is imported: no hub access
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import datasets  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from conftest import bad_input_base, losses, read_jsonl, run_recipe_in_process  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from test_checkpoints import finish, kill_when, logged_steps, start  # noqa: E402
+
+from dragon.data import ByteTokenizer, DataArguments, DataError, load_text, pack  # noqa: E402
+from dragon.stream import StreamedBatches, build_streams  # noqa: E402
+
+datasets.disable_progress_bars()
+
+
+@pytest.fixture
+def shards(tmp_path):
+    """Three kinds of shard: .txt (one document each), .jsonl rows and a .parquet file."""
+    root = tmp_path / "shards"
+    root.mkdir()
+    for k in range(2):
+        (root / f"{k}.txt").write_text(f"plain text shard {k}, " * 40)
+    rows = [{"text": f"json row {i} " * (1 + i % 5), "id": i} for i in range(60)]
+    (root / "2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    texts = [f"parquet row {i} " * (1 + i % 3) for i in range(40)]
+    Dataset.from_dict({"text": texts}).to_parquet(str(root / "3.parquet"))
+    return root
+
+
+def streams(tmp_path, spec, **kw):
+    args = DataArguments(train_file=str(spec), streaming=True, block_size=7,
+                         validation_blocks=5, cache_dir=str(tmp_path / "cache"), **kw)
+    return build_streams(args)
+
+
+def ids(rows) -> list[list[int]]:
+    return [list(map(int, r)) for r in rows]
+
+
+def test_streamed_blocks_are_the_materialised_blocks(tmp_path, shards):
+    """txt, jsonl and parquet shards streamed: the held-out head then the training stream are
+    the materialised path's blocks in order (the same packing of the same documents), on every
+    build."""
+    train, valid, _ = streams(tmp_path, shards)
+    texts = load_text(DataArguments(train_file=str(shards), cache_dir=str(tmp_path / "cache")))
+    expected = ids(pack(texts, ByteTokenizer(), 7)["input_ids"])
+    streamed = ids(valid["input_ids"]) + ids(row["input_ids"] for row in train)
+    assert streamed == expected and len(valid) == 5 and len(expected) > 150
+    again, _, _ = streams(tmp_path, shards)
+    assert ids(row["input_ids"] for row in again) == expected[5:]
+
+
+def read(batches, n) -> list[torch.Tensor]:
+    return [next(batches) for _ in range(n)]
+
+
+def test_two_ranks_read_what_one_rank_reads_at_the_same_global_batch(tmp_path, shards):
+    """Micro-batch 2 on each of 2 ranks (or 2 DiLoCo islands of 1 rank: the same data shards)
+    holds the rows of micro-batch 4 on 1 rank, and of 2 accumulated micro-batches of 2, at every
+    step, past the end of the stream (the ranks are disjoint inside a pass)."""
+    train, _, _ = streams(tmp_path, shards)
+    n = sum(1 for _ in train)
+    steps = n // 4 + 3  # beyond one pass of the stream
+    one = read(StreamedBatches(train, 4, 0, 1), steps)
+    accum = read(StreamedBatches(train, 2, 0, 1, grad_accum=2), 2 * steps)
+    ranks = [read(StreamedBatches(train, 2, r, 2), steps) for r in (0, 1)]
+    blocks = torch.tensor(ids(row["input_ids"] for row in train))  # the global order
+    for s in range(n // 4):
+        assert torch.equal(one[s], blocks[4 * s : 4 * s + 4])
+        assert torch.equal(torch.cat(accum[2 * s : 2 * s + 2]), one[s])
+        for r in (0, 1):  # blocks 4s+r and 4s+r+2: disjoint, together the global batch
+            assert torch.equal(ranks[r][s], blocks[4 * s + r : 4 * s + 4 : 2])
+    # After the end of a pass every rank begins the stream again on its own.
+    assert torch.equal(ranks[0][n // 4 + 1][0], one[0][0])
+
+
+@pytest.mark.parametrize("consumed", [0, 7, 101, 150])
+def test_resume_reads_the_same_next_batches(tmp_path, shards, consumed):
+    """A stream rebuilt from a saved state (through torch.save, as in a checkpoint) returns what
+    the uninterrupted stream returns next: inside the first pass, at its end (rank 1 reads 101
+    micro-batches of 3 of the 607 blocks in a pass) and in the second pass."""
+    train, _, _ = streams(tmp_path, shards)
+    assert sum(1 for _ in train) == 607
+    full = read(StreamedBatches(train, 3, 1, 2), consumed + 12)
+    first = StreamedBatches(train, 3, 1, 2)
+    read(first, consumed)
+    torch.save(first.state_dict(), tmp_path / "state.pt")
+    resumed = StreamedBatches(train, 3, 1, 2)
+    resumed.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=False))
+    assert all(torch.equal(a, b) for a, b in zip(read(resumed, 12), full[consumed:]))
+    seeked = StreamedBatches(train, 3, 1, 2, grad_accum=1)
+    seeked.seek(consumed)
+    assert torch.equal(next(seeked), full[consumed])
+
+
+def test_validation_file_is_the_validation_set(tmp_path, shards):
+    train, valid, _ = streams(tmp_path, shards / "2.jsonl", validation_file=str(shards / "0.txt"))
+    assert bytes(valid[0]["input_ids"]) == b"plain te"
+    assert bytes(ids([next(iter(train))["input_ids"]])[0]) == b"json row"
+
+
+@pytest.mark.parametrize(
+    "make,needles",
+    [
+        (lambda d: d / "missing.jsonl", ["missing.jsonl", "does not exist"]),
+        (lambda d: d / "empty.jsonl", ["streams no text"]),
+        (lambda d: d / "short.txt", ["holds 2 blocks", "--validation_blocks"]),
+        (lambda d: d / "body.jsonl", ["text column 'text' not found", "['body']"]),
+    ],
+)
+def test_one_line_errors(tmp_path, make, needles):
+    (tmp_path / "empty.jsonl").write_text('{"text": ""}\n{"text": ""}\n')
+    (tmp_path / "short.txt").write_text("x" * 17)
+    (tmp_path / "body.jsonl").write_text('{"body": "abc"}\n')
+    with pytest.raises(DataError) as e:
+        streams(tmp_path, make(tmp_path))
+    message = str(e.value)
+    assert "\n" not in message and all(n in message for n in needles), message
+
+
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--streaming", "--carry_state"], "--carry_state with --streaming"),
+        (["--validation_file", "x.txt"], "--validation_file x.txt: it is read with --streaming"),
+    ],
+)
+def test_preflight_refuses(tmp_path, monkeypatch, text_file, extra, needle):
+    argv = bad_input_base("zero2.json", tmp_path / "out", text_file) + extra
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    assert needle in run_recipe_in_process(monkeypatch, "recipes/pretrain.py", argv, env)
+
+
+def test_sigkill_then_resume_replays_the_uninterrupted_losses(tmp_path, text_file):
+    """2 ranks, ZeRO-2, --streaming over a corpus whose training stream ends at step 7: killed
+    between the saves of steps 4 and 8, resumed from step 4 through the end of the stream, the
+    losses are the uninterrupted run's (bit-equal)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(text_file.read_bytes()[: 65 * (32 + 60)])  # 32 held out, 60 to train
+    steps, extra = 12, ["--save_steps", "4", "--streaming", "--validation_blocks", "32"]
+    full = tmp_path / "full"
+    finish(start("zero2", full, corpus, steps, extra))
+    expected = read_jsonl(full / "metrics.jsonl")
+    assert [m["epoch"] for m in expected if m["step"] in (7, 8)] == [0, 1]  # 8 blocks a step
+
+    out = tmp_path / "killed"
+    metrics = out / "metrics.jsonl"
+    proc = start("zero2", out, corpus, steps, extra)
+    kill_when(proc, lambda: max(logged_steps(metrics), default=0) >= 6)
+    assert max(logged_steps(metrics)) < 8, "killed too late"
+    assert (out / "checkpoints" / "step4" / "data_stream_1.pt").exists()
+    finish(start("zero2", out, corpus, steps, [*extra, "--resume_from_checkpoint", "latest"]))
+    resumed = [m for m in read_jsonl(metrics) if m["step"] > 4][-(steps - 4) :]
+    assert [m["step"] for m in resumed] == list(range(5, steps + 1))
+    assert [m["loss"] for m in resumed] == losses(expected)[4:]
