@@ -4,6 +4,7 @@ reads at the same global batch, a resumed stream reads what the uninterrupted on
 
 import json
 import os
+import subprocess
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # before datasets is imported: no hub access
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -11,9 +12,20 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import datasets  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from conftest import bad_input_base, losses, read_jsonl, run_recipe_in_process  # noqa: E402
+from conftest import (  # noqa: E402
+    LOSS_ATOL,
+    REPO,
+    STEPS,
+    TINY,
+    bad_input_base,
+    job_env,
+    launch_command,
+    losses,
+    read_jsonl,
+    run_recipe_in_process,
+)
 from datasets import Dataset  # noqa: E402
-from test_checkpoints import finish, kill_when, logged_steps, start  # noqa: E402
+from test_checkpoints import finish, kill_when, logged_steps  # noqa: E402
 
 from dragon.data import ByteTokenizer, DataArguments, DataError, load_text, pack  # noqa: E402
 from dragon.stream import StreamedBatches, build_streams  # noqa: E402
@@ -139,25 +151,45 @@ def test_preflight_refuses(tmp_path, monkeypatch, text_file, extra, needle):
     assert needle in run_recipe_in_process(monkeypatch, "recipes/pretrain.py", argv, env)
 
 
-def test_sigkill_then_resume_replays_the_uninterrupted_losses(tmp_path, text_file):
-    """2 ranks, ZeRO-2, --streaming over a corpus whose training stream ends at step 7: killed
-    between the saves of steps 4 and 8, resumed from step 4 through the end of the stream, the
-    losses are the uninterrupted run's (bit-equal)."""
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_bytes(text_file.read_bytes()[: 65 * (32 + 60)])  # 32 held out, 60 to train
-    steps, extra = 12, ["--save_steps", "4", "--streaming", "--validation_blocks", "32"]
-    full = tmp_path / "full"
-    finish(start("zero2", full, corpus, steps, extra))
-    expected = read_jsonl(full / "metrics.jsonl")
-    assert [m["epoch"] for m in expected if m["step"] in (7, 8)] == [0, 1]  # 8 blocks a step
+STREAM = ["--streaming", "--validation_blocks", "64"]
 
+
+def test_pipeline_on_two_stages_equals_zero_on_two_ranks(runs):
+    """The pipeline recipe (2 stages x 1 data rank, 2 micro-batches of 4) and the ZeRO recipe (2
+    data ranks x 4) read the same streamed global batches: the same losses within rounding."""
+    _, zero, _ = runs("stream_zero2", extra=STREAM)
+    _, pipe, _ = runs(
+        "stream_pipe", config="pipeline_zero0.json", script="recipes/pretrain_pipeline.py",
+        extra=[*STREAM, "--pipeline_stages", "2", "--gradient_accumulation_steps", "2"],
+    )
+    assert len(zero) == len(pipe) == 8
+    assert losses(pipe) == pytest.approx(losses(zero), abs=LOSS_ATOL)
+    assert losses(pipe, "eval_loss") == pytest.approx(losses(zero, "eval_loss"), abs=LOSS_ATOL)
+
+
+def start_streamed(out, text_file, extra=()):
+    """In the background, the 2-rank ZeRO-2 run that runs("stream_zero2") makes."""
+    args = ["--deepspeed", str(REPO / "ds_configs/zero2.json"), "--output_dir", str(out),
+            "--train_file", str(text_file), "--max_steps", str(STEPS),
+            "--per_device_train_batch_size", "4", *TINY, *STREAM, *extra]
+    return subprocess.Popen(launch_command("torchrun", 2, "recipes/pretrain.py", args), cwd=REPO,
+                            env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_replays_the_uninterrupted_losses(runs, tmp_path, text_file):
+    """2 ranks, ZeRO-2, --streaming: killed between the saves of steps 4 and 8, resumed from step
+    4 (each rank's stream position from its own file), the losses are the uninterrupted run's
+    (bit-equal)."""
+    _, expected, _ = runs("stream_zero2", extra=STREAM)
     out = tmp_path / "killed"
     metrics = out / "metrics.jsonl"
-    proc = start("zero2", out, corpus, steps, extra)
-    kill_when(proc, lambda: max(logged_steps(metrics), default=0) >= 6)
-    assert max(logged_steps(metrics)) < 8, "killed too late"
+    proc = start_streamed(out, text_file)
+    kill_when(proc, lambda: max(logged_steps(metrics), default=0) >= 5)
+    assert max(logged_steps(metrics)) < STEPS, "killed too late"
     assert (out / "checkpoints" / "step4" / "data_stream_1.pt").exists()
-    finish(start("zero2", out, corpus, steps, [*extra, "--resume_from_checkpoint", "latest"]))
-    resumed = [m for m in read_jsonl(metrics) if m["step"] > 4][-(steps - 4) :]
-    assert [m["step"] for m in resumed] == list(range(5, steps + 1))
+    finish(start_streamed(out, text_file, ["--resume_from_checkpoint", "latest"]))
+    resumed = [m for m in read_jsonl(metrics) if m["step"] > 4][-(STEPS - 4) :]
+    assert [m["step"] for m in resumed] == list(range(5, STEPS + 1))
     assert [m["loss"] for m in resumed] == losses(expected)[4:]
