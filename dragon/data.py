@@ -58,6 +58,11 @@ class DataArguments:
     preprocessing_num_workers: Optional[int] = field(
         default=None, metadata={"help": "Processes for tokenization/packing."}
     )
+    dataset_mixture: Optional[str] = field(
+        default=None,
+        metadata={"help": "--streaming: weighted sources, \"SOURCE=WEIGHT,...\" (each a file, "
+                  "glob, directory or hub name[:config]; dragon.mixture)."},
+    )
     streaming: bool = field(
         default=False,
         metadata={"help": "Read, tokenize and pack the data as training reads it (dragon.stream)."},

@@ -30,7 +30,8 @@ from dragon.faults import (
 )
 from dragon.card import run_info, write_model_card, write_run_info
 from dragon.memory import peak_bytes
-from dragon.metrics import MetricsLogger, Throughput, peak_tflops_per_device
+from dragon.metrics import MetricsLogger, Throughput, peak_tflops_per_device, source_tokens
+from dragon.mixture import source_names
 from dragon.model import BDHConfig, BDHForCausalLM
 from dragon.preflight import RecipeInputs
 from dragon.retention import find_resume_checkpoint
@@ -81,7 +82,8 @@ class TrainingRun:
             engine.gradient_accumulation_steps(),
         )
         data_rank, data_world = topology.data_shard(dp_rank, dp_world)
-        self.streamed = inputs.data.streaming
+        self.streamed, self.dp_world = inputs.data.streaming, dp_world
+        self.sources = source_names(inputs.data)  # a mixture's, whose tokens the metrics count
         if self.streamed:  # every island's rank reads its own share of one global stream
             self.train_batches = StreamedBatches(
                 inputs.train_set, self.micro, data_rank, data_world, self.accum
@@ -268,6 +270,10 @@ class TrainingRun:
         since the last call."""
         mean = sum(self.losses) / len(self.losses)
         self.losses = []
+        taken = {}
+        if self.sources:  # every stage of a data rank reads the same blocks: mean x data ranks
+            per_rank = all_reduce_mean(self.train_batches.tokens_taken(len(self.sources)))
+            taken = source_tokens(self.sources, [n * self.dp_world for n in per_rank])
         return {
             "loss": mean if already_averaged else all_reduce_mean([mean])[0],
             "lr": self.engine.get_lr()[0],
@@ -277,6 +283,7 @@ class TrainingRun:
             "memory_peak_mib": all_reduce_values([peak_bytes(self.engine.device) / 2**20],
                                                  dist.ReduceOp.MAX)[0],
             **self._throughput.report(),
+            **taken,
         }
 
     def log(self, record: dict) -> None:

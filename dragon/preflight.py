@@ -71,8 +71,10 @@ def preflight(pipeline: bool = False) -> RecipeInputs:
                 "pipeline's gradients; use stage 0 or 1 (ds_configs/pipeline_zero*.json)"
             )
         _check_streaming(data_args, args)
-        build = build_streams if data_args.streaming else build_datasets
-        train_set, valid_set, tokenizer = build(data_args)
+        if data_args.streaming:
+            train_set, valid_set, tokenizer = build_streams(data_args, args.seed)
+        else:
+            train_set, valid_set, tokenizer = build_datasets(data_args)
         _check_model(model_args, tokenizer.vocab_size, pipe_args)
         # Both raise when the data cannot fill one step / one evaluation on every rank.
         micro, accum = (
@@ -128,6 +130,9 @@ def _check_streaming(data_args: DataArguments, args: TrainingArguments) -> None:
             raise ValueError(f"--validation_file {data_args.validation_file}: it is read with "
                              "--streaming only; add --streaming, or drop it to hold out "
                              "--validation_split_percentage of the data")
+        if data_args.dataset_mixture is not None:
+            raise ValueError(f"--dataset_mixture {data_args.dataset_mixture}: mixtures are "
+                             "streamed; add --streaming")
         return
     if args.carry_state:
         raise ValueError("--carry_state with --streaming: carried states read the corpus as "

@@ -21,6 +21,7 @@ import torch
 from datasets import Dataset, IterableDataset
 from datasets.distributed import split_dataset_by_node
 
+from dragon.mixture import mixed_blocks
 from dragon.data import (
     PACK_BATCH_SIZE,
     DataArguments,
@@ -58,7 +59,8 @@ def _validation(args: DataArguments, blocks: IterableDataset, tokenizer: Any) ->
             raise DataError(f"validation_file {args.validation_file!r} holds no block of "
                             f"block_size+1={args.block_size + 1} tokens; lower --block_size")
         return valid
-    head = [row["input_ids"] for row in blocks.take(args.validation_blocks)]
+    head = [row["input_ids"] for row in blocks.select_columns(["input_ids"]).take(
+        args.validation_blocks)]
     if len(head) < args.validation_blocks:
         raise DataError(
             f"the stream holds {len(head)} blocks of block_size+1={args.block_size + 1} tokens, "
@@ -68,17 +70,29 @@ def _validation(args: DataArguments, blocks: IterableDataset, tokenizer: Any) ->
     return Dataset.from_dict({"input_ids": head})
 
 
-def build_streams(args: DataArguments) -> tuple[IterableDataset, Dataset, Any]:
-    """(train blocks: a global IterableDataset, validation blocks: a Dataset, tokenizer)."""
+def _blocks(args: DataArguments, tokenizer: Any, seed: int) -> IterableDataset:
+    """The global block stream: of --dataset_mixture's sources, or of the one source."""
+    if args.dataset_mixture is not None:
+        if args.train_file is not None or args.dataset_name is not None:
+            given = args.train_file or args.dataset_name
+            raise DataError(f"dataset_mixture {args.dataset_mixture!r} and {given!r} are both "
+                            "given; put every source in the mixture")
+        return mixed_blocks(args, tokenizer, seed)
+    texts = open_texts(args, streaming=True)
+    if not any(row["text"] for row in texts):  # stops at the first document with text
+        raise DataError(f"{args.train_file or args.dataset_name!r} streams no text")
+    return packed(texts, tokenizer, args.block_size)
+
+
+def build_streams(args: DataArguments, seed: int = 0) -> tuple[IterableDataset, Dataset, Any]:
+    """(train blocks: a global IterableDataset, validation blocks: a Dataset, tokenizer); `seed`
+    draws a mixture's sources."""
     _check_args(args)
     if args.validation_blocks < 1 and args.validation_file is None:
         raise DataError(f"validation_blocks {args.validation_blocks} is invalid; use >= 1 or give "
                         "--validation_file")
     tokenizer = load_tokenizer(args)
-    texts = open_texts(args, streaming=True)
-    if not any(row["text"] for row in texts):  # stops at the first document with text
-        raise DataError(f"{args.train_file or args.dataset_name!r} streams no text")
-    blocks = packed(texts, tokenizer, args.block_size)
+    blocks = _blocks(args, tokenizer, seed)
     valid = _validation(args, blocks, tokenizer)
     train = blocks if args.validation_file is not None else blocks.skip(args.validation_blocks)
     return train, valid, tokenizer
@@ -103,27 +117,31 @@ class StreamedBatches:
         self.micro_batch_size, self.grad_accum = micro_batch_size, grad_accum
         self.prefetch = prefetch
         self.epoch, self.micro_step = 0, 0  # micro-batches returned, over all epochs
-        self._state: dict = {"epoch": 0, "micro_step": 0, "stream": None}
+        self._state: dict = {"epoch": 0, "micro_step": 0, "stream": None, "taken": {}}
         self._queue: Optional[queue.Queue] = None
 
     def _read(self, state: dict) -> Iterator[tuple[torch.Tensor, dict]]:
         """(micro-batch, position after it) from `state` on, epoch after epoch."""
-        epoch, micro_step = state["epoch"], state["micro_step"]
+        epoch, micro_step, taken = state["epoch"], state["micro_step"], dict(state["taken"])
         rank, world = self.dp_rank, self.dp_world
         stream = split_dataset_by_node(self.blocks, rank, world, strategy="examples")
         stream.set_epoch(epoch)
         if state["stream"] is not None:
             stream.load_state_dict(state["stream"])
-        rows = []
+        rows, sources = [], []
         while True:
             for row in stream:
                 rows.append(row["input_ids"])
+                sources.append(row.get("source"))
                 if len(rows) == self.micro_batch_size:
                     micro_step += 1
                     batch = torch.from_numpy(np.stack(rows)).long()
-                    rows = []
+                    for source in sources:  # a mixture's blocks name their source
+                        if source is not None:
+                            taken[int(source)] = taken.get(int(source), 0) + batch.shape[1] - 1
+                    rows, sources = [], []
                     yield batch, {"epoch": epoch, "micro_step": micro_step,
-                                  "stream": stream.state_dict()}
+                                  "stream": stream.state_dict(), "taken": dict(taken)}
             epoch += 1  # the stream ended: begin it again (rows carry over the wrap)
             stream.set_epoch(epoch)
 
@@ -152,6 +170,11 @@ class StreamedBatches:
     def state_dict(self) -> dict:
         return dict(self._state)
 
+    def tokens_taken(self, sources: int) -> list[int]:
+        """Tokens (predicted ones, block_size per block) this rank took from each of a mixture's
+        `sources` so far."""
+        return [self._state["taken"].get(i, 0) for i in range(sources)]
+
     def load_state_dict(self, state: dict) -> None:
         """Continue exactly where the stream that saved `state` (on this rank) stopped."""
         if self._queue is not None:
@@ -162,7 +185,7 @@ class StreamedBatches:
     def seek(self, step: int) -> None:
         """Stand where this rank's stream is after `step` optimizer steps from its start (of any
         launch layout: the global order does not depend on it), by reading up to there."""
-        self.load_state_dict({"epoch": 0, "micro_step": 0, "stream": None})
+        self.load_state_dict({"epoch": 0, "micro_step": 0, "stream": None, "taken": {}})
         for _ in range(step * self.grad_accum):
             next(self)
 

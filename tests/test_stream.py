@@ -143,6 +143,7 @@ def test_one_line_errors(tmp_path, make, needles):
     [
         (["--streaming", "--carry_state"], "--carry_state with --streaming"),
         (["--validation_file", "x.txt"], "--validation_file x.txt: it is read with --streaming"),
+        (["--dataset_mixture", "x.txt=1"], "--dataset_mixture x.txt=1: mixtures are streamed"),
     ],
 )
 def test_preflight_refuses(tmp_path, monkeypatch, text_file, extra, needle):
@@ -193,3 +194,73 @@ def test_sigkill_then_resume_replays_the_uninterrupted_losses(runs, tmp_path, te
     resumed = [m for m in read_jsonl(metrics) if m["step"] > 4][-(STEPS - 4) :]
     assert [m["step"] for m in resumed] == list(range(5, STEPS + 1))
     assert [m["loss"] for m in resumed] == losses(expected)[4:]
+
+
+@pytest.fixture
+def two_sources(tmp_path):
+    """Source "a" (jsonl) holds only the letter a, source "b" (txt) only b: a block's bytes say
+    which source it came from."""
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.txt"
+    a.write_text("".join(json.dumps({"text": "a" * 70}) + "\n" for _ in range(400)))
+    b.write_text("b" * 20_000)
+    return a, b
+
+
+def mixture(tmp_path, spec, seed=0):
+    args = DataArguments(dataset_mixture=spec, streaming=True, block_size=7, validation_blocks=5,
+                         cache_dir=str(tmp_path / "cache"))
+    return build_streams(args, seed)
+
+
+def test_mixture_takes_tokens_by_the_weights(tmp_path, two_sources):
+    """a=0.7, b=0.3: over 2000 blocks a's share is 0.7 within 0.031 (3 standard deviations of a
+    binomial share); every block is tagged with its own source; a seed fixes the draw."""
+    a, b = two_sources
+    train, _, _ = mixture(tmp_path, f"{a}=0.7,{b}=0.3")
+    batches = StreamedBatches(train, 8, 0, 1)
+    rows = torch.cat(read(batches, 250))
+    from_a = (rows == ord("a")).all(dim=1)
+    assert bool((from_a | (rows == ord("b")).all(dim=1)).all())  # no block mixes sources
+    assert abs(from_a.float().mean().item() - 0.7) < 0.031
+    assert batches.tokens_taken(2) == [int(from_a.sum()) * 7, int((~from_a).sum()) * 7]
+    for seed, same in ((0, True), (1, False)):
+        draw = StreamedBatches(mixture(tmp_path, f"{a}=0.7,{b}=0.3", seed)[0], 8, 0, 1)
+        assert torch.equal(torch.cat(read(draw, 250)), rows) == same
+
+
+def test_mixture_resumes_exactly(tmp_path, two_sources):
+    """The draw's random state is part of the saved position: a resumed mixture reads on as the
+    uninterrupted one, its token counts included."""
+    a, b = two_sources
+    train, _, _ = mixture(tmp_path, f"{a}=1,{b}=1")
+    full = StreamedBatches(train, 4, 1, 2)
+    expected = read(full, 60)
+    first = StreamedBatches(train, 4, 1, 2)
+    read(first, 37)
+    resumed = StreamedBatches(train, 4, 1, 2)
+    resumed.load_state_dict(first.state_dict())
+    assert all(torch.equal(x, y) for x, y in zip(read(resumed, 23), expected[37:]))
+    assert resumed.tokens_taken(2) == full.tokens_taken(2)
+
+
+@pytest.mark.parametrize(
+    "spec,needles",
+    [
+        ("{a}", ["entry", "is not SOURCE=WEIGHT"]),
+        ("{a}=0.5,{b}=heavy", ["weight 'heavy'", "b.txt", "number >= 0"]),
+        ("{a}=-1,{b}=2", ["weight '-1'"]),
+        ("{a}=0,{b}=0", ["sum to 0"]),
+        ("{a}=1,{body}=1", ["text column 'text' not found", "body.jsonl", "['body']"]),
+        ("{a}=1,{empty}=1", ["source", "empty.jsonl", "streams no text"]),
+        ("{a}=1,{missing}=1", ["missing.txt", "does not exist"]),
+    ],
+)
+def test_mixture_one_line_errors(tmp_path, two_sources, spec, needles):
+    (tmp_path / "body.jsonl").write_text('{"body": "abc"}\n')
+    (tmp_path / "empty.jsonl").write_text('{"text": ""}\n')
+    names = {k: tmp_path / f for k, f in
+             [("body", "body.jsonl"), ("empty", "empty.jsonl"), ("missing", "missing.txt")]}
+    with pytest.raises(DataError) as e:
+        mixture(tmp_path, spec.format(a=two_sources[0], b=two_sources[1], **names))
+    message = str(e.value)
+    assert "\n" not in message and all(n in message for n in needles), message
