@@ -97,8 +97,9 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def encode_array(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+    def encode_concatenated(self, texts: list[str]) -> np.ndarray:
+        """The ids of `texts` one after another (for packing)."""
+        return np.frombuffer("".join(texts).encode("utf-8"), dtype=np.uint8)
 
     def decode(self, ids: Union[Sequence[int], torch.Tensor]) -> str:
         ids = ids.tolist() if hasattr(ids, "tolist") else ids
@@ -118,8 +119,13 @@ class HFTokenizer:
         # verbose=False: documents are longer than model_max_length by design (we pack them).
         return self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
 
-    def encode_array(self, text: str) -> np.ndarray:
-        return np.asarray(self.encode(text), dtype=np.int64)
+    def encode_concatenated(self, texts: list[str]) -> np.ndarray:
+        """The ids of `texts` one after another (for packing): one batched call, which the fast
+        tokenizers run in Rust."""
+        if not texts:
+            return np.zeros(0, dtype=np.int64)
+        ids = self.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+        return np.concatenate([np.asarray(doc, dtype=np.int64) for doc in ids])
 
     def decode(self, ids: Union[Sequence[int], torch.Tensor]) -> str:
         ids = ids.tolist() if hasattr(ids, "tolist") else ids
@@ -263,8 +269,7 @@ def load_text(args: DataArguments) -> Dataset:
 
 def _pack_batch(batch: dict[str, list], tokenizer: Any, block_size: int) -> dict[str, Any]:
     """Tokenize a batch of documents, concatenate them, cut into rows of block_size+1 ids."""
-    pieces = [tokenizer.encode_array(text) for text in batch["text"]]
-    stream = np.concatenate(pieces).astype(np.int64) if pieces else np.zeros(0, dtype=np.int64)
+    stream = tokenizer.encode_concatenated(batch["text"]).astype(np.int64)
     width = block_size + 1
     rows = len(stream) // width
     return {"input_ids": stream[: rows * width].reshape(rows, width)}
