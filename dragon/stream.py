@@ -12,6 +12,7 @@ state_dict, saved per rank with each checkpoint.
 
 from __future__ import annotations
 
+import copy
 import queue
 import threading
 from typing import Any, Iterator, Optional
@@ -120,11 +121,11 @@ class StreamedBatches:
         self._state: dict = {"epoch": 0, "micro_step": 0, "stream": None, "taken": {}}
         self._queue: Optional[queue.Queue] = None
 
-    def _read(self, state: dict) -> Iterator[tuple[torch.Tensor, dict]]:
-        """(micro-batch, position after it) from `state` on, epoch after epoch."""
+    def _read(self, blocks: IterableDataset, state: dict) -> Iterator[tuple[torch.Tensor, dict]]:
+        """(micro-batch, position after it) of `blocks` from `state` on, epoch after epoch."""
         epoch, micro_step, taken = state["epoch"], state["micro_step"], dict(state["taken"])
         rank, world = self.dp_rank, self.dp_world
-        stream = split_dataset_by_node(self.blocks, rank, world, strategy="examples")
+        stream = split_dataset_by_node(blocks, rank, world, strategy="examples")
         stream.set_epoch(epoch)
         if state["stream"] is not None:
             stream.load_state_dict(state["stream"])
@@ -145,9 +146,9 @@ class StreamedBatches:
             epoch += 1  # the stream ended: begin it again (rows carry over the wrap)
             stream.set_epoch(epoch)
 
-    def _fill(self, out: queue.Queue, state: dict) -> None:
+    def _fill(self, out: queue.Queue, blocks: IterableDataset, state: dict) -> None:
         try:
-            for item in self._read(state):
+            for item in self._read(blocks, state):
                 out.put(item)
         except BaseException as e:  # re-raised by __next__ in the training thread
             out.put(e)
@@ -158,7 +159,10 @@ class StreamedBatches:
     def __next__(self) -> torch.Tensor:
         if self._queue is None:
             self._queue = queue.Queue(maxsize=self.prefetch)
-            args = (self._queue, dict(self._state))
+            # Iterating keeps its position on the dataset's own iterables: a private copy, made
+            # here before the thread starts, keeps this reader apart from any other reader of
+            # the same dataset (the validation head, another StreamedBatches).
+            args = (self._queue, copy.deepcopy(self.blocks), dict(self._state))
             threading.Thread(target=self._fill, args=args, daemon=True).start()
         item = self._queue.get()
         if isinstance(item, BaseException):
