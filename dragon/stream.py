@@ -22,7 +22,6 @@ import torch
 from datasets import Dataset, IterableDataset
 from datasets.distributed import split_dataset_by_node
 
-from dragon.mixture import mixed_blocks
 from dragon.data import (
     PACK_BATCH_SIZE,
     DataArguments,
@@ -33,6 +32,7 @@ from dragon.data import (
     open_texts,
     pack,
 )
+from dragon.mixture import mixed_blocks
 
 STATE_FILE = "data_stream"  # <name>_<rank>.pt in each checkpoint: this rank's stream position
 PREFETCH = 8  # micro-batches the reading thread keeps ready
