@@ -36,7 +36,7 @@ def plan_lines(inputs, config, dp_world: int) -> list[str]:
     profile = model_profile(config, block + 1)
     tokens = micro * accum * dp_world * islands * block
     if inputs.data.streaming:
-        train, epoch = "streamed", "streamed, epochs not counted ahead"
+        train, epoch = "streamed", "steps per epoch unknown (streamed)"
     else:
         train = f"{len(inputs.train_set):,}"
         epoch = f"{len(inputs.train_set) // (micro * accum * dp_world * islands):,} steps per epoch"
