@@ -19,6 +19,7 @@ from conftest import (  # noqa: E402
     TINY,
     bad_input_base,
     job_env,
+    launch,
     launch_command,
     losses,
     read_jsonl,
@@ -264,3 +265,26 @@ def test_mixture_one_line_errors(tmp_path, two_sources, spec, needles):
         mixture(tmp_path, spec.format(a=two_sources[0], b=two_sources[1], **names))
     message = str(e.value)
     assert "\n" not in message and all(n in message for n in needles), message
+
+
+def test_a_mixture_run_logs_the_tokens_taken_from_each_source(tmp_path, text_file):
+    """2 ranks, a mixture of two files (one of them a glob): metrics.jsonl counts the tokens of
+    both ranks from each source, which add up to the run's tokens at every logged step."""
+    (tmp_path / "prose").mkdir()
+    data = text_file.read_bytes()
+    (tmp_path / "code.txt").write_bytes(data[: len(data) // 2])
+    (tmp_path / "prose" / "p.txt").write_bytes(data[len(data) // 2 :])
+    mix = f"{tmp_path}/code.txt=0.7,{tmp_path}/prose/*.txt=0.3"
+    out = tmp_path / "run"
+    args = ["--deepspeed", str(REPO / "ds_configs/zero2.json"), "--output_dir", str(out),
+            "--dataset_mixture", mix, "--max_steps", "4", "--per_device_train_batch_size", "4",
+            *TINY, *STREAM]
+    proc = launch("torchrun", 2, "recipes/pretrain.py", args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_jsonl(out / "metrics.jsonl")
+    keys = [f"tokens[{tmp_path}/code.txt]", f"tokens[{tmp_path}/prose/*.txt]"]
+    assert [m["step"] for m in records if "loss" in m] == [1, 2, 3, 4]
+    for m in records:
+        if "loss" in m:
+            assert m[keys[0]] + m[keys[1]] == m["tokens"] == m["step"] * 8 * 64
+    assert records[-1][keys[0]] > records[-1][keys[1]] > 0
