@@ -27,8 +27,9 @@ from conftest import (  # noqa: E402
 )
 from datasets import Dataset  # noqa: E402
 from test_checkpoints import finish, kill_when, logged_steps  # noqa: E402
+from test_data import make_hf_tokenizer  # noqa: E402
 
-from dragon.data import ByteTokenizer, DataArguments, DataError, load_text, pack  # noqa: E402
+from dragon.data import DataArguments, DataError, load_text, pack  # noqa: E402
 from dragon.stream import StreamedBatches, build_streams  # noqa: E402
 
 datasets.disable_progress_bars()
@@ -58,17 +59,20 @@ def ids(rows) -> list[list[int]]:
     return [list(map(int, r)) for r in rows]
 
 
-def test_streamed_blocks_are_the_materialised_blocks(tmp_path, shards):
+@pytest.mark.parametrize("hf", [False, True], ids=["bytes", "hf_tokenizer"])
+def test_streamed_blocks_are_the_materialised_blocks(tmp_path, shards, hf):
     """txt, jsonl and parquet shards streamed: the held-out head then the training stream are
     the materialised path's blocks in order (the same packing of the same documents), on every
-    build."""
-    train, valid, _ = streams(tmp_path, shards)
+    build; read through StreamedBatches' thread too (the tokenizer copied with the dataset)."""
+    tokenizer = make_hf_tokenizer(tmp_path / "tok") if hf else None
+    train, valid, tok = streams(tmp_path, shards, tokenizer_name=tokenizer)
     texts = load_text(DataArguments(train_file=str(shards), cache_dir=str(tmp_path / "cache")))
-    expected = ids(pack(texts, ByteTokenizer(), 7)["input_ids"])
+    expected = ids(pack(texts, tok, 7)["input_ids"])
     streamed = ids(valid["input_ids"]) + ids(row["input_ids"] for row in train)
-    assert streamed == expected and len(valid) == 5 and len(expected) > 150
-    again, _, _ = streams(tmp_path, shards)
+    assert streamed == expected and len(valid) == 5 and len(expected) > 100
+    again, _, _ = streams(tmp_path, shards, tokenizer_name=tokenizer)
     assert ids(row["input_ids"] for row in again) == expected[5:]
+    assert ids(next(StreamedBatches(again, 4, 0, 1))) == expected[5:9]
 
 
 def read(batches, n) -> list[torch.Tensor]:
