@@ -1,10 +1,11 @@
 """Data pipeline for BDH training: text in, packed token blocks out, deterministic batches.
 
-Text comes from a local file, a hub dataset, or (by default) the running interpreter's
-standard library. Documents are tokenized (raw UTF-8 bytes unless a local HF tokenizer is
-given), concatenated, and cut into samples of block_size+1 ids, so input = ids[:-1] and
+Text comes from local files (dragon.sources), a hub dataset, or (by default) the running
+interpreter's standard library. Documents are tokenized (raw UTF-8 bytes unless a local HF
+tokenizer is given), concatenated, and cut into samples of block_size+1 ids, so input = ids[:-1] and
 target = ids[1:]. The last blocks are held out for validation, contiguously, as the
-reference's 90/10 split of one byte stream does.
+reference's 90/10 split of one byte stream does. dragon.stream reads the same sources as a
+stream instead (--streaming).
 """
 
 from __future__ import annotations
