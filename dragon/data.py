@@ -1,10 +1,11 @@
 """Data pipeline for BDH training: text in, packed token blocks out, deterministic batches.
 
-Text comes from a local file, a hub dataset, or (by default) the running interpreter's
-standard library. Documents are tokenized (raw UTF-8 bytes unless a local HF tokenizer is
-given), concatenated, and cut into samples of block_size+1 ids, so input = ids[:-1] and
+Text comes from local files (dragon.sources), a hub dataset, or (by default) the running
+interpreter's standard library. Documents are tokenized (raw UTF-8 bytes unless a local HF
+tokenizer is given), concatenated, and cut into samples of block_size+1 ids, so input = ids[:-1] and
 target = ids[1:]. The last blocks are held out for validation, contiguously, as the
-reference's 90/10 split of one byte stream does.
+reference's 90/10 split of one byte stream does. dragon.stream reads the same sources as a
+stream instead (--streaming).
 """
 
 from __future__ import annotations
@@ -21,13 +22,11 @@ import numpy as np
 import torch
 from datasets import Dataset
 
+from dragon.sources import DataError, builder_groups, resolve_files
+
 PACK_BATCH_SIZE = 1000  # documents per map batch; only each batch's tail is dropped
-_EXTENSION_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 _EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
-
-
-class DataError(ValueError):
-    """Bad data input; message is one line naming the bad value and what would be valid."""
+__all__ = ["DataError"]  # raised by every dragon data module; defined in dragon.sources
 
 
 @dataclass
@@ -39,7 +38,11 @@ class DataArguments:
         default=None, metadata={"help": "Configuration name of --dataset_name."}
     )
     train_file: Optional[str] = field(
-        default=None, metadata={"help": "Local .txt, .json, .jsonl or .parquet file."}
+        default=None,
+        metadata={
+            "help": "Local .txt, .json, .jsonl or .parquet files: comma-separated files, globs "
+            "(quoted) and directories."
+        },
     )
     text_column_name: str = field(
         default="text", metadata={"help": "Column holding the text (json/parquet/hub data)."}
@@ -55,6 +58,23 @@ class DataArguments:
     )
     preprocessing_num_workers: Optional[int] = field(
         default=None, metadata={"help": "Processes for tokenization/packing."}
+    )
+    dataset_mixture: Optional[str] = field(
+        default=None,
+        metadata={"help": "--streaming: weighted sources, \"SOURCE=WEIGHT,...\" (each a file, "
+                  "glob, directory or hub name[:config]; dragon.mixture)."},
+    )
+    streaming: bool = field(
+        default=False,
+        metadata={"help": "Read, tokenize and pack the data as training reads it (dragon.stream)."},
+    )
+    validation_file: Optional[str] = field(
+        default=None,
+        metadata={"help": "--streaming: validation text files (as --train_file); default: the "
+                  "stream's first --validation_blocks blocks, held out."},
+    )
+    validation_blocks: int = field(
+        default=256, metadata={"help": "--streaming: blocks at the stream's head held out."}
     )
     cache_dir: Optional[str] = field(
         default=None, metadata={"help": "datasets cache directory (default: datasets' own)."}
@@ -78,6 +98,10 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def encode_concatenated(self, texts: list[str]) -> np.ndarray:
+        """The ids of `texts` one after another (for packing)."""
+        return np.frombuffer("".join(texts).encode("utf-8"), dtype=np.uint8)
+
     def decode(self, ids: Union[Sequence[int], torch.Tensor]) -> str:
         ids = ids.tolist() if hasattr(ids, "tolist") else ids
         return bytes(ids).decode("utf-8", errors="replace")
@@ -95,6 +119,14 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         # verbose=False: documents are longer than model_max_length by design (we pack them).
         return self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+
+    def encode_concatenated(self, texts: list[str]) -> np.ndarray:
+        """The ids of `texts` one after another (for packing): one batched call, which the fast
+        tokenizers run in Rust."""
+        if not texts:
+            return np.zeros(0, dtype=np.int64)
+        ids = self.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+        return np.concatenate([np.asarray(doc, dtype=np.int64) for doc in ids])
 
     def decode(self, ids: Union[Sequence[int], torch.Tensor]) -> str:
         ids = ids.tolist() if hasattr(ids, "tolist") else ids
@@ -156,78 +188,80 @@ def builtin_corpus_files() -> list[str]:
     return [str(p) for p in sorted(files, key=lambda p: p.relative_to(root).parts)]
 
 
-def _load_file(path: str, cache_dir: Optional[str]) -> Dataset:
-    if not os.path.exists(path):
-        raise DataError(f"train_file {path!r} does not exist")
-    if not os.path.isfile(path):
-        raise DataError(f"train_file {path!r} is not a file")
-    if os.path.getsize(path) == 0:  # the json builder would fail with a bare StopIteration
-        raise DataError(f"train_file {path!r} is empty")
-    ext = os.path.splitext(path)[1].lower()
-    builder = _EXTENSION_BUILDERS.get(ext)
-    if builder is None:
-        raise DataError(
-            f"train_file {path!r} has extension {ext or '(none)'!r}; "
-            f"valid extensions are {', '.join(_EXTENSION_BUILDERS)}"
-        )
-    # A whole .txt file is one document, so its byte stream stays contiguous like the reference.
-    kwargs = {"sample_by": "document"} if builder == "text" else {}
+def _load(source: str, *args: Any, streaming: bool = False, **kwargs: Any) -> Any:
+    """datasets.load_dataset(*args, split="train"), a DataError naming `source` if it fails."""
     try:
-        return datasets.load_dataset(
-            builder, data_files=[path], split="train", cache_dir=cache_dir, **kwargs
-        )
+        return datasets.load_dataset(*args, split="train", streaming=streaming, **kwargs)
     except Exception as e:  # decoding/parsing errors arrive wrapped in DatasetGenerationError
-        cause = e.__cause__ or e
+        raise DataError(f"{source} could not be loaded: {_one_line(e.__cause__ or e)}") from e
+
+
+def text_only(ds: Any, column: str, source: str) -> Any:
+    """`ds` (a Dataset or an IterableDataset) reduced to its string column `column`, renamed
+    "text"; a DataError naming `source` when there is no such string column."""
+    names = ds.column_names
+    if names is None:  # a stream whose features are not known until read (json)
+        names = list(next(iter(ds), {}))
+    if column not in names:
         raise DataError(
-            f"train_file {path!r} could not be read as {builder}: {_one_line(cause)}"
-        ) from e
+            f"text column {column!r} not found in {source}; "
+            f"available columns: {names} (set --text_column_name)"
+        )
+    feature = ds.features[column] if ds.features else None
+    string = isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")
+    if feature is not None and not string:
+        raise DataError(f"text column {column!r} of {source} has type {feature}, not string")
+    ds = ds.select_columns([column])
+    return ds.rename_column(column, "text") if column != "text" else ds
 
 
-def load_text(args: DataArguments) -> Dataset:
-    """The raw documents as a Dataset with the single string column "text"."""
+def _file_texts(spec: str, column: str, cache_dir: Optional[str], streaming: bool) -> Any:
+    """The documents of every file `spec` (--train_file) names, in order; a .txt file is one
+    document (its text column is "text"), so its byte stream stays contiguous like the
+    reference's."""
+    parts = []
+    for builder, files in builder_groups(resolve_files(spec)):
+        name = files[0] if len(files) == 1 else f"{files[0]} (or one of {len(files)} files)"
+        source = f"train_file {name!r}"
+        kwargs = {"sample_by": "document"} if builder == "text" else {}
+        ds = _load(f"{source} as {builder}", builder, data_files=files, cache_dir=cache_dir,
+                   streaming=streaming, **kwargs)
+        parts.append(text_only(ds, "text" if builder == "text" else column, source))
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+def open_texts(args: DataArguments, streaming: bool = False) -> Any:
+    """The raw documents, column "text": a Dataset, or with `streaming` an IterableDataset read
+    as it is iterated."""
     if args.dataset_name is not None and args.train_file is not None:
         raise DataError(
             f"both dataset_name {args.dataset_name!r} and train_file "
             f"{args.train_file!r} are given; give at most one"
         )
-    column = args.text_column_name
+    column, cache = args.text_column_name, args.cache_dir
     if args.train_file is not None:
-        ds = _load_file(args.train_file, args.cache_dir)
-        source = f"train_file {args.train_file!r}"
-    elif args.dataset_name is not None:
-        try:
-            ds = datasets.load_dataset(
-                args.dataset_name, args.dataset_config_name, split="train", cache_dir=args.cache_dir
-            )
-        except Exception as e:
-            raise DataError(
-                f"dataset {args.dataset_name!r} could not be loaded: {_one_line(e)}"
-            ) from e
+        return _file_texts(args.train_file, column, cache, streaming)
+    if args.dataset_name is not None:
         source = f"dataset {args.dataset_name!r}"
-    else:
-        ds = datasets.load_dataset(
-            "text",
-            data_files=builtin_corpus_files(),
-            split="train",
-            sample_by="document",
-            cache_dir=args.cache_dir,
-        )
-        source, column = "the builtin corpus", "text"
+        ds = _load(source, args.dataset_name, args.dataset_config_name, cache_dir=cache,
+                   streaming=streaming)
+        return text_only(ds, column, source)
+    return _load("the builtin corpus", "text", data_files=builtin_corpus_files(),
+                 sample_by="document", cache_dir=cache, streaming=streaming)
 
-    if column not in ds.column_names:
-        raise DataError(
-            f"text column {column!r} not found in {source}; "
-            f"available columns: {ds.column_names} (set --text_column_name)"
-        )
-    feature = ds.features[column]
-    if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
-        raise DataError(f"text column {column!r} of {source} has type {feature}, not string")
-    ds = ds.select_columns([column])
-    if column != "text":
-        ds = ds.rename_column(column, "text")
+
+def _source(args: DataArguments) -> str:
+    if args.train_file is not None:
+        return f"train_file {args.train_file!r}"
+    return f"dataset {args.dataset_name!r}" if args.dataset_name else "the builtin corpus"
+
+
+def load_text(args: DataArguments) -> Dataset:
+    """The raw documents as a Dataset with the single string column "text"."""
+    ds = open_texts(args)
     # Stops at the first non-empty batch, so this is cheap for real data.
     if not any(any(batch["text"]) for batch in ds.iter(batch_size=PACK_BATCH_SIZE)):
-        raise DataError(f"{source} is empty: {len(ds)} rows and no text in column {column!r}")
+        raise DataError(f"{_source(args)} is empty: {len(ds)} rows and no text")
     return ds
 
 
@@ -236,8 +270,7 @@ def load_text(args: DataArguments) -> Dataset:
 
 def _pack_batch(batch: dict[str, list], tokenizer: Any, block_size: int) -> dict[str, Any]:
     """Tokenize a batch of documents, concatenate them, cut into rows of block_size+1 ids."""
-    pieces = [np.asarray(tokenizer.encode(text), dtype=np.int64) for text in batch["text"]]
-    stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+    stream = tokenizer.encode_concatenated(batch["text"]).astype(np.int64)
     width = block_size + 1
     rows = len(stream) // width
     return {"input_ids": stream[: rows * width].reshape(rows, width)}

@@ -30,10 +30,13 @@ from dragon.faults import (
 )
 from dragon.card import run_info, write_model_card, write_run_info
 from dragon.memory import peak_bytes
-from dragon.metrics import MetricsLogger, Throughput, peak_tflops_per_device
+from dragon.metrics import MetricsLogger, Throughput, peak_tflops_per_device, source_tokens
+from dragon.mixture import source_names
 from dragon.model import BDHConfig, BDHForCausalLM
 from dragon.preflight import RecipeInputs
 from dragon.retention import find_resume_checkpoint
+from dragon.stream import STATE_FILE as STREAM_STATE
+from dragon.stream import StreamedBatches
 from dragon.topology import Topology
 
 logger = logging.getLogger("dragon")
@@ -79,10 +82,17 @@ class TrainingRun:
             engine.gradient_accumulation_steps(),
         )
         data_rank, data_world = topology.data_shard(dp_rank, dp_world)
-        batches = StreamBatches if args.carry_state else TrainBatches
-        self.train_batches = batches(
-            inputs.train_set, self.micro, data_rank, data_world, self.accum, seed=args.seed
-        )
+        self.streamed, self.dp_world = inputs.data.streaming, dp_world
+        self.sources = source_names(inputs.data)  # a mixture's, whose tokens the metrics count
+        if self.streamed:  # every island's rank reads its own share of one global stream
+            self.train_batches = StreamedBatches(
+                inputs.train_set, self.micro, data_rank, data_world, self.accum
+            )
+        else:
+            batches = StreamBatches if args.carry_state else TrainBatches
+            self.train_batches = batches(
+                inputs.train_set, self.micro, data_rank, data_world, self.accum, seed=args.seed
+            )
         eval_micro, samples = args.per_device_eval_batch_size, args.max_eval_samples
         valid = (inputs.valid_set, eval_micro, dp_rank, dp_world, samples)
         self.valid_batches = eval_batches(*valid)
@@ -138,8 +148,9 @@ class TrainingRun:
         )
         self.log(joined)  # the outer step this island joined the run at
         if rank() == 0:
+            train = "streamed" if self.streamed else f"{len(inputs.train_set):,}"
             logger.info(
-                f"BDH: {profile.parameters:,} parameters, {len(inputs.train_set):,} train / "
+                f"BDH: {profile.parameters:,} parameters, {train} train / "
                 f"{len(inputs.valid_set):,} valid samples of {block + 1} tokens, "
                 f"{self.tokens_per_step:,} tokens per step"
             )
@@ -163,9 +174,17 @@ class TrainingRun:
                 logger.info(line)
         state = checkpoint.resume(self.engine, load_dir, tag, universal=bool(reshaped))
         self.step = state["step"]
-        self.train_batches.load_state_dict(state["data"])
-        if reshaped or regrouped:  # the saved position counts another launch's micro-batches
-            self.train_batches.seek(self.step)
+        another_layout = bool(reshaped or regrouped)  # the saved position counts its micro-batches
+        if self.streamed:  # each rank's own position; another layout reads up to its own
+            stream = checkpoint.load_rank_file(load_dir, tag, STREAM_STATE)
+            if stream is None or another_layout:
+                self.train_batches.seek(self.step)
+            else:
+                self.train_batches.load_state_dict(stream)
+        else:
+            self.train_batches.load_state_dict(state["data"])
+            if another_layout:
+                self.train_batches.seek(self.step)
         if new_island:  # island 0's dropout masks are not this island's
             torch.manual_seed(self.args.seed + self.topology.launch_rank + self.step)
         carried = checkpoint.load_rank_file(load_dir, tag, CARRIED_STATE)
@@ -261,6 +280,10 @@ class TrainingRun:
         since the last call."""
         mean = sum(self.losses) / len(self.losses)
         self.losses = []
+        taken = {}
+        if self.sources:  # every stage of a data rank reads the same blocks: mean x data ranks
+            per_rank = all_reduce_mean(self.train_batches.tokens_taken(len(self.sources)))
+            taken = source_tokens(self.sources, [n * self.dp_world for n in per_rank])
         return {
             "loss": mean if already_averaged else all_reduce_mean([mean])[0],
             "lr": self.engine.get_lr()[0],
@@ -270,6 +293,7 @@ class TrainingRun:
             "memory_peak_mib": all_reduce_values([peak_bytes(self.engine.device) / 2**20],
                                                  dist.ReduceOp.MAX)[0],
             **self._throughput.report(),
+            **taken,
         }
 
     def log(self, record: dict) -> None:
@@ -293,6 +317,8 @@ class TrainingRun:
             rank_files[DILOCO_STATE] = self.diloco.state_dict()
         if self.carried:
             rank_files[CARRIED_STATE] = self.carried.state_dict()
+        if self.streamed:
+            rank_files[STREAM_STATE] = self.train_batches.state_dict()
         data = {"data": self.train_batches.state_dict()}
         if not weights_finite(self.engine):
             self.stop(Verdict(exit_code=1, message=f"step {self.step}: weights hold NaN or inf, "

@@ -44,6 +44,12 @@ RECORDED_METRICS = (
     "mfu",
 )
 
+def source_tokens(sources: list[str], tokens: list[float]) -> dict[str, int]:
+    """The tokens a mixture took from each source so far, as metrics.jsonl fields
+    "tokens[<source>]"."""
+    return {f"tokens[{name}]": round(n) for name, n in zip(sources, tokens)}
+
+
 # Dense bf16 peak per device, TFLOP/s (vendor datasheets). Matched by substring of the device name.
 GPU_PEAK_TFLOPS = {
     "H200": 989.0,

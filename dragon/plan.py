@@ -35,7 +35,11 @@ def plan_lines(inputs, config, dp_world: int) -> list[str]:
     world = launcher_world_size()
     profile = model_profile(config, block + 1)
     tokens = micro * accum * dp_world * islands * block
-    steps_per_epoch = len(inputs.train_set) // (micro * accum * dp_world * islands)
+    if inputs.data.streaming:
+        train, epoch = "streamed", "steps per epoch unknown (streamed)"
+    else:
+        train = f"{len(inputs.train_set):,}"
+        epoch = f"{len(inputs.train_set) // (micro * accum * dp_world * islands):,} steps per epoch"
     one_launch = diloco.diloco_island_index is not None
     lines = [f"dry run: {'pipeline' if stages > 1 else 'ZeRO'} recipe, nothing is trained"]
     lines.append(
@@ -50,8 +54,8 @@ def plan_lines(inputs, config, dp_world: int) -> list[str]:
         f"{profile.train_flops_per_token / 1e6:,.1f} MFLOPs per token (forward + backward)"
     )
     lines.append(
-        f"data: {len(inputs.train_set):,} train / {len(inputs.valid_set):,} valid samples of "
-        f"{block + 1} tokens; {tokens:,} tokens per step; {steps_per_epoch:,} steps per epoch; "
+        f"data: {train} train / {len(inputs.valid_set):,} valid samples of "
+        f"{block + 1} tokens; {tokens:,} tokens per step; {epoch}; "
         f"{args.max_steps:,} steps = {args.max_steps * tokens:,} tokens"
     )
     if diloco.enabled:

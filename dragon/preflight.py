@@ -16,6 +16,7 @@ from dragon.retention import list_checkpoints
 from dragon.batches import TrainBatches, eval_batches
 from dragon.carry import check_state_fits
 from dragon.data import DataArguments, build_datasets
+from dragon.stream import build_streams, check_stream
 
 from dragon.distributed import launcher_world_size
 from dragon.ds_config import load_ds_config, resolve_ds_config, zero_stage
@@ -71,14 +72,21 @@ def preflight(pipeline: bool = False) -> RecipeInputs:
                 f"--deepspeed {args.deepspeed}: ZeRO stage {zero_stage(ds_config)} cannot shard a "
                 "pipeline's gradients; use stage 0 or 1 (ds_configs/pipeline_zero*.json)"
             )
-        train_set, valid_set, tokenizer = build_datasets(data_args)
+        _check_streaming(data_args, args)
+        if data_args.streaming:
+            train_set, valid_set, tokenizer = build_streams(data_args, args.seed)
+        else:
+            train_set, valid_set, tokenizer = build_datasets(data_args)
         _check_model(model_args, tokenizer.vocab_size, pipe_args)
         # Both raise when the data cannot fill one step / one evaluation on every rank.
         micro, accum = (
             ds_config["train_micro_batch_size_per_gpu"],
             ds_config["gradient_accumulation_steps"],
         )
-        TrainBatches(train_set, micro, 0, dp_world * islands, accum)
+        if data_args.streaming:
+            check_stream(train_set, micro * accum * dp_world * islands, data_args.block_size)
+        else:
+            TrainBatches(train_set, micro, 0, dp_world * islands, accum)
         # (the validation streams of eval_loss_carried need exactly what these batches need)
         eval_batches(valid_set, args.per_device_eval_batch_size, 0, dp_world, args.max_eval_samples)
         if args.carry_state:
@@ -115,6 +123,25 @@ def _data_parallel_world(
     if pipe_args is None:
         return world, islands
     return pipeline_data_parallel(world, pipe_args.pipeline_stages, islands), islands
+
+
+def _check_streaming(data_args: DataArguments, args: TrainingArguments) -> None:
+    """Raise on what --streaming cannot do, and on streaming-only flags without it."""
+    if not data_args.streaming:
+        if data_args.validation_file is not None:
+            raise ValueError(f"--validation_file {data_args.validation_file}: it is read with "
+                             "--streaming only; add --streaming, or drop it to hold out "
+                             "--validation_split_percentage of the data")
+        if data_args.dataset_mixture is not None:
+            raise ValueError(f"--dataset_mixture {data_args.dataset_mixture}: mixtures are "
+                             "streamed; add --streaming")
+        return
+    if args.carry_state:
+        raise ValueError("--carry_state with --streaming: carried states read the corpus as "
+                         "contiguous stretches, which needs its length; drop one of them")
+    if data_args.preprocessing_num_workers is not None:
+        raise ValueError(f"--preprocessing_num_workers {data_args.preprocessing_num_workers} "
+                         "with --streaming: a stream is packed by one reading thread; drop it")
 
 
 def _check_model(

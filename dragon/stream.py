@@ -1,0 +1,206 @@
+"""--streaming: documents read as a `datasets` IterableDataset, tokenized and packed into blocks
+of block_size+1 ids as they are read, never materialised.
+
+The packed stream is one global sequence of blocks. Its first --validation_blocks blocks are held
+out for validation (the same on every run), unless --validation_file gives the validation text.
+Each data-parallel rank (of every DiLoCo island) keeps every W-th block of the rest
+(`split_dataset_by_node(strategy="examples")`), so the blocks of a global batch are the same for
+any number of ranks; each rank tokenizes the whole stream to find its share. A rank that reaches
+the end of the stream starts it again (the next epoch). The position is the IterableDataset's
+state_dict, saved per rank with each checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import queue
+import threading
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+from datasets import Dataset, IterableDataset
+from datasets.distributed import split_dataset_by_node
+
+from dragon.data import (
+    PACK_BATCH_SIZE,
+    DataArguments,
+    DataError,
+    _check_args,
+    _pack_batch,
+    load_tokenizer,
+    open_texts,
+    pack,
+)
+from dragon.mixture import mixed_blocks
+
+STATE_FILE = "data_stream"  # <name>_<rank>.pt in each checkpoint: this rank's stream position
+PREFETCH = 8  # micro-batches the reading thread keeps ready
+
+
+def packed(texts: IterableDataset, tokenizer: Any, block_size: int) -> IterableDataset:
+    """Blocks of block_size+1 ids (column "input_ids"), packed as `texts` is read (the
+    materialised path's packing: each map batch's tail is dropped)."""
+    return texts.map(
+        _pack_batch,
+        batched=True,
+        batch_size=PACK_BATCH_SIZE,
+        fn_kwargs={"tokenizer": tokenizer, "block_size": block_size},
+        remove_columns=["text"],
+    )
+
+
+def _validation(args: DataArguments, blocks: IterableDataset, tokenizer: Any) -> Dataset:
+    """The validation blocks: --validation_file's, packed, or the head of the stream."""
+    if args.validation_file is not None:
+        texts = open_texts(DataArguments(train_file=args.validation_file, cache_dir=args.cache_dir,
+                                         text_column_name=args.text_column_name))
+        valid = pack(texts, tokenizer, args.block_size)
+        if len(valid) == 0:
+            raise DataError(f"validation_file {args.validation_file!r} holds no block of "
+                            f"block_size+1={args.block_size + 1} tokens; lower --block_size")
+        return valid
+    head = [row["input_ids"] for row in blocks.select_columns(["input_ids"]).take(
+        args.validation_blocks)]
+    if len(head) < args.validation_blocks:
+        raise DataError(
+            f"the stream holds {len(head)} blocks of block_size+1={args.block_size + 1} tokens, "
+            f"not more than the {args.validation_blocks} --validation_blocks held out; lower "
+            "--validation_blocks or --block_size, add data, or give --validation_file"
+        )
+    return Dataset.from_dict({"input_ids": head})
+
+
+def _blocks(args: DataArguments, tokenizer: Any, seed: int) -> IterableDataset:
+    """The global block stream: of --dataset_mixture's sources, or of the one source."""
+    if args.dataset_mixture is not None:
+        if args.train_file is not None or args.dataset_name is not None:
+            given = args.train_file or args.dataset_name
+            raise DataError(f"dataset_mixture {args.dataset_mixture!r} and {given!r} are both "
+                            "given; put every source in the mixture")
+        return mixed_blocks(args, tokenizer, seed)
+    texts = open_texts(args, streaming=True)
+    if not any(row["text"] for row in texts):  # stops at the first document with text
+        raise DataError(f"{args.train_file or args.dataset_name!r} streams no text")
+    return packed(texts, tokenizer, args.block_size)
+
+
+def build_streams(args: DataArguments, seed: int = 0) -> tuple[IterableDataset, Dataset, Any]:
+    """(train blocks: a global IterableDataset, validation blocks: a Dataset, tokenizer); `seed`
+    draws a mixture's sources."""
+    _check_args(args)
+    if args.validation_blocks < 1 and args.validation_file is None:
+        raise DataError(f"validation_blocks {args.validation_blocks} is invalid; use >= 1 or give "
+                        "--validation_file")
+    tokenizer = load_tokenizer(args)
+    blocks = _blocks(args, tokenizer, seed)
+    valid = _validation(args, blocks, tokenizer)
+    train = blocks if args.validation_file is not None else blocks.skip(args.validation_blocks)
+    return train, valid, tokenizer
+
+
+class StreamedBatches:
+    """Training micro-batches of one data-parallel rank read from the global block stream, with a
+    thread reading ahead; `state_dict()` is the position after the last micro-batch returned."""
+
+    def __init__(
+        self,
+        blocks: IterableDataset,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_world: int,
+        grad_accum: int = 1,
+        prefetch: int = PREFETCH,
+    ):
+        if not 0 <= dp_rank < dp_world:
+            raise DataError(f"dp_rank {dp_rank} is not in [0, dp_world={dp_world})")
+        self.blocks, self.dp_rank, self.dp_world = blocks, dp_rank, dp_world
+        self.micro_batch_size, self.grad_accum = micro_batch_size, grad_accum
+        self.prefetch = prefetch
+        self.epoch, self.micro_step = 0, 0  # micro-batches returned, over all epochs
+        self._state: dict = {"epoch": 0, "micro_step": 0, "stream": None, "taken": {}}
+        self._queue: Optional[queue.Queue] = None
+
+    def _read(self, blocks: IterableDataset, state: dict) -> Iterator[tuple[torch.Tensor, dict]]:
+        """(micro-batch, position after it) of `blocks` from `state` on, epoch after epoch."""
+        epoch, micro_step, taken = state["epoch"], state["micro_step"], dict(state["taken"])
+        rank, world = self.dp_rank, self.dp_world
+        stream = split_dataset_by_node(blocks, rank, world, strategy="examples")
+        stream.set_epoch(epoch)
+        if state["stream"] is not None:
+            stream.load_state_dict(state["stream"])
+        rows, sources = [], []
+        while True:
+            for row in stream:
+                rows.append(row["input_ids"])
+                sources.append(row.get("source"))
+                if len(rows) == self.micro_batch_size:
+                    micro_step += 1
+                    batch = torch.from_numpy(np.stack(rows)).long()
+                    for source in sources:  # a mixture's blocks name their source
+                        if source is not None:
+                            taken[int(source)] = taken.get(int(source), 0) + batch.shape[1] - 1
+                    rows, sources = [], []
+                    yield batch, {"epoch": epoch, "micro_step": micro_step,
+                                  "stream": stream.state_dict(), "taken": dict(taken)}
+            epoch += 1  # the stream ended: begin it again (rows carry over the wrap)
+            stream.set_epoch(epoch)
+
+    def _fill(self, out: queue.Queue, blocks: IterableDataset, state: dict) -> None:
+        try:
+            for item in self._read(blocks, state):
+                out.put(item)
+        except BaseException as e:  # re-raised by __next__ in the training thread
+            out.put(e)
+
+    def __iter__(self) -> "StreamedBatches":
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if self._queue is None:
+            self._queue = queue.Queue(maxsize=self.prefetch)
+            # Iterating keeps its position on the dataset's own iterables: a private copy, made
+            # here before the thread starts, keeps this reader apart from any other reader of
+            # the same dataset (the validation head, another StreamedBatches).
+            args = (self._queue, copy.deepcopy(self.blocks), dict(self._state))
+            threading.Thread(target=self._fill, args=args, daemon=True).start()
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise DataError(f"reading the training stream failed: {item}") from item
+        batch, self._state = item
+        self.epoch, self.micro_step = self._state["epoch"], self._state["micro_step"]
+        return batch
+
+    def state_dict(self) -> dict:
+        return dict(self._state)
+
+    def tokens_taken(self, sources: int) -> list[int]:
+        """Tokens (predicted ones, block_size per block) this rank took from each of a mixture's
+        `sources` so far."""
+        return [self._state["taken"].get(i, 0) for i in range(sources)]
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue exactly where the stream that saved `state` (on this rank) stopped."""
+        if self._queue is not None:
+            raise RuntimeError("load_state_dict after reading began")
+        self._state = dict(state)
+        self.epoch, self.micro_step = state["epoch"], state["micro_step"]
+
+    def seek(self, step: int) -> None:
+        """Stand where this rank's stream is after `step` optimizer steps from its start (of any
+        launch layout: the global order does not depend on it), by reading up to there."""
+        self.load_state_dict({"epoch": 0, "micro_step": 0, "stream": None, "taken": {}})
+        for _ in range(step * self.grad_accum):
+            next(self)
+
+
+def check_stream(blocks: IterableDataset, global_batch: int, block_size: int) -> None:
+    """Raise unless the training stream fills one global batch."""
+    got = sum(1 for _ in blocks.take(global_batch))
+    if got < global_batch:
+        raise DataError(
+            f"the training stream holds {got} blocks of block_size+1={block_size + 1} tokens, "
+            f"fewer than one global batch of {global_batch}; lower --block_size or the batch "
+            "size, or add data"
+        )
+
