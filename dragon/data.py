@@ -268,7 +268,7 @@ def load_text(args: DataArguments) -> Dataset:
 # ---------------------------------------------------------------- packing
 
 
-def _pack_batch(batch: dict[str, list], tokenizer: Any, block_size: int) -> dict[str, Any]:
+def pack_batch(batch: dict[str, list], tokenizer: Any, block_size: int) -> dict[str, Any]:
     """Tokenize a batch of documents, concatenate them, cut into rows of block_size+1 ids."""
     stream = tokenizer.encode_concatenated(batch["text"]).astype(np.int64)
     width = block_size + 1
@@ -288,7 +288,7 @@ def pack(
     # are converted with .long() by the batch readers below.
     dtype = "int16" if tokenizer.vocab_size <= 2**15 else "int32"
     return texts.map(
-        _pack_batch,
+        pack_batch,
         batched=True,
         batch_size=batch_size,
         fn_kwargs={"tokenizer": tokenizer, "block_size": block_size},
@@ -317,7 +317,7 @@ def split_blocks(blocks: Dataset, validation_percentage: float) -> tuple[Dataset
     return blocks.select(range(n - n_val)), validation
 
 
-def _check_args(args: DataArguments) -> None:
+def check_data_args(args: DataArguments) -> None:
     if not isinstance(args.block_size, int) or args.block_size < 1:
         raise DataError(f"block_size {args.block_size!r} is invalid; it must be an integer >= 1")
     pct = args.validation_split_percentage
@@ -330,7 +330,7 @@ def _check_args(args: DataArguments) -> None:
 
 def build_datasets(args: DataArguments) -> tuple[Dataset, Dataset, Any]:
     """(train blocks, validation blocks, tokenizer) from DataArguments."""
-    _check_args(args)
+    check_data_args(args)
     tokenizer = load_tokenizer(args)  # first: a bad tokenizer path fails before slow loading
     texts = load_text(args)
     blocks = pack(texts, tokenizer, args.block_size, args.preprocessing_num_workers)

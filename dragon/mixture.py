@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from datasets import IterableDataset, interleave_datasets
 
-from dragon.data import PACK_BATCH_SIZE, DataArguments, DataError, _pack_batch, open_texts
+from dragon.data import PACK_BATCH_SIZE, DataArguments, DataError, pack_batch, open_texts
 from dragon.sources import EXTENSION_BUILDERS
 
 _EXAMPLE = '"code/*.jsonl=0.7,prose.txt=0.3"'
@@ -64,7 +64,7 @@ def source_args(args: DataArguments, source: str) -> DataArguments:
 
 
 def _pack_tagged(batch: dict, tokenizer: Any, block_size: int, source: int) -> dict:
-    out = _pack_batch(batch, tokenizer, block_size)
+    out = pack_batch(batch, tokenizer, block_size)
     out["source"] = np.full(len(out["input_ids"]), source, dtype=np.int64)
     return out
 

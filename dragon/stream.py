@@ -26,8 +26,8 @@ from dragon.data import (
     PACK_BATCH_SIZE,
     DataArguments,
     DataError,
-    _check_args,
-    _pack_batch,
+    check_data_args,
+    pack_batch,
     load_tokenizer,
     open_texts,
     pack,
@@ -42,7 +42,7 @@ def packed(texts: IterableDataset, tokenizer: Any, block_size: int) -> IterableD
     """Blocks of block_size+1 ids (column "input_ids"), packed as `texts` is read (the
     materialised path's packing: each map batch's tail is dropped)."""
     return texts.map(
-        _pack_batch,
+        pack_batch,
         batched=True,
         batch_size=PACK_BATCH_SIZE,
         fn_kwargs={"tokenizer": tokenizer, "block_size": block_size},
@@ -88,7 +88,7 @@ def _blocks(args: DataArguments, tokenizer: Any, seed: int) -> IterableDataset:
 def build_streams(args: DataArguments, seed: int = 0) -> tuple[IterableDataset, Dataset, Any]:
     """(train blocks: a global IterableDataset, validation blocks: a Dataset, tokenizer); `seed`
     draws a mixture's sources."""
-    _check_args(args)
+    check_data_args(args)
     if args.validation_blocks < 1 and args.validation_file is None:
         raise DataError(f"validation_blocks {args.validation_blocks} is invalid; use >= 1 or give "
                         "--validation_file")
