@@ -79,8 +79,13 @@ def resolve_resume(resume: str, save_dir: str) -> tuple[str, str]:
 def resume(engine, load_dir: str, tag: str, universal: bool = False) -> dict:
     """Load model, optimizer, scheduler and this rank's RNG; returns the client state.
     `universal`: a checkpoint of another layout, through its universal form (dragon.reshape)."""
-    to_zero0 = engine.zero_optimization_stage() == 0
-    load_tag = converted_tag(load_dir, tag, to_zero0) if universal else tag
+    load_tag = tag
+    if universal:
+        pipeline = getattr(engine, "pipeline_parallelism", False)
+        form = "pipeline" if pipeline else (
+            "zero0" if engine.zero_optimization_stage() == 0 else "universal")
+        parts = [int(p) for p in engine.module.parts] if pipeline else None
+        load_tag = converted_tag(load_dir, tag, form, parts)
     path, client_state = engine.load_checkpoint(load_dir, tag=load_tag)
     if path is None:  # DeepSpeed only warns and carries on from fresh weights
         raise RuntimeError(

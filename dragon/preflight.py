@@ -95,7 +95,8 @@ def preflight(pipeline: bool = False) -> RecipeInputs:
         resume, regrouped = _resume_targets(args, diloco)
         _check_output_dir(args, diloco)
         _check_resume_sizes(model_args, tokenizer.vocab_size, resume)
-        reshaped = _check_reshape(resume, ds_config, dp_world, pipeline, diloco)
+        stages = pipe_args.pipeline_stages if pipeline else 0
+        reshaped = _check_reshape(resume, ds_config, dp_world, stages, diloco)
         config = _model_config(model_args, tokenizer.vocab_size)
     except ValueError as e:  # DataError and config errors are ValueErrors with one-line messages
         sys.exit(f"error: {e}")
@@ -220,12 +221,13 @@ def _with_checkpoints(root: str, island: int, launch_dir: str) -> Optional[str]:
 
 
 def _check_reshape(
-    resume: dict, ds_config: dict, dp_world: int, pipeline: bool, diloco: DiLoCoArguments
+    resume: dict, ds_config: dict, dp_world: int, stages: int, diloco: DiLoCoArguments
 ) -> dict[int, str]:
-    """island -> the line a resume on another layout prints (dragon.reshape); switches the
-    engine to DeepSpeed's universal checkpoint loading when one converts."""
+    """island -> the line a resume on another layout prints (dragon.reshape; `stages`: of the
+    pipeline, 0 without one); switches the engine to DeepSpeed's universal checkpoint loading
+    when one converts for ZeRO-1/2/3."""
     bf16 = bool(ds_config.get("bf16", {}).get("enabled", False))
-    launch = Layout(zero_stage(ds_config), dp_world, pipeline, bf16=bf16)
+    launch = Layout(zero_stage(ds_config), dp_world, stages > 0, bf16=bf16, stages=max(stages, 1))
     reshaped = {}
     for island, (load_dir, tag) in resume.items():
         saved = saved_layout(load_dir, tag)
@@ -240,7 +242,7 @@ def _check_reshape(
             if diloco.enabled:
                 raise ValueError(f"{message[len('resume: '):]}: not yet with DiLoCo islands")
             reshaped[island] = message
-            if launch.zero_stage > 0:  # a ZeRO-0 launch loads a ZeRO-0 checkpoint made for it
+            if launch.zero_stage > 0 and not launch.pipeline:  # the others load their own form
                 ds_config.setdefault("checkpoint", {})["load_universal"] = True
     return reshaped
 

@@ -19,18 +19,22 @@ one line.
 """
 
 import glob
+import json
 import logging
 import os
+import shutil
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from dragon import universal
+from dragon.model import BDHConfig
+from dragon.pipe_checkpoint import stage_files, write_pipeline, zero0_states_of_pipeline
 from dragon.retention import CONVERSIONS
 
 logger = logging.getLogger("dragon")
-UNIVERSAL, ZERO0 = CONVERSIONS  # retention deletes them with their checkpoint
+UNIVERSAL, ZERO0, PIPELINE = CONVERSIONS  # retention deletes them with their checkpoint
 
 
 @dataclass(frozen=True)
@@ -40,9 +44,10 @@ class Layout:
     pipeline: bool = False
     global_batch: int = field(default=0, compare=False)  # samples per step
     bf16: bool = field(default=False, compare=False)
+    stages: int = 1  # of a pipeline
 
     def __str__(self) -> str:
-        kind = "pipeline " if self.pipeline else ""
+        kind = f"a pipeline of {self.stages} stages with " if self.pipeline else ""
         return f"{kind}ZeRO-{self.zero_stage} on {self.data_parallel} data-parallel rank(s)"
 
 
@@ -59,14 +64,15 @@ def saved_layout(load_dir: str, tag: str) -> Layout:
     pipeline = bool(glob.glob(os.path.join(tag_dir, "layer_*-model_states.pt")))
     batch = int(config.get("train_batch_size", 0))
     bf16 = bool(config.get("bf16", {}).get("enabled", False))
-    return Layout(stage, int(state["dp_world_size"]), pipeline, batch, bf16)
+    stages = len(stage_files(tag_dir)) if pipeline else 1
+    return Layout(stage, int(state["dp_world_size"]), pipeline, batch, bf16, stages)
 
 
 def reshape_message(saved: Layout, launch: Layout) -> Optional[str]:
     """None when the checkpoint loads as it is; the one line a conversion prints; ValueError for
     a pair not converted."""
-    if saved == launch or (saved.zero_stage == launch.zero_stage == 0
-                           and saved.pipeline == launch.pipeline):
+    if saved == launch or (saved.zero_stage == launch.zero_stage == 0 and not saved.pipeline
+                           and not launch.pipeline):
         return None  # ZeRO-0: one file with everything, loaded on any number of ranks
     check_convertible(saved, launch)
     return (
@@ -77,41 +83,67 @@ def reshape_message(saved: Layout, launch: Layout) -> Optional[str]:
 
 def check_convertible(saved: Layout, launch: Layout) -> None:
     """ValueError in one line for a pair no conversion covers."""
-    bf16_zero0 = any(x.zero_stage == 0 and x.bf16 for x in (saved, launch))
-    if saved.pipeline or launch.pipeline or bf16_zero0:
+    kept_elsewhere = any(x.zero_stage == 0 and x.bf16 for x in (saved, launch))
+    zero_pipeline = any(x.pipeline and x.zero_stage > 0 for x in (saved, launch))
+    if kept_elsewhere or zero_pipeline:
         raise ValueError(
             f"--resume_from_checkpoint: the checkpoint was saved as {saved} and this launch is "
             f"{launch}; resuming across that change is not supported yet (ZeRO-0 to 3 on any "
-            "number of ranks are, without a pipeline, and ZeRO-0 in fp32)"
+            "number of ranks are, and pipelines of any shape with ZeRO-0; ZeRO-0 in fp32)"
         )
 
 
-def convert(load_dir: str, tag: str, to_zero0: bool) -> str:
-    """The tag of checkpoint `tag` in the form a launch loads: its universal form, or (for a
-    ZeRO-0 launch) a ZeRO-0 checkpoint made from that. Each is written once, atomically."""
+def convert(load_dir: str, tag: str, form: str, parts: Optional[list[int]] = None) -> str:
+    """The tag of checkpoint `tag` in the `form` a launch loads: "universal" (ZeRO-1/2/3), or
+    "zero0" or "pipeline" (of stage boundaries `parts`) made from that. Each is written once,
+    atomically; a pipeline of other boundaries is written again."""
     tag_dir = os.path.join(load_dir, tag)
     target = os.path.join(load_dir, tag + UNIVERSAL)
     if not os.path.isdir(target):
-        zero0 = saved_layout(load_dir, tag).zero_stage == 0
-        make = (lambda out: universal.from_zero0(tag_dir, out)) if zero0 else (
-            lambda out: universal.from_deepspeed(tag_dir, out))
+        saved = saved_layout(load_dir, tag)
+        if saved.pipeline:
+            make = lambda out: universal.from_zero0_states(  # noqa: E731
+                zero0_states_of_pipeline(tag_dir), out, tag_dir)
+        elif saved.zero_stage == 0:
+            make = lambda out: universal.from_zero0(tag_dir, out)  # noqa: E731
+        else:
+            make = lambda out: universal.from_deepspeed(tag_dir, out)  # noqa: E731
         universal.write_atomically(make, target)
-    if not to_zero0:
+    if form == "universal":
         return tag + UNIVERSAL
-    if not os.path.isdir(os.path.join(load_dir, tag + ZERO0)):
-        universal.write_atomically(lambda out: universal.to_zero0(target, out),
-                                   os.path.join(load_dir, tag + ZERO0))
-    return tag + ZERO0
+    if form == "zero0":
+        if not os.path.isdir(os.path.join(load_dir, tag + ZERO0)):
+            universal.write_atomically(lambda out: universal.to_zero0(target, out),
+                                       os.path.join(load_dir, tag + ZERO0))
+        return tag + ZERO0
+    pipe = os.path.join(load_dir, tag + PIPELINE)
+    shape = os.path.join(pipe, "parts.json")
+    if not os.path.isfile(shape) or _read_json(shape) != parts:
+        config = BDHConfig.from_pretrained(load_dir)
+
+        def make(out: str) -> None:
+            write_pipeline(universal.zero0_states(target), config, parts, out)
+            with open(os.path.join(out, "parts.json"), "w") as f:
+                json.dump(parts, f)
+
+        shutil.rmtree(pipe, ignore_errors=True)
+        universal.write_atomically(make, pipe)
+    return tag + PIPELINE
 
 
-def converted_tag(load_dir: str, tag: str, to_zero0: bool) -> str:
+def _read_json(path: str):
+    with open(path) as f:
+        return json.load(f)
+
+
+def converted_tag(load_dir: str, tag: str, form: str, parts: Optional[list[int]] = None) -> str:
     """convert() on global rank 0 while the others wait."""
     import torch.distributed as dist
 
     if dist.get_rank() == 0:
-        convert(load_dir, tag, to_zero0)
+        convert(load_dir, tag, form, parts)
     dist.barrier()
-    return tag + (ZERO0 if to_zero0 else UNIVERSAL)
+    return tag + {"universal": UNIVERSAL, "zero0": ZERO0, "pipeline": PIPELINE}[form]
 
 
 def saved_islands(root: str) -> int:

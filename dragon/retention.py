@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 MARKER = "dragon_complete.json"
 HISTORY = "metric_history.jsonl"
 DELETING = ".deleting-"
-CONVERSIONS = ("_universal", "_zero0")  # dragon.reshape's forms of a checkpoint for another layout
+# dragon.reshape's forms of a checkpoint for a launch of another layout, next to it
+CONVERSIONS = ("_universal", "_zero0", "_pipeline")
 # Layout (a): tag dirs in one save_dir (dragon's `step<N>`, DeepSpeed's default `global_step<N>`);
 # layout (b): accelerate's `checkpoint_<i>` dirs, each a DeepSpeed save_dir of its own.
 TAG_RE = re.compile(r"^(step|global_step)(\d+)$")

@@ -106,7 +106,11 @@ def _write_states(states: dict, out: str) -> None:
 
 def from_zero0(tag_dir: str, out: str) -> None:
     """The universal form of an fp32 ZeRO-0 checkpoint (model and torch Adam in one file)."""
-    states = _load(os.path.join(tag_dir, STATES))
+    from_zero0_states(_load(os.path.join(tag_dir, STATES)), out, tag_dir)
+
+
+def from_zero0_states(states: dict, out: str, tag_dir: str) -> None:
+    """The universal form of the model states of an fp32 ZeRO-0 checkpoint at `tag_dir`."""
     shapes = parameter_shapes(states)
     optimizer = states["optimizer"]
     indices = [i for group in optimizer["param_groups"] for i in group["params"]]
@@ -137,6 +141,12 @@ def from_zero0(tag_dir: str, out: str) -> None:
 
 def to_zero0(universal: str, out: str) -> None:
     """An fp32 ZeRO-0 checkpoint (one file) from a normalized universal folder."""
+    os.makedirs(out, exist_ok=True)
+    torch.save(zero0_states(universal), os.path.join(out, STATES))
+
+
+def zero0_states(universal: str) -> dict:
+    """The model states of an fp32 ZeRO-0 checkpoint from a normalized universal folder."""
     states = _load(os.path.join(universal, STATES))
     shapes = parameter_shapes(states)
     zero = os.path.join(universal, "zero")
@@ -150,9 +160,7 @@ def to_zero0(universal: str, out: str) -> None:
         module[name] = parts.pop("fp32").float()
         state[index] = {"step": _load(os.path.join(zero, name, "step.pt")), **parts}
     group = dict(optim["param_groups"][0], params=list(range(len(shapes))))
-    os.makedirs(out, exist_ok=True)
-    torch.save(dict(states, module=module, optimizer={"state": state, "param_groups": [group]}),
-               os.path.join(out, STATES))
+    return dict(states, module=module, optimizer={"state": state, "param_groups": [group]})
 
 
 def fp32_weights(folder: str) -> dict[str, torch.Tensor]:

@@ -45,7 +45,8 @@ def main():
     if saved.zero_stage == args.zero_stage == 0:
         print(f"{tag_dir}: a ZeRO-0 checkpoint loads on any number of ranks as it is")
         return
-    converted = os.path.join(load_dir, convert(load_dir, tag, to_zero0=args.zero_stage == 0))
+    form = "zero0" if args.zero_stage == 0 else "universal"
+    converted = os.path.join(load_dir, convert(load_dir, tag, form))
     expected = model_from_checkpoint(tag_dir).state_dict()
     weights = fp32_weights(converted)
     wrong = [name for name, w in weights.items() if not torch.equal(w, expected[name])]

@@ -17,13 +17,15 @@ LAYOUTS = {
     "zero2 x2": ("zero2.json", 2, []),
     "zero2 x4": ("zero2.json", 4, ["--per_device_train_batch_size", "2"]),
     "zero3 x2": ("zero3.json", 2, []),
+    "pipe x2": ("pipeline_zero0.json", 2, []),  # 2 stages, accumulation 2 (the test recipe's)
 }
 
 
 def job(layout, out, text_file, extra=()):
     """A recipe job on `layout`, 8 steps, saving at 4 and 8."""
     config, ranks, layout_extra = LAYOUTS[layout]
-    script, args = recipe_args("zero2", out, text_file, "8", [*layout_extra, *extra])
+    kind = "pipeline" if layout.startswith("pipe") else "zero2"
+    script, args = recipe_args(kind, out, text_file, "8", [*layout_extra, *extra])
     args += ["--deepspeed", str(REPO / "ds_configs" / config), "--dropout", "0.0"]
     return subprocess.Popen(launch_command("torchrun", ranks, script, args), cwd=REPO,
                             env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -53,13 +55,15 @@ def resumed_from_step4(src, dst):
 
 def describe(layout) -> str:
     config, ranks, _ = LAYOUTS[layout]
+    if layout.startswith("pipe"):
+        return "a pipeline of 2 stages with ZeRO-0 on 1 data-parallel rank(s)"
     return f"ZeRO-{config[4]} on {ranks} data-parallel rank(s)"
 
 
 @pytest.mark.parametrize(
     "saved, resumed",
     [("zero2 x2", "zero1 x1"), ("zero3 x2", "zero2 x4"), ("zero0 x1", "zero3 x2"),
-     ("zero3 x2", "zero0 x1")],
+     ("zero3 x2", "zero0 x1"), ("pipe x2", "zero2 x2"), ("zero2 x2", "pipe x2")],
 )
 def test_a_zero_checkpoint_resumes_on_another_layout_with_the_same_losses(
     uninterrupted, tmp_path, text_file, saved, resumed
@@ -68,9 +72,11 @@ def test_a_zero_checkpoint_resumes_on_another_layout_with_the_same_losses(
     4, ZeRO-0 on 1 rank to ZeRO-3 on 2, ZeRO-3 on 2 ranks to ZeRO-0 on 1 (converted ahead by
     recipes/reshape_checkpoint.py, which checks the weights, and reused): steps 5-8 of the
     resumed run equal the uninterrupted run's within 2e-5 (2 ranks already equal 1 rank with
-    accumulation 2 within it), as do the evaluation losses, so the weights, Adam's moments and
-    step and the LR schedule came across (fresh moments would change step 5's update by far
-    more); the resume says from what it converted to what."""
+    accumulation 2 within it), as do the evaluation losses; so do a 2-stage pipeline resumed
+    by the ZeRO recipe on 2 ranks and the reverse (the pipeline equals the plain model within
+    it). So the weights, Adam's moments and step and the LR schedule came across (fresh moments
+    would change step 5's update by far more); the resume says from what it converted to
+    what."""
     base = uninterrupted(saved)
     other = tmp_path / "reshaped"
     tag = resumed_from_step4(base, other)
@@ -99,14 +105,16 @@ def test_a_zero_checkpoint_resumes_on_another_layout_with_the_same_losses(
         assert gap < 2e-5, (key, ours, theirs)
 
 
-def test_a_pipeline_change_is_refused_before_start(uninterrupted, monkeypatch, tmp_path,
-                                                   text_file):
-    """The pipeline recipe on a ZeRO checkpoint stops before any process group starts, in one
-    line."""
+def test_a_zero1_pipeline_is_refused_before_start(uninterrupted, monkeypatch, tmp_path,
+                                                  text_file):
+    """A pipeline with ZeRO-1 on a ZeRO checkpoint (its optimizer is partitioned per stage:
+    not converted) stops before any process group starts, in one line."""
     script, args = recipe_args("pipeline", tmp_path / "refused", text_file, "8")
-    args += ["--resume_from_checkpoint", str(uninterrupted("zero2 x2") / "checkpoints" / "step4")]
+    args += ["--resume_from_checkpoint", str(uninterrupted("zero2 x2") / "checkpoints" / "step4"),
+             "--deepspeed", str(REPO / "ds_configs" / "pipeline_zero1.json")]
     line = run_recipe_in_process(monkeypatch, script, [str(a) for a in args], {"WORLD_SIZE": "2"})
-    assert "saved as ZeRO-2 on 2 data-parallel rank(s) and this launch is pipeline ZeRO-0" in line
+    assert ("saved as ZeRO-2 on 2 data-parallel rank(s) and this launch is a pipeline of 2 stages "
+            "with ZeRO-1 on 1 data-parallel rank(s)") in line
     assert "not supported yet" in line
 
 
