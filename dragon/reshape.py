@@ -1,4 +1,4 @@
-"""Resume a ZeRO checkpoint on another data-parallel size or ZeRO stage, exactly.
+"""Resume a checkpoint on another data-parallel size, ZeRO stage or recipe, exactly.
 
 A checkpoint saved on one layout is converted once into its universal form (dragon.universal:
 one file per parameter and state, fp32 weights, Adam's two moments, the step), next to it in
@@ -13,9 +13,11 @@ one exists; the others restore none, so their dropout masks differ from the unin
 A run of DiLoCo islands resumes by another number of islands (saved_islands, regroup_message):
 each island that was saved continues from its own checkpoint and a new one from island 0's.
 
-A ZeRO-0 checkpoint on another number of ranks loads as it is (one file). Pipeline checkpoints,
-and bf16 ZeRO-0 ones (their master weights live in DeepSpeed's bf16 optimizer), are refused in
-one line.
+A ZeRO-0 checkpoint on another number of ranks loads as it is (one file). A ZeRO-0 pipeline
+checkpoint becomes a plain model's ZeRO-0 checkpoint and back (dragon.pipe_checkpoint), so the
+recipes resume each other's checkpoints and a pipeline resumes on other stage boundaries.
+ZeRO-1 pipelines (a per-stage partitioned optimizer) and bf16 ZeRO-0 checkpoints (their master
+weights live in DeepSpeed's bf16 optimizer) are refused in one line.
 """
 
 import glob
