@@ -77,9 +77,13 @@ def reshape_message(saved: Layout, launch: Layout) -> Optional[str]:
                            and not launch.pipeline):
         return None  # ZeRO-0: one file with everything, loaded on any number of ranks
     check_convertible(saved, launch)
+    ranks = lambda x: x.data_parallel * x.stages  # noqa: E731
+    rng = ("" if ranks(saved) == ranks(launch) else
+           f"; RNG streams only for ranks below {min(ranks(saved), ranks(launch))} (dropout "
+           "masks of the others differ)")
     return (
         f"resume: converting the checkpoint from {saved} to {launch} (a universal checkpoint); "
-        "weights, Adam moments and step, LR schedule and data position are kept"
+        f"weights, Adam moments and step, LR schedule and data position are kept{rng}"
     )
 
 
