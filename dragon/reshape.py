@@ -37,6 +37,7 @@ from dragon.retention import CONVERSIONS
 
 logger = logging.getLogger("dragon")
 UNIVERSAL, ZERO0, PIPELINE = CONVERSIONS  # retention deletes them with their checkpoint
+SUFFIX = {"universal": UNIVERSAL, "zero0": ZERO0, "pipeline": PIPELINE}  # form -> tag suffix
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,7 @@ def converted_tag(load_dir: str, tag: str, form: str, parts: Optional[list[int]]
     if dist.get_rank() == 0:
         convert(load_dir, tag, form, parts)
     dist.barrier()
-    return tag + {"universal": UNIVERSAL, "zero0": ZERO0, "pipeline": PIPELINE}[form]
+    return tag + SUFFIX[form]
 
 
 def saved_islands(root: str) -> int:

@@ -151,9 +151,7 @@ def zero0_states(universal: str) -> dict:
     shapes = parameter_shapes(states)
     zero = os.path.join(universal, "zero")
     optim = _load(os.path.join(zero, "optimizer_state.pt"))
-    module, state = OrderedDict(), {}
-    for key, value in states["module"].items():
-        module[key] = value  # buffers as saved
+    module, state = OrderedDict(states["module"]), {}  # buffers as saved
     for index, (name, shape) in enumerate(shapes.items()):
         parts = {k: _load(os.path.join(zero, name, f"{k}.pt"))["param"].reshape(shape)
                  for k in ("fp32", *MOMENTS)}
