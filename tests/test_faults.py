@@ -67,10 +67,10 @@ def latest(out) -> str:
 
 
 @pytest.mark.parametrize("kind", ["zero2", "pipeline"])
-def test_nan_stop_keeps_the_last_checkpoint(kind, tmp_path, tmp_path_factory, text_file):
+def test_nan_stop_keeps_the_last_checkpoint(kind, tmp_path, text_file):
     """--nan_policy stop: a NaN loss at step 6 on rank 0 stops every rank with the step and the
-    value; step 4 stays the checkpoint to resume from."""
-    reference = uninterrupted(kind, tmp_path_factory, text_file)
+    value; step 4 stays the checkpoint to resume from, complete (the resumes after the other
+    faults show that such a checkpoint gives the uninterrupted losses)."""
     out = tmp_path / "run"
     env = {"DRAGON_FAULT_NAN_STEPS": "6"}
     code, seconds, log = run(kind, out, text_file, ["--nan_policy", "stop"], env, fault_step=6)
@@ -78,8 +78,8 @@ def test_nan_stop_keeps_the_last_checkpoint(kind, tmp_path, tmp_path_factory, te
     assert "error: step 6: the loss is nan on some rank, 1 bad step(s) in a row" in log
     assert max(logged_steps(out / "metrics.jsonl")) == 6
     assert latest(out) == "step4" and tags(out) == ["step4"]
-    resume_matches(kind, out, text_file, reference, after=4)
-    report("NaN loss, --nan_policy stop", kind, seconds, code, "step4", "equal from step 5")
+    assert is_complete(out / "checkpoints" / "step4")
+    report("NaN loss, --nan_policy stop", kind, seconds, code, "step4 (complete)", "-")
 
 
 def test_nan_steps_are_skipped_until_too_many_in_a_row(tmp_path, text_file):
