@@ -4,6 +4,8 @@ path, and the resident memory of a process streaming a corpus of several GB.
 
     python benchmarks/data_speed.py            # about 10 minutes on 2 CPU cores
     python benchmarks/data_speed.py --big_gb 0 # without the memory run
+    python benchmarks/data_speed.py --memory_only --memory_limit_gib 1  # as root: the memory run
+        # in a memory cgroup of 1 GiB (page cache included), a third of the 3 GB corpus
 
 Corpora are generated under a temporary directory (words of the standard library's sources in
 random order, jsonl shards) and deleted at the end.
@@ -79,13 +81,14 @@ def rate(batches, tokens: int) -> float:
     return n / (time.perf_counter() - began)
 
 
-def data_path(corpus: Path, tokenizer, streamed: bool, tokens: int, cache: str) -> dict:
+def data_path(corpus: Path, tokenizer, streamed: bool, tokens: int, cache: str,
+              shuffle: int = 0) -> dict:
     args = DataArguments(train_file=str(corpus), tokenizer_name=tokenizer, block_size=BLOCK,
                          streaming=streamed, validation_blocks=16, cache_dir=cache)
     began = time.perf_counter()
     if streamed:
         train, _, _ = build_streams(args)
-        batches = StreamedBatches(train, MICRO, 0, 1)
+        batches = StreamedBatches(train, MICRO, 0, 1, shuffle_blocks=shuffle)
         return {"start_s": time.perf_counter() - began, "tokens_per_s": rate(batches, tokens)}
     train, _, _ = build_datasets(args)  # tokenizes and packs the whole corpus first
     packed = time.perf_counter() - began
@@ -109,14 +112,37 @@ def training(corpus: Path, streamed: bool, out: Path, steps: int) -> float:
     return statistics.median(r["tokens_per_second"] for r in records if r["step"] > 5)
 
 
-def peak_rss_streaming(root: Path, gigabytes: float) -> dict:
-    """Stream a generated corpus of `gigabytes` (one 100 MB shard copied) through the byte path,
-    sampling this process's resident memory."""
+def join_memory_cgroup(gib: float) -> Path:
+    """Move this process into a new cgroup (v1 memory controller, or v2) limited to `gib` of
+    memory, page cache included; over it the kernel reclaims cache, then kills the process."""
+    v1 = Path("/sys/fs/cgroup/memory")
+    group = (v1 if v1.is_dir() else Path("/sys/fs/cgroup")) / f"dragon_data_speed_{os.getpid()}"
+    group.mkdir()
+    limit = str(int(gib * 2**30))
+    (group / ("memory.limit_in_bytes" if v1.is_dir() else "memory.max")).write_text(limit)
+    (group / "cgroup.procs").write_text(str(os.getpid()))
+    return group
+
+
+def cgroup_peak_mib(group: Path) -> float:
+    for name in ("memory.max_usage_in_bytes", "memory.peak"):
+        if (group / name).exists():
+            return int((group / name).read_text()) / 2**20
+    return float("nan")
+
+
+def big_corpus(root: Path, gigabytes: float) -> Path:
+    """A generated corpus of `gigabytes`: one 100 MB shard, copied."""
     shard = write_shards(root / "seed", 100, shards=1) / "00000.jsonl"
-    copies = max(1, round(gigabytes * 10))
-    for k in range(copies):
+    for k in range(max(1, round(gigabytes * 10))):
         shutil.copyfile(shard, root / f"{k:05d}.jsonl")
     shutil.rmtree(root / "seed")
+    return root
+
+
+def peak_rss_streaming(root: Path) -> dict:
+    """Stream the corpus under `root` through the byte path, sampling this process's resident
+    memory."""
     size = sum(p.stat().st_size for p in root.glob("*.jsonl"))
     proc, peak, samples = psutil.Process(), [0], []
     before = proc.memory_info().rss
@@ -150,12 +176,27 @@ def main():
     parser.add_argument("--big_gb", type=float, default=3)
     parser.add_argument("--train_steps", type=int, default=100)
     parser.add_argument("--train_repeats", type=int, default=3)
+    parser.add_argument("--memory_limit_gib", type=float, default=0,
+                        help="run the memory run in a memory cgroup of this size (root)")
+    parser.add_argument("--memory_only", action="store_true")
     opts = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="dragon_data_speed_"))
     try:
         if opts.big_gb > 0:  # first, in a process that has read nothing else yet
-            print(json.dumps(peak_rss_streaming(tmp / "big", opts.big_gb)), flush=True)
-            shutil.rmtree(tmp / "big")
+            big = big_corpus(tmp / "big", opts.big_gb)  # written before any limit applies
+            group = None
+            if opts.memory_limit_gib:
+                os.sync()  # and drop the cache: the pages are read again inside the limit
+                Path("/proc/sys/vm/drop_caches").write_text("3")
+                group = join_memory_cgroup(opts.memory_limit_gib)
+            result = peak_rss_streaming(big)
+            if group is not None:
+                result.update(cgroup_limit_gib=opts.memory_limit_gib,
+                              cgroup_peak_mib=cgroup_peak_mib(group))
+            print(json.dumps(result), flush=True)
+            shutil.rmtree(big)
+        if opts.memory_only:
+            return
         corpus = write_shards(tmp / "corpus", opts.corpus_mb)
         small = write_shards(tmp / "small", opts.corpus_mb / 10)  # BPE packs ~100x slower
         hf = train_tokenizer(small, tmp / "bpe4096")
@@ -165,12 +206,15 @@ def main():
         print("|---|---|---|---|")
         runs = (("bytes", None, corpus, 50_000_000), ("BPE 4096", hf, small, 5_000_000))
         for name, tok, data, tokens in runs:
-            for streamed in (True, False):
+            for streamed, shuffle in ((True, 0), (True, 1024), (False, 0)):
+                if shuffle and tok is not None:
+                    continue
                 cache = str(tmp / f"cache_{name}_{streamed}")
-                r = data_path(data, tok, streamed, tokens, cache)
-                if streamed and tok is None:
+                r = data_path(data, tok, streamed, tokens, cache, shuffle)
+                if streamed and tok is None and not shuffle:
                     byte_stream_rate = r["tokens_per_s"]
                 path = "--streaming" if streamed else "materialised"
+                path += f" --shuffle_buffer_blocks {shuffle}" if shuffle else ""
                 extra = ("" if streamed else
                          f" (packing {r['pack_tokens_per_s'] / 1e6:.2f} M tokens/s)")
                 print(f"| {path} | {name} | {r['start_s']:.1f}{extra} | "

@@ -76,6 +76,10 @@ class DataArguments:
     validation_blocks: int = field(
         default=256, metadata={"help": "--streaming: blocks at the stream's head held out."}
     )
+    shuffle_buffer_blocks: int = field(
+        default=0, metadata={"help": "--streaming: blocks of a shuffling buffer over the stream "
+                             "(0: in order); it is saved and resumed with the checkpoint."}
+    )
     cache_dir: Optional[str] = field(
         default=None, metadata={"help": "datasets cache directory (default: datasets' own)."}
     )
@@ -323,6 +327,9 @@ def check_data_args(args: DataArguments) -> None:
     pct = args.validation_split_percentage
     if not 0 <= pct < 100:
         raise DataError(f"validation_split_percentage {pct} is outside [0, 100)")
+    if not isinstance(args.shuffle_buffer_blocks, int) or args.shuffle_buffer_blocks < 0:
+        raise DataError(f"shuffle_buffer_blocks {args.shuffle_buffer_blocks!r} is invalid; use "
+                        "0 (in order) or a number of blocks")
     workers = args.preprocessing_num_workers
     if workers is not None and workers < 1:
         raise DataError(f"preprocessing_num_workers {workers} is invalid; use >= 1 or omit it")

@@ -305,6 +305,7 @@ class DiLoCo:
             "outer_step": self.outer_step,
             "mode": self.mode,
             "numels": self.numels,
+            "segments": getattr(self.weights, "segments", lambda: None)(),  # for dragon.reshape
             "outer_params": [p.detach().cpu().clone() for p in self.outer_params],
             "optimizer": self.optimizer.state_dict(),
             "previous": None if self.previous is None else self.previous.clone(),

@@ -34,6 +34,7 @@ from dragon.metrics import MetricsLogger, Throughput, peak_tflops_per_device, so
 from dragon.mixture import source_names
 from dragon.model import BDHConfig, BDHForCausalLM
 from dragon.preflight import RecipeInputs
+from dragon.reshape import diloco_state_for
 from dragon.retention import find_resume_checkpoint
 from dragon.stream import STATE_FILE as STREAM_STATE
 from dragon.stream import StreamedBatches
@@ -86,7 +87,8 @@ class TrainingRun:
         self.sources = source_names(inputs.data)  # a mixture's, whose tokens the metrics count
         if self.streamed:  # every island's rank reads its own share of one global stream
             self.train_batches = StreamedBatches(
-                inputs.train_set, self.micro, data_rank, data_world, self.accum
+                inputs.train_set, self.micro, data_rank, data_world, self.accum,
+                shuffle_blocks=inputs.data.shuffle_buffer_blocks, seed=args.seed,
             )
         else:
             batches = StreamBatches if args.carry_state else TrainBatches
@@ -193,6 +195,10 @@ class TrainingRun:
         if self.diloco:
             self.diloco.check_same_step(self.step)
             outer_state = checkpoint.load_rank_file(load_dir, tag, DILOCO_STATE)
+            if reshaped:  # saved for another partition of the weights
+                weights = self.diloco.weights
+                outer_state = diloco_state_for(os.path.join(load_dir, tag), weights.segments(),
+                                               self.diloco.numels)
             if outer_state is None:  # a checkpoint of a run without DiLoCo
                 self.diloco.restart()
             else:

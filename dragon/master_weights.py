@@ -81,6 +81,35 @@ class MasterWeights:
                 for fp32, lp in zip(fp32_group, lp_group):
                     lp.data.copy_(fp32.data)
 
+    def segments(self) -> list[list[tuple[str, int, int, int]]]:
+        """Where the master tensors' values sit in the model: per tensor, (parameter name, offset
+        in the flattened parameter, offset in the tensor, numel) of each piece, so that a state
+        laid out like them moves to another partitioning (dragon.reshape)."""
+        opt = self.engine.optimizer
+        names = {id(p): n for n, p in self.engine.module.named_parameters()}
+        pieces: list[list[tuple[str, int, int, int]]] = [[] for _ in self.tensors()]
+        if self.kind == "partitioned":
+            for p in self.engine.module.parameters():
+                m = getattr(p, "_hp_mapping", None)
+                if m is not None:  # this rank holds a fragment of p
+                    pieces[m.param_group_index].append((
+                        names[id(p)], m.lp_fragment_address.start, m.hp_fragment_address.start,
+                        m.lp_fragment_address.numel))
+        elif self.kind == "zero3":  # each parameter's own partition, one after another
+            for i, group in enumerate(opt.fp16_groups):
+                offset, part = 0, dist.get_rank(group=opt.sub_group_process_groups[i])
+                for p in group:
+                    size = p.partition_numel()
+                    numel = min(size, p.ds_numel - size * part)
+                    if numel > 0:
+                        pieces[i].append((names[id(p)], size * part, offset, numel))
+                    offset += size
+        else:  # one master tensor per parameter
+            owners = ([p for g in opt.fp16_groups for p in g] if self.kind == "fp32_copies"
+                      else [p for g in opt.param_groups for p in g["params"]])
+            pieces = [[(names[id(p)], 0, 0, p.numel())] for p in owners]
+        return pieces
+
     def fingerprint(self) -> list[float]:
         """[sum, sum of squares] in float64 of the weights the next forward uses, on this rank."""
         total, squares = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)

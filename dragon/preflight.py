@@ -23,7 +23,8 @@ from dragon.ds_config import load_ds_config, resolve_ds_config, zero_stage
 from dragon.model import BDHConfig
 from dragon.memory import mark_baseline
 from dragon.plan import plan_lines
-from dragon.reshape import Layout, regroup_message, reshape_message, saved_islands, saved_layout
+from dragon.reshape import (Layout, check_diloco_state, regroup_message, reshape_message,
+                            saved_islands, saved_layout)
 from dragon.topology import pipeline_data_parallel
 
 
@@ -239,8 +240,10 @@ def _check_reshape(
                 "the uninterrupted run's"
             )
         if message is not None:
+            if diloco.enabled and (saved.pipeline or launch.pipeline):
+                raise ValueError(f"{message[len('resume: '):]}: not yet with DiLoCo pipelines")
             if diloco.enabled:
-                raise ValueError(f"{message[len('resume: '):]}: not yet with DiLoCo islands")
+                check_diloco_state(os.path.join(load_dir, tag))
             reshaped[island] = message
             if launch.zero_stage > 0 and not launch.pipeline:  # the others load their own form
                 ds_config.setdefault("checkpoint", {})["load_universal"] = True

@@ -11,7 +11,9 @@ follow a change of rank count: each rank takes the saved stream of its own rank 
 one exists; the others restore none, so their dropout masks differ from the uninterrupted run's.
 
 A run of DiLoCo islands resumes by another number of islands (saved_islands, regroup_message):
-each island that was saved continues from its own checkpoint and a new one from island 0's.
+each island that was saved continues from its own checkpoint and a new one from island 0's. An
+island resumed on another layout gets its outer state (theta_outer, the outer optimizer's
+moments, the average in flight) laid out for its new partition (diloco_state_for).
 
 A ZeRO-0 checkpoint on another number of ranks loads as it is (one file). A ZeRO-0 pipeline
 checkpoint becomes a plain model's ZeRO-0 checkpoint and back (dragon.pipe_checkpoint), so the
@@ -171,3 +173,62 @@ def regroup_message(saved: Optional[int], launch: int, island: int, new: bool) -
     return (f"resume: the run {by}resumes by {launch}: island {island} continues from "
             f"{origin}{left}; the data is shared out among {launch} island(s) from this step "
             "on, so its order differs from the uninterrupted run's")
+
+
+def check_diloco_state(tag_dir: str) -> list[str]:
+    """The DiLoCo state files of a checkpoint that can move to another layout (none: a run
+    without DiLoCo); ValueError in one line for a state that does not say where its values sit
+    in the model."""
+    from dragon.diloco import STATE_FILE
+
+    files = sorted(glob.glob(os.path.join(tag_dir, f"{STATE_FILE}_*.pt")))
+    if files and torch.load(files[0], map_location="cpu", weights_only=False,
+                               mmap=True).get("segments") is None:
+        raise ValueError(f"--resume_from_checkpoint: {tag_dir} holds no DiLoCo state that says "
+                         "where its values sit in the model; it resumes only on its own layout")
+    return files
+
+
+def diloco_state_for(tag_dir: str, segments: list, numels: list[int]) -> Optional[dict]:
+    """This rank's DiLoCo state (DiLoCo.state_dict's form) for master tensors laid out as
+    `segments` (MasterWeights.segments), gathered from the states every rank of another layout
+    saved in `tag_dir` (None: it has none): each flat tensor goes through the parameters."""
+    saved = [torch.load(f, map_location="cpu", weights_only=False)
+             for f in check_diloco_state(tag_dir)]
+    if not saved:
+        return None
+
+    def moved(tensors_of) -> list[torch.Tensor]:
+        """Lay out again the flat tensors tensors_of(state) -> [one per master tensor]."""
+        whole: dict[str, dict[int, torch.Tensor]] = {}
+        for state in saved:
+            for flat, pieces in zip(tensors_of(state), state["segments"]):
+                for name, at, offset, numel in pieces:
+                    whole.setdefault(name, {})[at] = flat[offset:offset + numel]
+        out = [torch.zeros(n) for n in numels]
+        for flat, pieces in zip(out, segments):
+            for name, at, offset, numel in pieces:
+                param = torch.cat([whole[name][k] for k in sorted(whole[name])])
+                flat[offset:offset + numel] = param[at:at + numel]
+        return out
+
+    def flat_vector(key):  # one vector over every master tensor (delayed mode)
+        if saved[0][key] is None or isinstance(saved[0][key], str):
+            return saved[0][key]
+        return torch.cat(moved(lambda state: state[key].split(state["numels"])))
+
+    first = saved[0]
+    optimizer = first["optimizer"]
+    keys = [k for k, v in optimizer["state"].get(0, {}).items()
+            if torch.is_tensor(v) and v.shape == first["outer_params"][0].shape]
+    state = {i: {k: v for k, v in optimizer["state"][0].items() if k not in keys}
+             for i in range(len(numels))} if optimizer["state"] else {}
+    for key in keys:
+        for i, values in enumerate(moved(lambda s: [s["optimizer"]["state"][j][key]
+                                                     for j in range(len(s["numels"]))])):
+            state[i][key] = values
+    groups = [dict(optimizer["param_groups"][0], params=list(range(len(numels))))]
+    return dict(first, numels=numels, segments=segments,
+                outer_params=moved(lambda s: s["outer_params"]),
+                optimizer={"state": state, "param_groups": groups},
+                previous=flat_vector("previous"), pending=flat_vector("pending"))

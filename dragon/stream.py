@@ -3,11 +3,14 @@ of block_size+1 ids as they are read, never materialised.
 
 The packed stream is one global sequence of blocks. Its first --validation_blocks blocks are held
 out for validation (the same on every run), unless --validation_file gives the validation text.
-Each data-parallel rank (of every DiLoCo island) keeps every W-th block of the rest
-(`split_dataset_by_node(strategy="examples")`), so the blocks of a global batch are the same for
-any number of ranks; each rank tokenizes the whole stream to find its share. A rank that reaches
-the end of the stream starts it again (the next epoch). The position is the IterableDataset's
-state_dict, saved per rank with each checkpoint.
+The rest passes through a shuffling buffer of --shuffle_buffer_blocks (none by default), and each
+data-parallel rank (of every DiLoCo island) keeps every W-th block that comes out, as
+`split_dataset_by_node(strategy="examples")` would; the buffer is the same on every rank (one
+seed), so the blocks of a global batch are the same for any number of ranks. Each rank tokenizes
+the whole stream to find its share. A rank that reaches the end of the stream starts it again
+(the next epoch; the buffer carries over). The position, saved per rank with each checkpoint, is
+the IterableDataset's state_dict with the buffer's blocks and random state: datasets' own
+shuffling buffer starts empty on a resume, this one does not.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 from datasets import Dataset, IterableDataset
-from datasets.distributed import split_dataset_by_node
 
 from dragon.data import (
     PACK_BATCH_SIZE,
@@ -111,30 +113,38 @@ class StreamedBatches:
         dp_world: int,
         grad_accum: int = 1,
         prefetch: int = PREFETCH,
+        shuffle_blocks: int = 0,
+        seed: int = 0,
     ):
         if not 0 <= dp_rank < dp_world:
             raise DataError(f"dp_rank {dp_rank} is not in [0, dp_world={dp_world})")
         self.blocks, self.dp_rank, self.dp_world = blocks, dp_rank, dp_world
         self.micro_batch_size, self.grad_accum = micro_batch_size, grad_accum
-        self.prefetch = prefetch
+        self.prefetch, self.shuffle_blocks, self.seed = prefetch, shuffle_blocks, seed
         self.epoch, self.micro_step = 0, 0  # micro-batches returned, over all epochs
         self._state: dict = {"epoch": 0, "micro_step": 0, "stream": None, "taken": {}}
         self._queue: Optional[queue.Queue] = None
 
-    def _read(self, blocks: IterableDataset, state: dict) -> Iterator[tuple[torch.Tensor, dict]]:
-        """(micro-batch, position after it) of `blocks` from `state` on, epoch after epoch."""
+    def _read(self, stream: IterableDataset, state: dict) -> Iterator[tuple[torch.Tensor, dict]]:
+        """(micro-batch, position after it) of the global `stream` (this reader's own copy) from
+        `state` on, epoch after epoch."""
         epoch, micro_step, taken = state["epoch"], state["micro_step"], dict(state["taken"])
-        rank, world = self.dp_rank, self.dp_world
-        stream = split_dataset_by_node(blocks, rank, world, strategy="examples")
+        seen = state.get("seen", 0)  # blocks out of the buffer, over all epochs and ranks
+        buffer = ShuffleBuffer(self.shuffle_blocks, self.seed, state.get("shuffle"))
         stream.set_epoch(epoch)
         if state["stream"] is not None:
             stream.load_state_dict(state["stream"])
         rows, sources = [], []
         while True:
             for row in stream:
-                rows.append(row["input_ids"])
-                sources.append(row.get("source"))
-                if len(rows) == self.micro_batch_size:
+                for ids, source in buffer.swap(row):
+                    seen += 1
+                    if (seen - 1) % self.dp_world != self.dp_rank:
+                        continue
+                    rows.append(ids)
+                    sources.append(source)
+                    if len(rows) < self.micro_batch_size:
+                        continue
                     micro_step += 1
                     batch = torch.from_numpy(np.stack(rows)).long()
                     for source in sources:  # a mixture's blocks name their source
@@ -142,8 +152,9 @@ class StreamedBatches:
                             taken[int(source)] = taken.get(int(source), 0) + batch.shape[1] - 1
                     rows, sources = [], []
                     yield batch, {"epoch": epoch, "micro_step": micro_step,
-                                  "stream": stream.state_dict(), "taken": dict(taken)}
-            epoch += 1  # the stream ended: begin it again (rows carry over the wrap)
+                                  "stream": stream.state_dict(), "taken": dict(taken),
+                                  "seen": seen, "shuffle": buffer.state_dict()}
+            epoch += 1  # the stream ended: begin it again (rows and the buffer carry over)
             stream.set_epoch(epoch)
 
     def _fill(self, out: queue.Queue, blocks: IterableDataset, state: dict) -> None:
@@ -192,6 +203,35 @@ class StreamedBatches:
         self.load_state_dict({"epoch": 0, "micro_step": 0, "stream": None, "taken": {}})
         for _ in range(step * self.grad_accum):
             next(self)
+
+
+class ShuffleBuffer:
+    """A shuffling buffer of `size` blocks (0: none) whose blocks and random state are part of
+    the stream's position, so a resumed stream draws what the uninterrupted one would."""
+
+    def __init__(self, size: int, seed: int, state: Optional[dict] = None):
+        self.size, self.rng, self.blocks = size, np.random.default_rng(seed), []
+        if state is not None:
+            self.blocks = list(state["blocks"])
+            self.rng.bit_generator.state = state["rng"]
+
+    def swap(self, row: dict) -> list[tuple[Any, Optional[int]]]:
+        """Put `row` in; what comes out for it, as (ids, source): nothing while the buffer fills,
+        then one block drawn at random (the one `row` replaces)."""
+        if not self.size:
+            return [(row["input_ids"], row.get("source"))]
+        block = (np.asarray(row["input_ids"], dtype=np.int32), row.get("source"))
+        if len(self.blocks) < self.size:
+            self.blocks.append(block)
+            return []
+        i = int(self.rng.integers(self.size))
+        out, self.blocks[i] = self.blocks[i], block
+        return [out]
+
+    def state_dict(self) -> Optional[dict]:
+        if not self.size:
+            return None
+        return {"blocks": list(self.blocks), "rng": self.rng.bit_generator.state}
 
 
 def check_stream(blocks: IterableDataset, global_batch: int, block_size: int) -> None:

@@ -165,17 +165,30 @@ def test_retention_keeps_last_k_and_the_best(kind, tmp_path, text_file):
     assert tags(out)[-2:] == ["step9", "step10"] and "step1" not in tags(out)
 
 
+# The runs that kills, faults and preemptions resume to: 12 steps, a save every 4, carried states.
+STEPS = 12
+RESUMABLE = ["--save_steps", "4", *CARRY]
+_uninterrupted: dict = {}
+
+
+def uninterrupted(kind, tmp_path_factory, text_file, extra=()) -> list[float]:
+    """The per-step losses of the uninterrupted run of `kind` (with `extra`), made once."""
+    key = (kind, *extra)
+    if key not in _uninterrupted:
+        out = tmp_path_factory.mktemp(f"uninterrupted_{kind}")
+        finish(start(kind, out, text_file, STEPS, [*RESUMABLE, *extra]))
+        _uninterrupted[key] = losses(read_jsonl(out / "metrics.jsonl"))
+    return _uninterrupted[key]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["zero2", "pipeline"])
-def test_sigkill_then_resume_matches_uninterrupted(kind, tmp_path, text_file):
+def test_sigkill_then_resume_matches_uninterrupted(kind, tmp_path, tmp_path_factory, text_file):
     """Killed between checkpoints, resumed from latest: the same per-step losses (bit-equal):
     model, optimizer, LR schedule, data position and RNG came back, and with --carry_state the
     rows' states too (zero states would differ)."""
-    carry = CARRY
-    steps, extra = 12, ["--save_steps", "4", *carry]
-    full = tmp_path / "full"
-    finish(start(kind, full, text_file, steps, extra))
-    expected = losses(read_jsonl(full / "metrics.jsonl"))
+    steps, extra = STEPS, RESUMABLE
+    expected = uninterrupted(kind, tmp_path_factory, text_file)
 
     out = tmp_path / "killed"
     metrics = out / "metrics.jsonl"

@@ -32,16 +32,23 @@ def job(layout, out, text_file, extra=()):
                             text=True)
 
 
+# Layouts whose uninterrupted run is the session's run of that name (conftest.Runs: the same
+# arguments as job()'s), which test_recipe compares too.
+SHARED = {"zero2 x2": "zero2", "zero3 x2": "zero3"}
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, text_file):
+def uninterrupted(runs, tmp_path_factory, text_file):
     """layout -> the directory of an uninterrupted 8-step run on it."""
-    runs = {}
+    done = {}
 
     def run(layout):
-        if layout not in runs:
-            runs[layout] = tmp_path_factory.mktemp(layout.replace(" ", ""))
-            finish(job(layout, runs[layout], text_file))
-        return runs[layout]
+        if layout in SHARED:
+            return runs(SHARED[layout], config=LAYOUTS[layout][0])[0]
+        if layout not in done:
+            done[layout] = tmp_path_factory.mktemp(layout.replace(" ", ""))
+            finish(job(layout, done[layout], text_file))
+        return done[layout]
 
     return run
 
@@ -128,16 +135,25 @@ def islands_job(ranks, out, text_file, extra=()):
                             text=True)
 
 
+DILOCO = ["--diloco_islands", "2", "--diloco_inner_steps", "4", "--diloco_checksum"]
+
+
+@pytest.fixture(scope="module")
+def two_islands(tmp_path_factory, text_file):
+    """Two ZeRO-2 islands of one rank (sync, H 4, Nesterov outer steps), 8 steps, saved at 4."""
+    base = tmp_path_factory.mktemp("islands")
+    finish(islands_job(2, base, text_file, DILOCO))
+    return base
+
+
 @pytest.mark.slow
-def test_a_diloco_run_resumes_by_another_number_of_islands(tmp_path, text_file):
+def test_a_diloco_run_resumes_by_another_number_of_islands(two_islands, tmp_path, text_file):
     """Two islands (sync, H 4) saved at step 4. Resumed without islands on 2 ranks (the same
     global batch), step 5 starts from theta_outer on the same 8 samples: its loss is the mean of
     the islands' step-5 losses within 2e-5. Resumed by 3 islands, island 2 takes island 0's
     checkpoint: after the outer step at 8 all three hold bit-identical weights and theta_outer
     (its outer momentum is theirs)."""
-    diloco = ["--diloco_islands", "2", "--diloco_inner_steps", "4", "--diloco_checksum"]
-    base = tmp_path / "islands"
-    finish(islands_job(2, base, text_file, diloco))
+    diloco, base = DILOCO, two_islands
     ran = [read_jsonl(base / f"island{i}" / "metrics.jsonl") for i in (0, 1)]
     three = ["--diloco_islands", "3", *diloco[2:]]
     for name, ranks, extra in (("one", 2, []), ("three", 3, three)):
@@ -160,3 +176,33 @@ def test_a_diloco_run_resumes_by_another_number_of_islands(tmp_path, text_file):
             assert all(m["step"] == 8 and "outer_step" in m for m in last)
             for key in ("weights_sum", "weights_sumsq", "outer_sum", "outer_sumsq"):
                 assert last[0][key] == last[1][key] == last[2][key], key
+
+
+@pytest.mark.slow
+def test_diloco_islands_resume_on_more_ranks_each(two_islands, tmp_path, text_file):
+    """The two islands of one rank resume from step 4 as two islands of two ranks (ZeRO-2, the
+    same global batch): each rank's theta_outer and outer momentum are cut from the saved ones
+    for its new partition. Each island's steps 5-8 equal its uninterrupted losses within 2e-5
+    (2 ranks equal 1), and after the outer step at 8, which applies the momentum of the one at
+    4, theta_outer's sum and sum of squares equal the uninterrupted ones within 1e-6 relative.
+    """
+    out = tmp_path / "wider"
+    for i in (0, 1):
+        resumed_from_step4(two_islands / f"island{i}", out / f"island{i}")
+    _, stderr = finish(islands_job(4, out, text_file, [
+        *DILOCO, "--per_device_train_batch_size", "2", "--resume_from_checkpoint", "latest"]))
+    assert ("resume: converting the checkpoint from ZeRO-2 on 1 data-parallel rank(s) to ZeRO-2 "
+            "on 2 data-parallel rank(s)") in stderr
+    for i in (0, 1):
+        expected = [m for m in read_jsonl(two_islands / f"island{i}" / "metrics.jsonl")
+                    if m["step"] > 4]
+        got = read_jsonl(out / f"island{i}" / "metrics.jsonl")
+        assert [m["step"] for m in got] == [m["step"] for m in expected] == [5, 6, 7, 8]
+        gap = max(abs(a - b) for a, b in zip(losses(got), losses(expected)))
+        print(f"| 2 islands x 1 rank | 2 islands x 2 ranks | island {i} loss | {gap:.1e} |")
+        assert gap < 2e-5, (losses(got), losses(expected))
+        for key in ("outer_sum", "outer_sumsq"):
+            ours, theirs = got[-1][key], expected[-1][key]
+            print(f"| 2 islands x 1 rank | 2 islands x 2 ranks | island {i} {key} at step 8 | "
+                  f"{abs(ours - theirs) / abs(theirs):.1e} relative |")
+            assert ours == pytest.approx(theirs, rel=1e-6), key

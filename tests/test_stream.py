@@ -3,6 +3,7 @@
 reads at the same global batch, a resumed stream reads what the uninterrupted one reads."""
 
 import json
+from collections import Counter
 import os
 import subprocess
 
@@ -82,21 +83,20 @@ def read(batches, n) -> list[torch.Tensor]:
 def test_two_ranks_read_what_one_rank_reads_at_the_same_global_batch(tmp_path, shards):
     """Micro-batch 2 on each of 2 ranks (or 2 DiLoCo islands of 1 rank: the same data shards)
     holds the rows of micro-batch 4 on 1 rank, and of 2 accumulated micro-batches of 2, at every
-    step, past the end of the stream (the ranks are disjoint inside a pass)."""
+    step, past the end of the stream (the ranks are disjoint; the next pass follows the last)."""
     train, _, _ = streams(tmp_path, shards)
     n = sum(1 for _ in train)
     steps = n // 4 + 3  # beyond one pass of the stream
     one = read(StreamedBatches(train, 4, 0, 1), steps)
     accum = read(StreamedBatches(train, 2, 0, 1, grad_accum=2), 2 * steps)
     ranks = [read(StreamedBatches(train, 2, r, 2), steps) for r in (0, 1)]
-    blocks = torch.tensor(ids(row["input_ids"] for row in train))  # the global order
-    for s in range(n // 4):
+    blocks = torch.tensor(ids(row["input_ids"] for row in train))
+    blocks = torch.cat([blocks, blocks])  # the global order over two passes
+    for s in range(steps):
         assert torch.equal(one[s], blocks[4 * s : 4 * s + 4])
         assert torch.equal(torch.cat(accum[2 * s : 2 * s + 2]), one[s])
         for r in (0, 1):  # blocks 4s+r and 4s+r+2: disjoint, together the global batch
             assert torch.equal(ranks[r][s], blocks[4 * s + r : 4 * s + 4 : 2])
-    # After the end of a pass every rank begins the stream again on its own.
-    assert torch.equal(ranks[0][n // 4 + 1][0], one[0][0])
 
 
 @pytest.mark.parametrize("consumed", [0, 7, 101, 150])
@@ -116,6 +116,35 @@ def test_resume_reads_the_same_next_batches(tmp_path, shards, consumed):
     seeked = StreamedBatches(train, 3, 1, 2, grad_accum=1)
     seeked.seek(consumed)
     assert torch.equal(next(seeked), full[consumed])
+
+
+@pytest.mark.parametrize("consumed", [0, 5, 160])
+def test_a_shuffled_stream_resumes_with_its_buffer(tmp_path, shards, consumed):
+    """A shuffling buffer of 64 blocks: the blocks come out in another order, each block of a pass
+    once and none more than 64 places early; another seed draws another order; 2 ranks read the
+    rows of 1 rank's global batches; and a stream rebuilt from a saved state (the buffer's blocks
+    and random state through torch.save) returns what the uninterrupted one returns next, inside
+    the first pass (also while the buffer fills: 5 micro-batches of 3 on 2 ranks are 30 blocks)
+    and in the second (160)."""
+    train, _, _ = streams(tmp_path, shards)
+    stream = [tuple(row) for row in ids(row["input_ids"] for row in train)]  # 607 blocks
+    shuffled = StreamedBatches(train, 1, 0, 1, shuffle_blocks=64, seed=1)
+    out = [tuple(b[0].tolist()) for b in read(shuffled, 500)]
+    assert out != stream[:500]
+    for k in range(0, 500, 50):  # out's first k blocks are among the stream's first k + 64
+        assert not Counter(out[:k]) - Counter(stream[:k + 64])
+    other = read(StreamedBatches(train, 1, 0, 1, shuffle_blocks=64, seed=2), 100)
+    assert [tuple(b[0].tolist()) for b in other] != out[:100]
+    one = read(StreamedBatches(train, 4, 0, 1, shuffle_blocks=64), 20)
+    ranks = [read(StreamedBatches(train, 2, r, 2, shuffle_blocks=64), 20) for r in (0, 1)]
+    assert all(torch.equal(ranks[r][s], one[s][r::2]) for s in range(20) for r in (0, 1))
+    full = read(StreamedBatches(train, 3, 1, 2, shuffle_blocks=64), consumed + 12)
+    first = StreamedBatches(train, 3, 1, 2, shuffle_blocks=64)
+    read(first, consumed)
+    torch.save(first.state_dict(), tmp_path / "state.pt")
+    resumed = StreamedBatches(train, 3, 1, 2, shuffle_blocks=64)
+    resumed.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=False))
+    assert all(torch.equal(a, b) for a, b in zip(read(resumed, 12), full[consumed:]))
 
 
 def test_validation_file_is_the_validation_set(tmp_path, shards):
@@ -157,7 +186,7 @@ def test_preflight_refuses(tmp_path, monkeypatch, text_file, extra, needle):
     assert needle in run_recipe_in_process(monkeypatch, "recipes/pretrain.py", argv, env)
 
 
-STREAM = ["--streaming", "--validation_blocks", "64"]
+STREAM = ["--streaming", "--validation_blocks", "64", "--shuffle_buffer_blocks", "32"]
 
 
 def test_pipeline_on_two_stages_equals_zero_on_two_ranks(runs):
@@ -185,9 +214,9 @@ def start_streamed(out, text_file, extra=()):
 
 @pytest.mark.slow
 def test_sigkill_then_resume_replays_the_uninterrupted_losses(runs, tmp_path, text_file):
-    """2 ranks, ZeRO-2, --streaming: killed between the saves of steps 4 and 8, resumed from step
-    4 (each rank's stream position from its own file), the losses are the uninterrupted run's
-    (bit-equal)."""
+    """2 ranks, ZeRO-2, --streaming through a shuffling buffer: killed between the saves of steps
+    4 and 8, resumed from step 4 (each rank's stream position and buffer from its own file), the
+    losses are the uninterrupted run's (bit-equal)."""
     _, expected, _ = runs("stream_zero2", extra=STREAM)
     out = tmp_path / "killed"
     metrics = out / "metrics.jsonl"
