@@ -117,6 +117,14 @@ CARRY = ["--carry_state", "--max_eval_samples", "64"]
 LOSS_ATOL = 2e-5
 
 
+# Runs several test modules share (conftest.Runs keyword arguments): a 2-stage ZeRO-0 pipeline
+# of 2 micro-batches, and 2 DiLoCo islands of one ZeRO-3 rank each (H 4).
+PIPE_X2 = dict(config="pipeline_zero0.json", script="recipes/pretrain_pipeline.py",
+               extra=["--pipeline_stages", "2", "--gradient_accumulation_steps", "2"])
+DILOCO_ZERO3 = dict(config="zero3.json", extra=["--diloco_islands", "2", "--diloco_inner_steps",
+                                                "4", "--diloco_checksum"])
+
+
 class Runs:
     """Runs of the recipe made once per session and compared by several tests."""
 
@@ -159,7 +167,10 @@ class Runs:
         ]
         proc = launch(launcher, nproc, script, args)
         assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-        self.done[name] = (out, read_jsonl(out / "metrics.jsonl"), proc)
+        metrics = out / "metrics.jsonl"
+        if not metrics.exists():  # DiLoCo islands: <out>/island<i>/metrics.jsonl
+            metrics = out / "island0" / "metrics.jsonl"
+        self.done[name] = (out, read_jsonl(metrics), proc)
         return self.done[name]
 
 

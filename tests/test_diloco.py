@@ -14,12 +14,9 @@ import torch
 from conftest import (
     LOSS_ATOL,
     REPO,
-    STEPS,
-    TINY,
     bad_input_base,
     free_port,
     job_env,
-    launch,
     losses,
     read_jsonl,
     run_recipe_in_process,
@@ -369,9 +366,6 @@ def island_metrics(out, island):
     return read_jsonl(out / f"island{island}" / "metrics.jsonl")
 
 
-_island_runs = {}
-
-
 def islands_run(
     runs,
     name,
@@ -382,29 +376,10 @@ def islands_run(
     out=None,
     script="recipes/pretrain.py",
 ):
-    """Like conftest's Runs, for jobs of several islands (metrics in
+    """conftest's Runs for jobs of several islands: their directory (metrics in
     <out>/island<i>/metrics.jsonl)."""
-    if name not in _island_runs:
-        out = out or runs.root / name
-        cfg = config if config.startswith("/") else str(REPO / "ds_configs" / config)
-        args = [
-            "--deepspeed",
-            cfg,
-            "--output_dir",
-            str(out),
-            "--train_file",
-            str(runs.text_file),
-            "--max_steps",
-            str(STEPS),
-            "--per_device_train_batch_size",
-            str(micro),
-            *TINY,
-            *extra,
-        ]
-        proc = launch("torchrun", nproc, script, args)
-        assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-        _island_runs[name] = out
-    return _island_runs[name]
+    return runs(name, nproc=nproc, config=config, micro=micro, extra=extra, out=out,
+                script=script)[0]
 
 
 def assert_islands_identical(

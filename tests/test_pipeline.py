@@ -217,24 +217,18 @@ def test_bad_input_stops_before_start(monkeypatch, text_file, tmp_path, argv, en
     assert expected in run_recipe_in_process(monkeypatch, PIPE, base + argv, env)
 
 
-def test_chunked_attention_pipeline_trains_like_quadratic(runs):
-    """The stages run the model's own layer code: the chunked form there gives the same losses."""
-    _, chunked, _ = pipeline_run(
-        runs, "pipe2_chunked", extra=["--attention", "chunked", "--attention_chunk_size", "16"]
-    )
-    _, ref, _ = pipeline_run(runs, "pipe2")
-    assert losses(chunked) == pytest.approx(losses(ref), abs=LOSS_ATOL)
-    assert losses(chunked, "eval_loss") == pytest.approx(losses(ref, "eval_loss"), abs=LOSS_ATOL)
-
-
-def test_zero1_pipeline_equals_zero0(runs):
+def test_zero1_pipeline_with_chunked_attention_equals_zero0_quadratic(runs):
+    """ZeRO-1 over the stages, and the chunked form in them (the stages run the model's own layer
+    code): the ZeRO-0 quadratic pipeline's losses."""
     _, zero1, _ = runs(
-        "pipe2_zero1",
+        "pipe2_zero1_chunked",
         config="pipeline_zero1.json",
         script=PIPE,
         micro=4,
-        extra=["--pipeline_stages", "2", "--gradient_accumulation_steps", "4"],
+        extra=["--pipeline_stages", "2", "--gradient_accumulation_steps", "4",
+               "--attention", "chunked", "--attention_chunk_size", "16"],
     )
     _, zero0, _ = pipeline_run(runs, "pipe2")
     assert losses(zero1) == pytest.approx(losses(zero0), abs=LOSS_ATOL)
+    assert losses(zero1, "eval_loss") == pytest.approx(losses(zero0, "eval_loss"), abs=LOSS_ATOL)
     assert all(m["grad_norm"] > 0 for m in zero1)  # ZeRO-1 records the (whole-pipeline) norm

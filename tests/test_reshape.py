@@ -7,7 +7,16 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, job_env, launch_command, losses, read_jsonl, run_recipe_in_process
+from conftest import (
+    DILOCO_ZERO3,
+    PIPE_X2,
+    REPO,
+    job_env,
+    launch_command,
+    losses,
+    read_jsonl,
+    run_recipe_in_process,
+)
 from test_checkpoints import finish, recipe_args
 
 # Every layout trains the same global batch of 8 samples.
@@ -32,9 +41,10 @@ def job(layout, out, text_file, extra=()):
                             text=True)
 
 
-# Layouts whose uninterrupted run is the session's run of that name (conftest.Runs: the same
-# arguments as job()'s), which test_recipe compares too.
-SHARED = {"zero2 x2": "zero2", "zero3 x2": "zero3"}
+# Layouts whose uninterrupted run is one of the session's (conftest.Runs: the same arguments as
+# job()'s), which test_recipe and test_tools use too.
+SHARED = {"zero2 x2": ("zero2", dict(config="zero2.json")),
+          "zero3 x2": ("zero3", dict(config="zero3.json")), "pipe x2": ("pipe_x2", PIPE_X2)}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +54,8 @@ def uninterrupted(runs, tmp_path_factory, text_file):
 
     def run(layout):
         if layout in SHARED:
-            return runs(SHARED[layout], config=LAYOUTS[layout][0])[0]
+            name, spec = SHARED[layout]
+            return runs(name, **spec)[0]
         if layout not in done:
             done[layout] = tmp_path_factory.mktemp(layout.replace(" ", ""))
             finish(job(layout, done[layout], text_file))
@@ -135,22 +146,22 @@ def islands_job(ranks, out, text_file, extra=()):
                             text=True)
 
 
-DILOCO = ["--diloco_islands", "2", "--diloco_inner_steps", "4", "--diloco_checksum"]
+DILOCO = DILOCO_ZERO3["extra"]
 
 
 @pytest.fixture(scope="module")
-def two_islands(tmp_path_factory, text_file):
-    """Two ZeRO-2 islands of one rank (sync, H 4, Nesterov outer steps), 8 steps, saved at 4."""
-    base = tmp_path_factory.mktemp("islands")
-    finish(islands_job(2, base, text_file, DILOCO))
-    return base
+def two_islands(runs):
+    """Two ZeRO-3 islands of one rank (sync, H 4, Nesterov outer steps), 8 steps, saved at 4:
+    the session's (test_tools reads it too)."""
+    return runs("diloco_zero3", **DILOCO_ZERO3)[0]
 
 
 @pytest.mark.slow
 def test_a_diloco_run_resumes_by_another_number_of_islands(two_islands, tmp_path, text_file):
-    """Two islands (sync, H 4) saved at step 4. Resumed without islands on 2 ranks (the same
-    global batch), step 5 starts from theta_outer on the same 8 samples: its loss is the mean of
-    the islands' step-5 losses within 2e-5. Resumed by 3 islands, island 2 takes island 0's
+    """Two ZeRO-3 islands (sync, H 4) saved at step 4. Resumed without islands by ZeRO-2 on 2
+    ranks (the same global batch), step 5 starts from theta_outer on the same 8 samples: its
+    loss is the mean of the islands' step-5 losses within 2e-5. Resumed by 3 ZeRO-2 islands
+    (each island's outer state moved to ZeRO-2's partition), island 2 takes island 0's
     checkpoint: after the outer step at 8 all three hold bit-identical weights and theta_outer
     (its outer momentum is theirs)."""
     diloco, base = DILOCO, two_islands
@@ -180,9 +191,9 @@ def test_a_diloco_run_resumes_by_another_number_of_islands(two_islands, tmp_path
 
 @pytest.mark.slow
 def test_diloco_islands_resume_on_more_ranks_each(two_islands, tmp_path, text_file):
-    """The two islands of one rank resume from step 4 as two islands of two ranks (ZeRO-2, the
-    same global batch): each rank's theta_outer and outer momentum are cut from the saved ones
-    for its new partition. Each island's steps 5-8 equal its uninterrupted losses within 2e-5
+    """The two ZeRO-3 islands of one rank resume from step 4 as two ZeRO-2 islands of two ranks
+    (the same global batch): each rank's theta_outer and outer momentum are cut from the saved
+    ones for its new partition. Each island's steps 5-8 equal its uninterrupted losses within 2e-5
     (2 ranks equal 1), and after the outer step at 8, which applies the momentum of the one at
     4, theta_outer's sum and sum of squares equal the uninterrupted ones within 1e-6 relative.
     """
@@ -191,7 +202,7 @@ def test_diloco_islands_resume_on_more_ranks_each(two_islands, tmp_path, text_fi
         resumed_from_step4(two_islands / f"island{i}", out / f"island{i}")
     _, stderr = finish(islands_job(4, out, text_file, [
         *DILOCO, "--per_device_train_batch_size", "2", "--resume_from_checkpoint", "latest"]))
-    assert ("resume: converting the checkpoint from ZeRO-2 on 1 data-parallel rank(s) to ZeRO-2 "
+    assert ("resume: converting the checkpoint from ZeRO-3 on 1 data-parallel rank(s) to ZeRO-2 "
             "on 2 data-parallel rank(s)") in stderr
     for i in (0, 1):
         expected = [m for m in read_jsonl(two_islands / f"island{i}" / "metrics.jsonl")
@@ -199,10 +210,11 @@ def test_diloco_islands_resume_on_more_ranks_each(two_islands, tmp_path, text_fi
         got = read_jsonl(out / f"island{i}" / "metrics.jsonl")
         assert [m["step"] for m in got] == [m["step"] for m in expected] == [5, 6, 7, 8]
         gap = max(abs(a - b) for a, b in zip(losses(got), losses(expected)))
-        print(f"| 2 islands x 1 rank | 2 islands x 2 ranks | island {i} loss | {gap:.1e} |")
+        print(f"| 2 ZeRO-3 islands x 1 rank | 2 ZeRO-2 islands x 2 ranks | island {i} loss | "
+              f"{gap:.1e} |")
         assert gap < 2e-5, (losses(got), losses(expected))
         for key in ("outer_sum", "outer_sumsq"):
             ours, theirs = got[-1][key], expected[-1][key]
-            print(f"| 2 islands x 1 rank | 2 islands x 2 ranks | island {i} {key} at step 8 | "
-                  f"{abs(ours - theirs) / abs(theirs):.1e} relative |")
+            print(f"| 2 ZeRO-3 islands x 1 rank | 2 ZeRO-2 islands x 2 ranks | island {i} {key} "
+                  f"at step 8 | {abs(ours - theirs) / abs(theirs):.1e} relative |")
             assert ours == pytest.approx(theirs, rel=1e-6), key

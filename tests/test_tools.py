@@ -8,6 +8,8 @@ import sys
 import pytest
 import torch
 from conftest import (
+    DILOCO_ZERO3,
+    PIPE_X2,
     REPO,
     bad_input_base,
     job_env,
@@ -15,7 +17,6 @@ from conftest import (
     read_jsonl,
     run_recipe_in_process,
 )
-from test_checkpoints import start
 
 PIPE = "recipes/pretrain_pipeline.py"
 
@@ -104,21 +105,11 @@ def test_the_memory_estimate_is_near_the_measured_peak(monkeypatch, capsys, tmp_
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, text_file) -> dict:
+def made(runs) -> dict:
     """Real 8-step runs, each saving at steps 4 and 8: a 2-stage pipeline, and 2 DiLoCo islands of
-    one ZeRO-3 rank each (H = 4)."""
-    root = tmp_path_factory.mktemp("runs")
-    kinds = {
-        "pipeline": ("pipeline", []),
-        "diloco": ("zero2", ["--deepspeed", str(REPO / "ds_configs/zero3.json"),
-                             "--diloco_islands", "2", "--diloco_inner_steps", "4"]),
-    }
-    for name, (kind, extra) in kinds.items():
-        job = start(kind, root / name, text_file, "8", [*extra, "--diloco_checksum"]
-                    if name == "diloco" else extra)
-        _, stderr = job.communicate(timeout=600)
-        assert job.returncode == 0, stderr[-3000:]
-    return {name: root / name for name in kinds}
+    one ZeRO-3 rank each (H = 4), the session's (test_reshape resumes them too)."""
+    return {"pipeline": runs("pipe_x2", **PIPE_X2)[0],
+            "diloco": runs("diloco_zero3", **DILOCO_ZERO3)[0]}
 
 
 def recipe_in_process(monkeypatch, capsys, script: str, argv: list[str]) -> str:
@@ -130,21 +121,21 @@ def recipe_in_process(monkeypatch, capsys, script: str, argv: list[str]) -> str:
     return captured.out
 
 
-def test_plots_of_one_run_and_of_two_overlaid(monkeypatch, capsys, runs, tmp_path):
+def test_plots_of_one_run_and_of_two_overlaid(monkeypatch, capsys, made, tmp_path):
     """The PNG has the requested size (read back); the axes cover every step logged; a DiLoCo
     run is drawn per island, with its cross-island bytes."""
     from matplotlib.image import imread
 
     one, two = tmp_path / "one.png", tmp_path / "two.png"
     recipe_in_process(monkeypatch, capsys, "recipes/plot.py",
-                      [str(runs["pipeline"]), "--output", str(one), "--width", "6", "--height", "4",
+                      [str(made["pipeline"]), "--output", str(one), "--width", "6", "--height", "4",
                        "--dpi", "50"])
     assert imread(one).shape[:2] == (200, 300)
     recipe_in_process(monkeypatch, capsys, "recipes/plot.py",
-                      [str(runs["pipeline"]), str(runs["diloco"]), "--output", str(two)])
+                      [str(made["pipeline"]), str(made["diloco"]), "--output", str(two)])
     assert imread(two).shape[:2] == (800, 1500)
     tool = runpy.run_path(str(REPO / "recipes/plot.py"))
-    lines = tool["series"](str(runs["pipeline"]), "dp") + tool["series"](str(runs["diloco"]), "dl")
+    lines = tool["series"](str(made["pipeline"]), "dp") + tool["series"](str(made["diloco"]), "dl")
     assert [name for name, _ in lines] == ["dp", "dl island0", "dl island1"]
     fig = tool["plot"](lines, (15, 8), 100)
     by_step, by_tokens, _ = fig.axes[:3]
@@ -161,14 +152,14 @@ def greedy(monkeypatch, capsys, path, *extra) -> str:
 
 
 def test_sampling_from_each_checkpoint_kind_equals_its_export(
-    monkeypatch, capsys, runs, tmp_path
+    monkeypatch, capsys, made, tmp_path
 ):
     """Greedy text from a pipeline checkpoint and a DiLoCo run's directory (island 0's best
     checkpoint, ZeRO-3) equals the greedy text of the Hugging Face export of the
     same weights; only the text is on stdout."""
     for name, path in (
-        ("pipeline", runs["pipeline"] / "checkpoints" / "step4"),
-        ("diloco", runs["diloco"]),
+        ("pipeline", made["pipeline"] / "checkpoints" / "step4"),
+        ("diloco", made["diloco"]),
     ):
         text = greedy(monkeypatch, capsys, path)
         assert text.startswith("def ") and text.count("\n") >= 1, text
@@ -176,20 +167,20 @@ def test_sampling_from_each_checkpoint_kind_equals_its_export(
         recipe_in_process(monkeypatch, capsys, "recipes/export.py",
                           ["--checkpoint", str(path), "--output", str(hf)])
         assert greedy(monkeypatch, capsys, hf) == text, name
-    island0 = runs["diloco"] / "island0"
+    island0 = made["diloco"] / "island0"
     losses = {m["step"]: m["eval_loss"] for m in read_jsonl(island0 / "metrics.jsonl")
               if "eval_loss" in m}
-    greedy(monkeypatch, capsys, runs["diloco"])
+    greedy(monkeypatch, capsys, made["diloco"])
     assert f"step{min(losses, key=losses.get)}\n" in recipe_in_process.stderr
-    greedy(monkeypatch, capsys, runs["diloco"], "--checkpoint", "latest")
+    greedy(monkeypatch, capsys, made["diloco"], "--checkpoint", "latest")
     assert "step8\n" in recipe_in_process.stderr
-    sampled = greedy(monkeypatch, capsys, runs["pipeline"], "--temperature", "1", "--seed", "3")
-    assert sampled == greedy(monkeypatch, capsys, runs["pipeline"], "--temperature", "1", "--seed",
+    sampled = greedy(monkeypatch, capsys, made["pipeline"], "--temperature", "1", "--seed", "3")
+    assert sampled == greedy(monkeypatch, capsys, made["pipeline"], "--temperature", "1", "--seed",
                              "3")
 
 
 def test_export_round_trips_logits_and_its_card_names_the_validation_loss(
-    monkeypatch, capsys, runs, tmp_path
+    monkeypatch, capsys, made, tmp_path
 ):
     """The export of a DiLoCo island's ZeRO-3 checkpoint gives the checkpoint's logits exactly;
     its model card names the stage, the islands, the steps, the tokens and the last validation
@@ -197,7 +188,7 @@ def test_export_round_trips_logits_and_its_card_names_the_validation_loss(
     from dragon.export import model_from_checkpoint
     from dragon.model import BDHForCausalLM
 
-    tag = runs["diloco"] / "island0" / "checkpoints" / "step8"
+    tag = made["diloco"] / "island0" / "checkpoints" / "step8"
     recipe_in_process(monkeypatch, capsys, "recipes/export.py",
                       ["--checkpoint", str(tag), "--output", str(tmp_path / "hf")])
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -205,7 +196,7 @@ def test_export_round_trips_logits_and_its_card_names_the_validation_loss(
         ours = model_from_checkpoint(str(tag)).eval()(ids).logits
         theirs = BDHForCausalLM.from_pretrained(tmp_path / "hf").eval()(ids).logits
     assert torch.equal(ours, theirs)
-    loss = [m["eval_loss"] for m in read_jsonl(runs["diloco"] / "island0" / "metrics.jsonl")
+    loss = [m["eval_loss"] for m in read_jsonl(made["diloco"] / "island0" / "metrics.jsonl")
             if m["step"] == 8 and "eval_loss" in m][0]
     card = (tmp_path / "hf" / "README.md").read_text()
     assert f"| final validation loss | {loss:.4f} (step 8) |" in card
@@ -213,17 +204,17 @@ def test_export_round_trips_logits_and_its_card_names_the_validation_loss(
     assert "| tokens | " in card and "import dragon" in card
     assert "| recipe | pretrain.py |" in card
     assert "| DiLoCo islands | 2 (outer step every 4) |" in card
-    assert f"{loss:.4f} (step 8)" in (runs["diloco"] / "final" / "README.md").read_text()
+    assert f"{loss:.4f} (step 8)" in (made["diloco"] / "final" / "README.md").read_text()
 
 
-def test_deepspeed_zero_to_fp32_works_on_our_checkpoints(runs, tmp_path):
+def test_deepspeed_zero_to_fp32_works_on_our_checkpoints(made, tmp_path):
     """The zero_to_fp32.py DeepSpeed copies next to the checkpoints merges ours into the same
     weights our export has."""
     from safetensors.torch import load_file
 
     from dragon.export import model_from_checkpoint
 
-    save_dir = runs["diloco"] / "island0" / "checkpoints"
+    save_dir = made["diloco"] / "island0" / "checkpoints"
     script = save_dir / "zero_to_fp32.py"
     assert script.exists()
     job = subprocess.run([sys.executable, str(script), str(save_dir), str(tmp_path / "out"),
@@ -237,13 +228,13 @@ def test_deepspeed_zero_to_fp32_works_on_our_checkpoints(runs, tmp_path):
         assert torch.equal(value, ours[name]), name
 
 
-def test_a_diloco_checkpoint_holds_theta_outer(runs):
+def test_a_diloco_checkpoint_holds_theta_outer(made):
     """Each island saves right after an outer step, which writes theta_outer into its weights:
     the export of island 0's (ZeRO-3) checkpoint has the float64 sum and sum of squares of the
     theta_outer in its DiLoCo state (equal within 1e-9 relative)."""
     from dragon.export import model_from_checkpoint
 
-    tag = runs["diloco"] / "island0" / "checkpoints" / "step8"
+    tag = made["diloco"] / "island0" / "checkpoints" / "step8"
     state = torch.load(tag / "diloco_state_0.pt", weights_only=False)
     outer = torch.cat([p.reshape(-1) for p in state["outer_params"]]).double()
     model = model_from_checkpoint(str(tag))
