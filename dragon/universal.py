@@ -17,6 +17,7 @@ import argparse
 import glob
 import os
 import shutil
+import socket
 from collections import OrderedDict
 
 import torch
@@ -173,8 +174,15 @@ def fp32_weights(folder: str) -> dict[str, torch.Tensor]:
 
 def write_atomically(make, target: str) -> None:
     """make(folder) into a temporary folder renamed to `target`: a crash never leaves half a
-    conversion behind."""
-    partial = target + ".partial"
+    conversion behind. Processes that convert the same checkpoint at once (DiLoCo islands that
+    resume from island 0's) each write their own; the first rename wins, the others are dropped.
+    """
+    partial = f"{target}.partial-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
     make(partial)
-    os.replace(partial, target)
+    try:
+        os.replace(partial, target)
+    except OSError:
+        if not os.path.isdir(target):
+            raise
+        shutil.rmtree(partial)

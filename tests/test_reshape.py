@@ -27,6 +27,7 @@ LAYOUTS = {
     "zero2 x4": ("zero2.json", 4, ["--per_device_train_batch_size", "2"]),
     "zero3 x2": ("zero3.json", 2, []),
     "pipe x2": ("pipeline_zero0.json", 2, []),  # 2 stages, accumulation 2 (the test recipe's)
+    "zero2 x1, 4 a step": ("zero2.json", 1, []),  # half the global batch
 }
 
 
@@ -121,6 +122,24 @@ def test_a_zero_checkpoint_resumes_on_another_layout_with_the_same_losses(
         gap = max(abs(a - b) for a, b in zip(ours, theirs))
         print(f"| {describe(saved)} | {describe(resumed)} | {key} | {gap:.1e} |")
         assert gap < 2e-5, (key, ours, theirs)
+
+
+def test_a_changed_global_batch_warns_and_trains(uninterrupted, tmp_path, text_file):
+    """ZeRO-2 on 2 ranks (8 samples a step) resumed on 1 rank with 4 a step: the conversion, a
+    warning that the data order then differs, and steps 5-8 train from the saved weights (the
+    first loss is below the saved run's first by far, and the validation loss goes on falling
+    from the saved run's at step 4)."""
+    other = tmp_path / "half"
+    tag = resumed_from_step4(uninterrupted("zero2 x2"), other)
+    _, stderr = finish(job("zero2 x1, 4 a step", other, text_file,
+                           ["--resume_from_checkpoint", tag]))
+    assert ("the global batch changes from 8 to 4 samples; the data order then differs from the "
+            "uninterrupted run's") in stderr
+    got = read_jsonl(other / "metrics.jsonl")
+    saved = {m["step"]: m for m in read_jsonl(uninterrupted("zero2 x2") / "metrics.jsonl")}
+    assert [m["step"] for m in got] == [5, 6, 7, 8]
+    assert got[0]["loss"] < saved[1]["loss"] - 0.2
+    assert got[-1]["eval_loss"] < saved[4]["eval_loss"]
 
 
 def test_a_zero1_pipeline_is_refused_before_start(uninterrupted, monkeypatch, tmp_path,
