@@ -193,6 +193,8 @@ def main():
             if group is not None:
                 result.update(cgroup_limit_gib=opts.memory_limit_gib,
                               cgroup_peak_mib=cgroup_peak_mib(group))
+                (group.parent / "cgroup.procs").write_text(str(os.getpid()))  # leave, remove it
+                group.rmdir()
             print(json.dumps(result), flush=True)
             shutil.rmtree(big)
         if opts.memory_only:
