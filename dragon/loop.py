@@ -194,11 +194,12 @@ class TrainingRun:
             self.carried.load_state_dict(carried, self.engine.device)
         if self.diloco:
             self.diloco.check_same_step(self.step)
-            outer_state = checkpoint.load_rank_file(load_dir, tag, DILOCO_STATE)
             if reshaped:  # saved for another partition of the weights
                 weights = self.diloco.weights
                 outer_state = diloco_state_for(os.path.join(load_dir, tag), weights.segments(),
                                                self.diloco.numels)
+            else:
+                outer_state = checkpoint.load_rank_file(load_dir, tag, DILOCO_STATE)
             if outer_state is None:  # a checkpoint of a run without DiLoCo
                 self.diloco.restart()
             else:

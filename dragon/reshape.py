@@ -200,16 +200,16 @@ def diloco_state_for(tag_dir: str, segments: list, numels: list[int]) -> Optiona
 
     def moved(tensors_of) -> list[torch.Tensor]:
         """Lay out again the flat tensors tensors_of(state) -> [one per master tensor]."""
-        whole: dict[str, dict[int, torch.Tensor]] = {}
+        found: dict[str, dict[int, torch.Tensor]] = {}  # name -> {offset in it: piece}
         for state in saved:
             for flat, pieces in zip(tensors_of(state), state["segments"]):
                 for name, at, offset, numel in pieces:
-                    whole.setdefault(name, {})[at] = flat[offset:offset + numel]
+                    found.setdefault(name, {})[at] = flat[offset:offset + numel]
+        whole = {name: torch.cat([p[k] for k in sorted(p)]) for name, p in found.items()}
         out = [torch.zeros(n) for n in numels]
         for flat, pieces in zip(out, segments):
             for name, at, offset, numel in pieces:
-                param = torch.cat([whole[name][k] for k in sorted(whole[name])])
-                flat[offset:offset + numel] = param[at:at + numel]
+                flat[offset:offset + numel] = whole[name][at:at + numel]
         return out
 
     def flat_vector(key):  # one vector over every master tensor (delayed mode)

@@ -171,14 +171,13 @@ RESUMABLE = ["--save_steps", "4", *CARRY]
 _uninterrupted: dict = {}
 
 
-def uninterrupted(kind, tmp_path_factory, text_file, extra=()) -> list[float]:
-    """The per-step losses of the uninterrupted run of `kind` (with `extra`), made once."""
-    key = (kind, *extra)
-    if key not in _uninterrupted:
+def uninterrupted(kind, tmp_path_factory, text_file) -> list[float]:
+    """The per-step losses of the uninterrupted run of `kind`, made once."""
+    if kind not in _uninterrupted:
         out = tmp_path_factory.mktemp(f"uninterrupted_{kind}")
-        finish(start(kind, out, text_file, STEPS, [*RESUMABLE, *extra]))
-        _uninterrupted[key] = losses(read_jsonl(out / "metrics.jsonl"))
-    return _uninterrupted[key]
+        finish(start(kind, out, text_file, STEPS, RESUMABLE))
+        _uninterrupted[kind] = losses(read_jsonl(out / "metrics.jsonl"))
+    return _uninterrupted[kind]
 
 
 @pytest.mark.slow
