@@ -163,12 +163,27 @@ class BDHLayer(nn.Module):
         y_kv = layer_norm(attn)  # (B, nh, T, D)
         y_sparse = F.relu(y_kv @ self.encoder_v)
         xy_sparse = self.drop(x_sparse * y_sparse)
-        # Each head's neurons through its rows of the decoder, summed over heads: no (B, T, nh*N)
-        # copy of the activations, and batched over heads, which is faster than one long matmul.
-        decoder = self.decoder.view(xy_sparse.size(1), -1, D)
-        y_mlp = (xy_sparse @ decoder).sum(dim=1, keepdim=True)  # (B, 1, T, D)
-        x = layer_norm(x + layer_norm(y_mlp))
+        x = layer_norm(x + layer_norm(self.decode(xy_sparse)))
         return (x, state) if return_state else x
+
+    def decode(self, xy_sparse: torch.Tensor) -> torch.Tensor:
+        """(B, nh, T, N) -> (B, 1, T, D): each head's neurons through its rows of the decoder,
+        summed over heads. Batched over heads, with no (B, T, nh*N) copy of the activations.
+        One position without autograd (a generation step) reads only the rows of the neurons
+        that fired: x_sparse * y_sparse is sparse, and a step is bound by memory traffic."""
+        B, nh, T, N = xy_sparse.shape
+        if T == 1 and not torch.is_grad_enabled():
+            return fired_rows(xy_sparse.view(B, nh * N), self.decoder).view(B, 1, 1, -1)
+        return (xy_sparse @ self.decoder.view(nh, N, -1)).sum(dim=1, keepdim=True)
+
+
+def fired_rows(activations: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """activations (B, K) @ weight (K, M) summed over the nonzero activations only: one
+    embedding bag per row of the batch, each of weight's rows weighted by its activation."""
+    K, flat = activations.size(1), activations.reshape(-1)
+    fired = flat.nonzero().squeeze(1)  # b * K + k, in order
+    offsets = torch.searchsorted(fired, torch.arange(0, flat.numel(), K, device=flat.device))
+    return F.embedding_bag(fired % K, weight, offsets, mode="sum", per_sample_weights=flat[fired])
 
 
 def layer_norm(x: torch.Tensor) -> torch.Tensor:

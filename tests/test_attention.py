@@ -22,6 +22,7 @@ from dragon.attention import (
     resolve_form,
 )
 
+from dragon.model import fired_rows
 from test_model import ref_forward, ref_weights
 
 SMALL = dict(
@@ -94,8 +95,9 @@ def test_block_quadratic_matches_the_independent_reference():
 
 def test_block_backward_matches_autograd_in_float64():
     g = torch.Generator().manual_seed(4)
-    q = torch.relu(torch.randn(2, 3, 2, 45, 12, generator=g, dtype=torch.float64)).requires_grad_()
-    v = torch.randn(2, 1, 2, 45, 6, generator=g, dtype=torch.float64).requires_grad_()
+    # three blocks of 8 rows, the last one partial; v broadcast over the heads
+    q = torch.relu(torch.randn(2, 2, 21, 6, generator=g, dtype=torch.float64)).requires_grad_()
+    v = torch.randn(2, 1, 21, 4, generator=g, dtype=torch.float64).requires_grad_()
     assert torch.autograd.gradcheck(lambda a, b: causal_scores(a, b, 8), (q, v))
 
 
@@ -147,6 +149,24 @@ def test_stream_continuation_equals_one_forward(form):
             pieces.append(model(ids[:, start:end], past_key_values=cache).logits)
         assert cache.position == 50
         torch.testing.assert_close(torch.cat(pieces, dim=1), whole, **FP32)
+
+
+def test_a_step_reads_only_the_fired_rows_and_equals_the_dense_product():
+    """A generation step's decoder sums the rows of the nonzero activations only: the dense
+    product's value for a batch row with many, few and no nonzero entries."""
+    g = torch.Generator().manual_seed(3)
+    acts = torch.relu(torch.randn(4, 64, generator=g))
+    acts[1] *= torch.rand(64, generator=g) < 0.05
+    acts[2] = 0
+    weight = torch.randn(64, 16, generator=g)
+    torch.testing.assert_close(fired_rows(acts, weight), acts @ weight, **FP32)
+    model = model_with("auto").eval()  # one position without autograd takes fired_rows
+    ids = ids_of(2, 9)
+    with torch.no_grad():
+        cache = model(ids[:, :8], use_cache=True).past_key_values
+        step = model(ids[:, 8:], past_key_values=cache).logits
+        whole = model(ids, use_cache=False).logits
+    torch.testing.assert_close(step, whole[:, 8:], **FP32)
 
 
 @torch.no_grad()
