@@ -67,9 +67,10 @@ def reference_logits(model: BDHForCausalLM, idx: torch.Tensor) -> torch.Tensor:
     layer, nh = model.layer, model.config.n_head
     B, T = idx.shape
     x = F.layer_norm(model.embed(idx), (model.config.n_embd,)).unsqueeze(1)
-    phases = torch.arange(T, dtype=torch.float32).view(1, 1, T, 1) * layer.attn.freqs
-    cos, sin = torch.cos(phases % 1 * 2 * math.pi), torch.sin(phases % 1 * 2 * math.pi)
-    mask = torch.ones(T, T).tril(diagonal=-1)
+    phases = torch.arange(T, dtype=torch.float32, device=idx.device).view(1, 1, T, 1)
+    phases = phases * layer.attn.freqs % 1 * 2 * math.pi
+    cos, sin = torch.cos(phases).to(x.dtype), torch.sin(phases).to(x.dtype)
+    mask = torch.ones(T, T, dtype=x.dtype, device=idx.device).tril(diagonal=-1)
     for _ in range(model.config.n_layer):
         x_sparse = F.relu(x @ layer.encoder)
         rot = torch.stack((-x_sparse[..., 1::2], x_sparse[..., ::2]), dim=-1).view(*x_sparse.size())

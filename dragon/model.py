@@ -169,10 +169,11 @@ class BDHLayer(nn.Module):
     def decode(self, xy_sparse: torch.Tensor) -> torch.Tensor:
         """(B, nh, T, N) -> (B, 1, T, D): each head's neurons through its rows of the decoder,
         summed over heads. Batched over heads, with no (B, T, nh*N) copy of the activations.
-        One position without autograd (a generation step) reads only the rows of the neurons
-        that fired: x_sparse * y_sparse is sparse, and a step is bound by memory traffic."""
+        One position without autograd (a generation step) on the CPU reads only the rows of the
+        neurons that fired: x_sparse * y_sparse is sparse, and a step is bound by memory traffic.
+        (On an accelerator, finding the fired rows would wait for the device at every layer.)"""
         B, nh, T, N = xy_sparse.shape
-        if T == 1 and not torch.is_grad_enabled():
+        if T == 1 and not torch.is_grad_enabled() and xy_sparse.device.type == "cpu":
             return fired_rows(xy_sparse.view(B, nh * N), self.decoder).view(B, 1, 1, -1)
         return (xy_sparse @ self.decoder.view(nh, N, -1)).sum(dim=1, keepdim=True)
 
