@@ -21,12 +21,11 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.model_speed import reference_logits, train_flops_per_token  # noqa: E402
+from benchmarks.model_speed import train_flops_per_token, train_step  # noqa: E402
 from dragon import BDHConfig, BDHForCausalLM  # noqa: E402
 from dragon.cost import parameter_count  # noqa: E402
 
@@ -82,18 +81,8 @@ def training(dims: dict, form: str, T: int, tokens: int, dev: Device, reps: int)
     """tokens/s, achieved TFLOP/s and peak GiB of bf16 forward+backward of one form at T."""
     model = model_for(dims, form, dev)
     ids = torch.randint(0, 256, (max(1, tokens // T), T), device=dev.device)
-
-    def step():
-        if form == "reference":
-            logits = reference_logits(model, ids).float()
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, 256), ids[:, 1:].reshape(-1))
-        else:
-            loss = model(ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-
     dev.reset_peak()
-    tps = ids.numel() / dev.timed(step, reps)
+    tps = ids.numel() / dev.timed(lambda: train_step(model, ids, form), reps)
     flops = tps * train_flops_per_token(model.config, form, T)
     return {"tokens/s": tps, "tflops": flops / 1e12, "peak": dev.peak_gib()}
 
@@ -171,7 +160,8 @@ def main() -> None:
     print(f"\n| {n} new tokens, greedy, batch 1 | cached | recompute | speed-up | same text |")
     print("|---|---|---|---|---|")
     if cached.get("oom") or full.get("oom"):
-        print(f"| out of memory: cached {cached.get('oom', False)}, recompute {full.get('oom')} |")
+        oom = {name: r.get("oom", False) for name, r in (("cached", cached), ("recompute", full))}
+        print(f"| out of memory: {oom} |")
         return
     print(
         f"| tokens/s, peak | {cached['tokens/s']:.1f}, {cached['peak']:.2f} GiB | "

@@ -89,6 +89,17 @@ def train_flops_per_token(config: BDHConfig, form: str, T: int) -> float:
     return model_profile(config, T, form).train_flops_per_token
 
 
+def train_step(model: BDHForCausalLM, ids: torch.Tensor, form: str) -> None:
+    """One forward+backward of `form` on ids ("reference": reference_logits on model's weights)."""
+    if form == "reference":
+        logits = reference_logits(model, ids).float()
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    else:
+        loss = model(ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
 def measure_training(form: str, T: int, reps: int) -> dict:
     """tokens/s (median of reps) and peak memory of forward+backward of one form at length T."""
     torch.manual_seed(0)
@@ -96,21 +107,11 @@ def measure_training(form: str, T: int, reps: int) -> dict:
     model = BDHForCausalLM(BDHConfig(**DIMS, attention=attention))
     B = max(1, TOKENS_PER_STEP // T)
     ids = torch.randint(0, 256, (B, T))
-
-    def step():
-        if form == "reference":
-            logits = reference_logits(model, ids)
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, 256), ids[:, 1:].reshape(-1))
-        else:
-            loss = model(ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-
     before = rss_bytes()
     times = []
     for _ in range(reps + 1):  # the first is warm-up
         start = time.perf_counter()
-        step()
+        train_step(model, ids, form)
         times.append(time.perf_counter() - start)
     tps = B * T / statistics.median(times[1:])
     return {

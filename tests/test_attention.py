@@ -21,8 +21,8 @@ from dragon.attention import (
     recurrent,
     resolve_form,
 )
-
 from dragon.model import fired_rows
+
 from test_model import ref_forward, ref_weights
 
 SMALL = dict(
