@@ -1,8 +1,8 @@
 """Speed and memory of BDH's attention forms, cached generation and the DeepSpeed engine.
 
-    python benchmarks/model_speed.py            (2 CPU cores: about 30 minutes)
-    python benchmarks/model_speed.py --quick    (T up to 1024, 256 new tokens: about 8 minutes)
-    python benchmarks/model_speed.py --part generation    (table 2 only: about 8 minutes)
+    python benchmarks/model_speed.py            (2 CPU cores: 12-30 minutes)
+    python benchmarks/model_speed.py --quick    (T up to 1024, 256 new tokens: 4-8 minutes)
+    python benchmarks/model_speed.py --part generation    (table 2 only: 4-8 minutes)
 
 Prints markdown tables, each ours next to its baseline from the same run:
 1. forward+backward tokens/s of the quadratic and chunked forms against a plain implementation
@@ -55,7 +55,9 @@ def rss_bytes() -> int:
 def cpu_name() -> str:
     with open("/proc/cpuinfo") as f:
         names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    return f"{names[0] if names else platform.processor()} ({os.cpu_count()} cores)"
+    llc = "/sys/devices/system/cpu/cpu0/cache/index3/size"
+    cache = f", last-level cache {open(llc).read().strip()}" if os.path.exists(llc) else ""
+    return f"{names[0] if names else platform.processor()} ({os.cpu_count()} cores{cache})"
 
 
 def peak_rss_bytes() -> int:
@@ -364,20 +366,19 @@ def generation_table(new_tokens: tuple[int, ...]) -> None:
 
 
 def report(args) -> None:
+    config = BDHConfig(**DIMS)
+    print(
+        f"`python {' '.join(sys.argv)}` on {cpu_name()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}; BDH {DIMS} (N={config.n_neurons} per head, "
+        f"{model_profile(config, 1).parameters:,} parameters), fp32"
+    )
     if args.part == "generation":
         generation_table((256, 1024))
         return
     lengths = (256, 512, 1024) if args.quick else (256, 512, 1024, 2048, 4096)
     new_tokens = (256,) if args.quick else (256, 1024)
-    config = BDHConfig(**DIMS)
     peak = matmul_flops()
-    print(
-        f"`python benchmarks/model_speed.py{' --quick' if args.quick else ''}` on {cpu_name()}"
-        f", {torch.get_num_threads()} threads, torch {torch.__version__}; BDH {DIMS} "
-        f"(N={config.n_neurons} per head, {model_profile(config, 1).parameters:,} parameters), "
-        "fp32, "
-        f"{TOKENS_PER_STEP} tokens per step; measured fp32 matmul peak {peak / 1e9:.1f} GFLOP/s\n"
-    )
+    print(f"{TOKENS_PER_STEP} tokens a step; measured fp32 matmul peak {peak / 1e9:.1f} GFLOP/s\n")
     print(
         "| T | reference tokens/s | quadratic | chunked | auto picks | "
         "peak memory reference / quadratic / chunked | MFU reference / quadratic / chunked |"
