@@ -40,6 +40,12 @@ logger = logging.getLogger("dragon")
 _PREFIX = "dragon-diloco/elastic"
 
 
+def step_key(outer_step: int, attempt: int = 0) -> str:
+    """The store prefix of one attempt of one outer step: `/arrived/<island>`,
+    `/joining/<island>` (an island announced with --diloco_join) and `/members` (the decision)."""
+    return f"{_PREFIX}/{outer_step}/{attempt}"
+
+
 class Membership:
     """One island's view of the quorums; `members` is the last quorum (at first: every island)."""
 
@@ -59,7 +65,7 @@ class Membership:
         line when this island is not a member (None instead when joining) or the quorum is below
         --diloco_min_islands. The run's `final` outer step lets no joiner in: it would end there
         without training."""
-        t, key = self.topology, f"{_PREFIX}/{outer_step}/{attempt}"
+        t, key = self.topology, step_key(outer_step, attempt)
         if t.island_rank == 0:
             if joining:
                 self.store.set(f"{key}/joining/{t.island}", "1")

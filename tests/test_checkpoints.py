@@ -73,15 +73,18 @@ def tags(out):
     )
 
 
-def logged_steps(path) -> set[int]:
-    """Steps in a metrics file that is being written (a torn last line is ignored)."""
+def logged_steps(path, having: str = "step") -> set[int]:
+    """Steps of the rows that hold `having` in a metrics file that is being written (a torn last
+    line is ignored)."""
     steps = set()
     if path.exists():
         for line in path.read_text().splitlines():
             try:
-                steps.add(json.loads(line)["step"])
+                row = json.loads(line)
             except ValueError:
-                pass
+                continue
+            if having in row:
+                steps.add(row["step"])
     return steps
 
 

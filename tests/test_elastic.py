@@ -4,17 +4,23 @@
 
 import contextlib
 import json
+import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import time
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import REPO, free_port, job_env, launch_command, read_jsonl
-from test_checkpoints import recipe_args
-from test_faults import signal_after
+from test_checkpoints import logged_steps, recipe_args
+from test_faults import ranks_of, signal_after
+
+from dragon.membership import step_key
 
 STEPS = 16
 ELASTIC = ["--diloco_inner_steps", "4", "--diloco_elastic", "--diloco_store_external",
@@ -144,7 +150,7 @@ def test_a_killed_island_leaves_the_other_training_then_rejoins(
     between, and the last step's average makes them identical again. Quorum 2 from the join on;
     both exit 0. Sync: both islands restarted from the checkpoint after the join (a fresh store)
     repeat the run's next losses and checksums bit for bit."""
-    last = 800 if kind == "zero2" else 600  # a pipeline island runs at about half the speed
+    last = 64  # the joiner joins at step 12 (start_joiner_after_step_8)
     steps = ["--max_steps", str(last), "--eval_steps", str(last // 2)]
     every = last // 16 * 4  # islands save at outer steps only (H 4)
     steps += ["--save_steps", str(every), "--diloco_mode", mode]
@@ -154,7 +160,8 @@ def test_a_killed_island_leaves_the_other_training_then_rejoins(
     metrics = out / "island1" / "metrics.jsonl"
     signal_after(procs[1], metrics, "rank", signal.SIGKILL, ranks=2 if kind == "pipeline" else 1)
     procs[1].wait(timeout=60)
-    joiner = start(1, 2, out, text_file, store, extra=[*steps, "--diloco_join"], kind=kind)
+    joiner = start_joiner_after_step_8(procs[0], out, store, lambda: start(
+        1, 2, out, text_file, store, extra=[*steps, "--diloco_join"], kind=kind))
     for proc in (procs[0], joiner):
         stdout, stderr = proc.communicate(timeout=600)
         assert proc.returncode == 0, stderr[-3000:]
@@ -178,6 +185,35 @@ def test_a_killed_island_leaves_the_other_training_then_rejoins(
         saved = saved - every if saved == last else saved
         assert joined < saved, (joined, saved)
         resume_after_the_join(out, tmp_path / "again", text_file, steps, saved)
+
+
+def start_joiner_after_step_8(live, out, store, start_joiner):
+    """The joiner, started once `live` (island 0) has ended step 8 alone: a joiner that started
+    up within the quorum timeout would be a member of step 8, as if island 1 had never left.
+    Island 0's ranks stay stopped until the joiner has announced itself for one of its next two
+    outer steps, so it joins a few steps on on any machine (island 0 alone outruns a start-up)."""
+    metrics = out / "island0" / "metrics.jsonl"
+    while 8 not in logged_steps(metrics, having="outer_step"):
+        assert live.poll() is None, live.stderr.read()[-3000:]
+        time.sleep(0.05)
+    ranks = ranks_of(live.pid)
+    for pid in ranks:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        # The joiner announces for the outer step after the last one island 0 published, which
+        # is the last one it logged, or the one after when it stopped in between.
+        last = max(logged_steps(metrics, having="outer_step")) // 4
+        host, port = store.rsplit(":", 1)
+        client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
+        keys = [f"{step_key(last + k)}/joining/1" for k in (1, 2)]
+        joiner = start_joiner()
+        while not any(client.check([key]) for key in keys):
+            assert joiner.poll() is None, joiner.stderr.read()[-3000:]
+            time.sleep(0.05)
+    finally:
+        for pid in ranks:
+            os.kill(pid, signal.SIGCONT)
+    return joiner
 
 
 def resume_after_the_join(out, again, text_file, steps, saved):
