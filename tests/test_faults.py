@@ -210,7 +210,7 @@ def test_a_dead_rank_ends_the_job(kind, launcher, tmp_path, text_file):
     log = proc.stdout.read() + proc.stderr.read()
     assert proc.returncode != 0 and seconds < EXIT_BOUND_S, log[-3000:]
     # deepspeed's launcher polls its ranks once a second and names the first failed one it meets:
-    # the killed rank (-9) or a survivor whose collective broke (1); torchrun names the root cause
+    # the killed rank (-9) or a survivor whose collective broke (1); torchrun lists every failure
     reported = r"exits with return code = (-9|1)\b" if launcher == "deepspeed" else "exitcode  : -9"
     assert re.search(reported, log), log[-3000:]
     saved = latest(out)  # step 4, unless the job outran the kill
