@@ -32,9 +32,9 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import datasets  # noqa: E402
 
 from recipe_runs import run_recipe  # noqa: E402
-from dragon.batches import TrainBatches  # noqa: E402
-from dragon.data import DataArguments, build_datasets  # noqa: E402
-from dragon.stream import StreamedBatches, build_streams  # noqa: E402
+from dragon.data.batches import TrainBatches  # noqa: E402
+from dragon.data.text import DataArguments, build_datasets  # noqa: E402
+from dragon.data.streaming import StreamingBatches, build_streams  # noqa: E402
 
 datasets.disable_progress_bars()
 BLOCK, MICRO = 512, 8
@@ -88,7 +88,7 @@ def data_path(corpus: Path, tokenizer, streamed: bool, tokens: int, cache: str,
     began = time.perf_counter()
     if streamed:
         train, _, _ = build_streams(args)
-        batches = StreamedBatches(train, MICRO, 0, 1, shuffle_blocks=shuffle)
+        batches = StreamingBatches(train, MICRO, 0, 1, shuffle_blocks=shuffle)
         return {"start_s": time.perf_counter() - began, "tokens_per_s": rate(batches, tokens)}
     train, _, _ = build_datasets(args)  # tokenizes and packs the whole corpus first
     packed = time.perf_counter() - began
@@ -149,7 +149,7 @@ def peak_rss_streaming(root: Path) -> dict:
     args = DataArguments(train_file=str(root), block_size=BLOCK, streaming=True,
                          validation_blocks=16)
     train, _, _ = build_streams(args)
-    batches = StreamedBatches(train, MICRO, 0, 1)
+    batches = StreamingBatches(train, MICRO, 0, 1)
     done = threading.Event()
 
     def sample():

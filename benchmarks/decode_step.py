@@ -6,9 +6,10 @@ Each layer of a generation step reads its state rho (n_head x N x D fp32) once (
 adds q^T v into it. rho is 4 MiB per layer at the benchmark model's size (n_head 4, N 1,024,
 D 256), 24 MiB over 6 layers: every pass comes from memory, not cache. Prints, side by side, the
 microseconds per layer of that read and update with rho stored N-major ((N, D) rows, what a
-plain q^T v matmul gives) and D-major (each d's N numbers adjacent, what dragon.attention keeps),
+plain q^T v matmul gives) and D-major (each d's N numbers adjacent, what dragon.model.attention
+keeps),
 and of a plain sum over the same memory (what the machine's bandwidth allows). Then the
-decoder's product in a step, dense against dragon's fired rows only (dragon.model.fired_rows),
+decoder's product in a step, dense against dragon's fired rows only (dragon.model.bdh.fired_rows),
 at the fraction of neurons firing in a random-init model (a quarter) and sparser ones.
 """
 
@@ -17,7 +18,7 @@ import time
 
 import torch
 
-from dragon.model import fired_rows
+from dragon.model.bdh import fired_rows
 
 NH, N, D, LAYERS = 4, 1024, 256, 6
 
@@ -47,7 +48,7 @@ def main() -> None:
         rho.view(NH, N, D).baddbmm_(q.view(NH, 1, N).mT, v.view(1, 1, D).expand(NH, 1, D))
         return out
 
-    def d_major_step(rho):  # dragon.attention.recurrent's in-place step
+    def d_major_step(rho):  # dragon.model.attention.recurrent's in-place step
         out = q @ rho
         rho.addcmul_(q.mT, v)
         return out

@@ -3,7 +3,8 @@ run and rejoins (--diloco_join, from its own last checkpoint) at 2/3, same argum
 
     python benchmarks/elastic.py [--steps 600] [--inner_steps 20] [--mode sync]   (CPU: ~8 min)
 
-Islands of one rank each (ZeRO-1), launched separately around `python -m dragon.island_store`,
+Islands of one rank each (ZeRO-1), launched separately around `python -m
+dragon.diloco.island_store`,
 the model and data of benchmarks/diloco.py. Prints island 0's validation loss at every
 evaluation of both runs and the quorum of the outer steps in between.
 """
@@ -73,7 +74,8 @@ def main() -> None:
     parser.add_argument("--mode", default="sync", choices=["sync", "delayed"])
     cli = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="elastic-"))
-    store = subprocess.Popen([sys.executable, "-m", "dragon.island_store", "--port", "29600"],
+    store = subprocess.Popen([sys.executable, "-m", "dragon.diloco.island_store",
+                              "--port", "29600"],
                              cwd=REPO, env=ENV, stdout=subprocess.PIPE, text=True)
     assert "listening" in store.stdout.readline()
     args = [*MODEL, "--max_steps", str(cli.steps), "--eval_steps", str(cli.eval_every)]
@@ -86,7 +88,8 @@ def main() -> None:
         run(root / "uninterrupted", "127.0.0.1:29600", args, cli.steps, False)
         store.send_signal(signal.SIGTERM)
         store.wait()
-        store = subprocess.Popen([sys.executable, "-m", "dragon.island_store", "--port", "29601"],
+        store = subprocess.Popen([sys.executable, "-m", "dragon.diloco.island_store",
+                                  "--port", "29601"],
                                  cwd=REPO, env=ENV, stdout=subprocess.PIPE, text=True)
         assert "listening" in store.stdout.readline()
         run(root / "elastic", "127.0.0.1:29601", args, cli.steps, True)

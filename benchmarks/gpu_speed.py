@@ -8,7 +8,7 @@ A model of about 100 M parameters (n_layer 6, n_embd 512, n_head 4, multiplier 1
 per head, 100.9 M parameters) in bf16, T = 512, 2048 and 8192, 8,192 tokens a step. The
 reference is a plain implementation of the reference's definition on the same weights (every
 T x T score computed, then masked), as in model_speed.py. MFU divides the FLOPs each form really
-computes (dragon.cost) by the GPU's bf16 dense peak (--peak_tflops, the H200's 989 by default)
+computes (dragon.model.cost) by the GPU's bf16 dense peak (--peak_tflops, the H200's 989 by default)
 and, beside it, by this GPU's measured bf16 matmul FLOP/s. Peak memory is
 torch.cuda.max_memory_allocated over each measurement. A measurement that runs out of memory
 says so and the rest go on. Prints markdown tables.
@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.model_speed import train_flops_per_token, train_step  # noqa: E402
 from dragon import BDHConfig, BDHForCausalLM  # noqa: E402
-from dragon.cost import parameter_count  # noqa: E402
+from dragon.model.cost import parameter_count  # noqa: E402
 
 DIMS = dict(n_layer=6, n_embd=512, n_head=4, mlp_internal_dim_multiplier=128, dropout=0.0)
 SMALL = dict(n_layer=2, n_embd=64, n_head=2, mlp_internal_dim_multiplier=8, dropout=0.0)

@@ -11,7 +11,7 @@ Prints markdown tables, each ours next to its baseline from the same run:
    position);
 2. generation tokens/s with the state cache against full recompute (greedy, identical text);
 3. peak memory of each (the process's peak resident set above what it held before);
-4. achieved FLOP/s of the FLOPs each form really does (dragon.cost) against this
+4. achieved FLOP/s of the FLOPs each form really does (dragon.model.cost) against this
    machine's measured fp32 matmul FLOP/s;
 5. one-process DeepSpeed ZeRO-0 step time against a plain PyTorch loop on the same model, and
    torch.compile against eager;
@@ -39,8 +39,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from dragon import BDHConfig, BDHForCausalLM  # noqa: E402
-from dragon.attention import resolve_form  # noqa: E402
-from dragon.cost import model_profile  # noqa: E402
+from dragon.model.attention import resolve_form  # noqa: E402
+from dragon.model.cost import model_profile  # noqa: E402
 
 DIMS = dict(n_layer=6, n_embd=256, n_head=4, mlp_internal_dim_multiplier=16, dropout=0.0)
 TOKENS_PER_STEP = 1024  # batch = this / T (at least 1): small tensors keep allocator noise down
@@ -188,7 +188,7 @@ def engine_overhead(steps: int = 8) -> dict:
     """Step time of a one-process DeepSpeed ZeRO-0 engine and of a plain loop, steps alternating."""
     import deepspeed
 
-    from dragon.distributed import init_distributed
+    from dragon.parallel.distributed import init_distributed
 
     init_distributed(120)
     torch.manual_seed(0)
@@ -253,8 +253,8 @@ def zero_bytes(stage: int, bf16: bool) -> dict:
     after one step, under ZeRO `stage` on the launched ranks."""
     import deepspeed
 
-    from dragon.distributed import init_distributed
-    from dragon.master_weights import MasterWeights
+    from dragon.parallel.distributed import init_distributed
+    from dragon.diloco.master_weights import MasterWeights
 
     init_distributed(120)
     torch.manual_seed(0)
@@ -273,7 +273,8 @@ def zero_bytes(stage: int, bf16: bool) -> dict:
     ids = torch.randint(0, 256, (1, 32))
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     engine.step()
-    # This rank's weights, its fp32 master weights (dragon.master_weights knows where each DeepSpeed
+    # This rank's weights, its fp32 master weights (dragon.diloco.master_weights knows where each
+    # DeepSpeed
     # optimizer keeps them) and its optimizer states; each storage counted once (ZeRO-0 fp32: the
     # weights are the masters).
     stored = [getattr(p, "ds_tensor", p.data) for p in engine.module.parameters()]

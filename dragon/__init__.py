@@ -2,8 +2,8 @@
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from dragon.model import BDHConfig, BDHForCausalLM
-from dragon.cost import ModelProfile, model_profile
+from dragon.model.bdh import BDHConfig, BDHForCausalLM
+from dragon.model.cost import ModelProfile, model_profile
 
 AutoConfig.register("bdh", BDHConfig, exist_ok=True)
 AutoModelForCausalLM.register(BDHConfig, BDHForCausalLM, exist_ok=True)

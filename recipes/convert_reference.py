@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import HfArgumentParser
 
-from dragon.convert import model_from_reference
-from dragon.model import BDHConfig
+from dragon.model.convert import model_from_reference
+from dragon.model.bdh import BDHConfig
 
 
 @dataclass

@@ -5,11 +5,12 @@ card (README.md).
     python recipes/export.py --checkpoint runs/x --output bdh-hf     # the run's best checkpoint
 
 ZeRO 1-3 checkpoints are merged with DeepSpeed's zero_to_fp32, ZeRO-0 ones hold the module's
-weights, pipeline ones are read from their layer files (dragon.export). The model's config is the
+weights, pipeline ones are read from their layer files (dragon.checkpoint.export). The model's
+config is the
 config.json the recipe wrote next to the checkpoints. A DiLoCo island's checkpoint holds its
 theta_outer: the islands save right after an outer step, which writes theta_outer into the
 weights. The card names the run's recipe, DeepSpeed stage, islands, steps, tokens and the last
-validation loss up to the checkpoint (dragon.card).
+validation loss up to the checkpoint (dragon.checkpoint.card).
 """
 
 import os
@@ -18,9 +19,9 @@ from dataclasses import dataclass, field
 
 from transformers import HfArgumentParser
 
-from dragon.card import write_model_card
-from dragon.export import model_from_checkpoint, resolve_checkpoint
-from dragon.retention import list_checkpoints
+from dragon.checkpoint.card import write_model_card
+from dragon.checkpoint.export import model_from_checkpoint, resolve_checkpoint
+from dragon.checkpoint.retention import list_checkpoints
 
 
 @dataclass

@@ -9,7 +9,7 @@
 
 Top to bottom: inputs (all checked before any process group starts), the model, the DeepSpeed
 engine with the retention hook on its save_checkpoint, then the loop: batch, forward, backward,
-step, the DiLoCo outer step, logging, evaluation, save; then the export. dragon.loop.TrainingRun
+step, the DiLoCo outer step, logging, evaluation, save; then the export. dragon.run.loop.TrainingRun
 keeps the bookkeeping (data streams, resume, metrics, checkpoint contents).
 """
 
@@ -18,16 +18,16 @@ from typing import Optional
 import deepspeed
 import torch
 
-from dragon.attention import BDHCache
-from dragon.diloco import DiLoCo
-from dragon.distributed import all_reduce_mean, init_distributed, rank, world_size
-from dragon.export import export_engine
-from dragon.loop import TrainingRun, initial_model
-from dragon.metrics import RECORDED_METRICS, metrics_path, grad_norm_before_step, setup_logging
-from dragon.optim import client_optimizer_and_scheduler
-from dragon.preflight import preflight
-from dragon.retention import attach_retention
-from dragon.topology import enter_island
+from dragon.model.attention import BDHCache
+from dragon.diloco.outer import DiLoCo
+from dragon.parallel.distributed import all_reduce_mean, init_distributed, rank, world_size
+from dragon.checkpoint.export import export_engine
+from dragon.run.loop import TrainingRun, initial_model
+from dragon.run.metrics import RECORDED_METRICS, metrics_path, grad_norm_before_step, setup_logging
+from dragon.run.optim import client_optimizer_and_scheduler
+from dragon.run.preflight import preflight
+from dragon.checkpoint.retention import attach_retention
+from dragon.parallel.topology import enter_island
 
 
 @torch.no_grad()

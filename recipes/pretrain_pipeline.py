@@ -15,17 +15,17 @@ from typing import Optional
 
 import deepspeed
 
-from dragon.attention import BDHCache
-from dragon.diloco import DiLoCo
-from dragon.distributed import init_distributed
-from dragon.export import export_engine
-from dragon.loop import TrainingRun, initial_model
-from dragon.metrics import RECORDED_METRICS, metrics_path, setup_logging
-from dragon.optim import client_optimizer_and_scheduler
-from dragon.pipe import bdh_pipeline, carrying, stage_layer
-from dragon.preflight import preflight
-from dragon.retention import attach_retention
-from dragon.topology import enter_island
+from dragon.model.attention import BDHCache
+from dragon.diloco.outer import DiLoCo
+from dragon.parallel.distributed import init_distributed
+from dragon.checkpoint.export import export_engine
+from dragon.run.loop import TrainingRun, initial_model
+from dragon.run.metrics import RECORDED_METRICS, metrics_path, setup_logging
+from dragon.run.optim import client_optimizer_and_scheduler
+from dragon.parallel.pipeline import bdh_pipeline, carrying, stage_layer
+from dragon.run.preflight import preflight
+from dragon.checkpoint.retention import attach_retention
+from dragon.parallel.topology import enter_island
 
 
 def pairs(batches):

@@ -4,7 +4,8 @@
     python recipes/reshape_checkpoint.py --checkpoint runs/x --zero_stage 0   # its latest
 
 A resume on another data-parallel size or ZeRO stage converts the checkpoint itself
-(dragon.reshape); this does the same conversion offline, writes it where the resume looks for it
+(dragon.checkpoint.reshape); this does the same conversion offline, writes it where the resume
+looks for it
 (<tag>_universal/ for ZeRO-1, 2 and 3 on any number of ranks; <tag>_zero0/ for ZeRO-0), so the
 job reuses it, and checks that its fp32 weights equal the checkpoint's bit for bit.
 """
@@ -16,9 +17,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import HfArgumentParser
 
-from dragon.export import model_from_checkpoint, resolve_checkpoint
-from dragon.reshape import Layout, check_convertible, convert, saved_layout
-from dragon.universal import fp32_weights
+from dragon.checkpoint.export import model_from_checkpoint, resolve_checkpoint
+from dragon.checkpoint.reshape import Layout, check_convertible, convert, saved_layout
+from dragon.checkpoint.universal import fp32_weights
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from transformers import HfArgumentParser
 
-from dragon.data import tokenizer_in
+from dragon.data.text import tokenizer_in
 
 
 @dataclass
@@ -49,7 +49,7 @@ def main() -> None:
     try:
         # DeepSpeed's logger and zero_to_fp32 print to stdout: stdout stays the text's alone
         with contextlib.redirect_stdout(sys.stderr):
-            from dragon.export import is_hf_directory, load_model, resolve_checkpoint
+            from dragon.checkpoint.export import is_hf_directory, load_model, resolve_checkpoint
 
             source = resolve_checkpoint(rest.path, args.checkpoint, args.metric)
             model = load_model(source).eval()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dragon import BDHConfig, BDHForCausalLM
-from dragon.attention import (
+from dragon.model.attention import (
     AUTO_CROSSOVER,
     CAUSAL_BLOCK,
     BDHCache,
@@ -21,7 +21,7 @@ from dragon.attention import (
     recurrent,
     resolve_form,
 )
-from dragon.model import fired_rows
+from dragon.model.bdh import fired_rows
 
 from test_model import ref_forward, ref_weights
 
@@ -83,7 +83,7 @@ def test_block_quadratic_matches_the_independent_reference():
     """Above one block of rows the quadratic form skips the masked half; still the reference."""
     T = 2 * CAUSAL_BLOCK + 37
     w = ref_weights(**SMALL)
-    from dragon.convert import model_from_reference
+    from dragon.model.convert import model_from_reference
 
     model = model_from_reference(w, BDHConfig(**SMALL, attention="quadratic")).eval()
     ids = ids_of(1, T)

@@ -12,9 +12,9 @@ from conftest import CARRY, LOSS_ATOL, bad_input_base, losses, run_recipe_in_pro
 from datasets import Dataset
 
 from dragon import BDHConfig, BDHForCausalLM
-from dragon.attention import FP32_POSITIONS, BDHCache
-from dragon.batches import StreamBatches, eval_streams
-from dragon.carry import CarriedState, check_state_fits, state_bytes_per_row
+from dragon.model.attention import FP32_POSITIONS, BDHCache
+from dragon.data.batches import ContiguousRowBatches, eval_streams
+from dragon.run.carry import CarriedState, check_state_fits, state_bytes_per_row
 
 FP32 = dict(atol=1e-5, rtol=1e-5)
 SMALL = dict(n_layer=2, n_embd=32, n_head=2, mlp_internal_dim_multiplier=8, dropout=0.0)
@@ -70,7 +70,7 @@ def test_rope_is_relative_far_along_a_stream():
 
 def test_rows_are_streams_that_continue_across_steps():
     ds = numbered(100)
-    one = StreamBatches(ds, 4, 0, 1, grad_accum=2, seed=3)  # 8 rows, streams of 12 blocks
+    one = ContiguousRowBatches(ds, 4, 0, 1, grad_accum=2, seed=3)  # 8 rows, streams of 12 blocks
     assert one.steps_per_epoch == 12
     steps = [torch.cat([next(one)[:, 0] for _ in range(2)]) for _ in range(12)]
     for k in range(11):  # every row reads the next block of its stream
@@ -84,8 +84,8 @@ def test_rows_are_streams_that_continue_across_steps():
 
 def test_two_ranks_read_disjoint_streams_that_make_one_ranks():
     ds = numbered(100)
-    one = StreamBatches(ds, 4, 0, 1, grad_accum=2, seed=3)
-    ranks = [StreamBatches(ds, 2, r, 2, grad_accum=2, seed=3) for r in range(2)]
+    one = ContiguousRowBatches(ds, 4, 0, 1, grad_accum=2, seed=3)
+    ranks = [ContiguousRowBatches(ds, 2, r, 2, grad_accum=2, seed=3) for r in range(2)]
     for _ in range(5 * 2):  # micro-step a of the 1-rank job = rank 0's then rank 1's rows
         mine = [next(r)[:, 0] for r in ranks]
         assert not set(mine[0].tolist()) & set(mine[1].tolist())

@@ -1,4 +1,4 @@
-"""Tests for dragon.data on real files and the real `datasets` library (nothing mocked)."""
+"""Tests for dragon.data.text on real files and the real `datasets` library (nothing mocked)."""
 
 import json
 import os
@@ -13,8 +13,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 
-from dragon.batches import TrainBatches, eval_batches, shard_indices  # noqa: E402
-from dragon.data import (  # noqa: E402
+from dragon.data.batches import TrainBatches, eval_batches, shard_indices  # noqa: E402
+from dragon.data.text import (  # noqa: E402
     ByteTokenizer,
     DataArguments,
     DataError,

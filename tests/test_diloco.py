@@ -23,9 +23,9 @@ from conftest import (
 )
 
 from dragon import BDHForCausalLM
-from dragon.args import DiLoCoArguments
-from dragon.diloco import DiLoCo
-from dragon.topology import Topology
+from dragon.run.args import DiLoCoArguments
+from dragon.diloco.outer import DiLoCo
+from dragon.parallel.topology import Topology
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 import diloco_islands as toy  # noqa: E402

@@ -1,5 +1,5 @@
 """Elastic DiLoCo on real processes: islands as launches of their own around a standalone store
-(python -m dragon.island_store); an island that dies leaves the others training on.
+(python -m dragon.diloco.island_store); an island that dies leaves the others training on.
 """
 
 import contextlib
@@ -20,7 +20,7 @@ from conftest import REPO, free_port, job_env, launch_command, read_jsonl
 from test_checkpoints import logged_steps, recipe_args
 from test_faults import ranks_of, signal_after
 
-from dragon.membership import step_key
+from dragon.diloco.membership import step_key
 
 STEPS = 16
 ELASTIC = ["--diloco_inner_steps", "4", "--diloco_elastic", "--diloco_store_external",
@@ -32,7 +32,8 @@ def island_store():
     """A standalone island store on a free port (HOST:PORT), stopped on exit."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dragon.island_store", "--host", "127.0.0.1", "--port", str(port)],
+        [sys.executable, "-m", "dragon.diloco.island_store", "--host", "127.0.0.1",
+         "--port", str(port)],
         cwd=REPO,
         env=job_env(),
         stdout=subprocess.PIPE,

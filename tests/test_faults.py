@@ -2,7 +2,7 @@
 dead rank and a dead DiLoCo island. Each ends in bounded time with a clear message and an intact
 last checkpoint, and a resume from it gives the uninterrupted run's losses (bit-equal).
 
-Faults come from signals to real processes and from dragon.faults' test-only hooks
+Faults come from signals to real processes and from dragon.run.faults' test-only hooks
 (DRAGON_FAULT_NAN_STEPS, DRAGON_FAULT_SAVE_STEP, DRAGON_FAULT_RANK).
 """
 
@@ -26,8 +26,8 @@ from test_checkpoints import (
     uninterrupted,
 )
 
-from dragon.export import model_from_checkpoint
-from dragon.retention import is_complete
+from dragon.checkpoint.export import model_from_checkpoint
+from dragon.checkpoint.retention import is_complete
 
 # Every job here ends well inside this (measured: a few seconds after the fault).
 EXIT_BOUND_S = 60

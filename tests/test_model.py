@@ -1,7 +1,7 @@
 """BDHForCausalLM against an independent plain implementation of the reference (pathwaycom/bdh).
 
 The `ref_*` functions below are written from the BDH definition only (reference state-dict
-layout, plain tensors); they import nothing from dragon.model. Tiny sizes, fp32, CPU.
+layout, plain tensors); they import nothing from dragon.model.bdh. Tiny sizes, fp32, CPU.
 
 Tolerances:
 - fp32 logits vs the plain implementation: atol=rtol=1e-5. Same math, only the summation order
@@ -24,14 +24,14 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from dragon.convert import (
+from dragon.model.convert import (
     REFERENCE_KEYS,
     model_from_reference,
     reference_shapes,
     reference_state_dict,
 )
-from dragon.model import BDHConfig, BDHForCausalLM
-from dragon.cost import model_profile, parameter_count
+from dragon.model.bdh import BDHConfig, BDHForCausalLM
+from dragon.model.cost import model_profile, parameter_count
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = dict(n_layer=3, n_embd=32, n_head=2, mlp_internal_dim_multiplier=8, vocab_size=256)

@@ -9,7 +9,7 @@ import torch
 from conftest import LOSS_ATOL, REPO, STEPS, bad_input_base, launch, losses, run_recipe_in_process
 
 from dragon import BDHConfig, BDHForCausalLM
-from dragon.pipe import model_from_pipeline_checkpoint, partition
+from dragon.parallel.pipeline import model_from_pipeline_checkpoint, partition
 
 PIPE = "recipes/pretrain_pipeline.py"
 CONFIG = "pipeline_zero0.json"

@@ -1,4 +1,5 @@
-"""Resume on another layout (dragon.reshape): a ZeRO checkpoint of any stage continues on another
+"""Resume on another layout (dragon.checkpoint.reshape): a ZeRO checkpoint of any stage continues
+on another
 number of ranks or ZeRO stage, with the losses of the uninterrupted run."""
 
 import os

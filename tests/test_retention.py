@@ -11,8 +11,8 @@ import warnings
 import pytest
 
 from conftest import launch
-from dragon.metrics import MetricHistory
-from dragon.retention import (
+from dragon.run.metrics import MetricHistory
+from dragon.checkpoint.retention import (
     MARKER,
     RetentionPolicy,
     attach_retention,
@@ -326,7 +326,7 @@ def test_prune_keeps_last_k_and_best_and_leaves_foreign_things_alone(tmp_path):
 
 
 def test_a_checkpoints_conversions_for_another_layout_go_with_it(tmp_path):
-    """step1's universal and ZeRO-0 forms (dragon.reshape) are deleted with it; a kept
+    """step1's universal and ZeRO-0 forms (dragon.checkpoint.reshape) are deleted with it; a kept
     checkpoint's stay, as does a foreign directory named like one."""
     d = str(tmp_path)
     for s in range(1, 4):

@@ -1,4 +1,4 @@
-"""--train_file as several files, globs and directories, on real files (dragon.sources)."""
+"""--train_file as several files, globs and directories, on real files (dragon.data.sources)."""
 
 import json
 import os
@@ -10,8 +10,8 @@ import datasets  # noqa: E402
 import pytest  # noqa: E402
 from datasets import Dataset  # noqa: E402
 
-from dragon.data import DataArguments, DataError, build_datasets, load_text  # noqa: E402
-from dragon.sources import resolve_files  # noqa: E402
+from dragon.data.text import DataArguments, DataError, build_datasets, load_text  # noqa: E402
+from dragon.data.sources import resolve_files  # noqa: E402
 
 datasets.disable_progress_bars()
 

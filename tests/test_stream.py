@@ -1,4 +1,5 @@
-"""--streaming (dragon.stream) on real files and the real `datasets` streaming, and through real
+"""--streaming (dragon.data.streaming) on real files and the real `datasets` streaming, and through
+real
 2-rank DeepSpeed jobs: the streamed blocks are the materialised ones, 2 ranks read what 1 rank
 reads at the same global batch, a resumed stream reads what the uninterrupted one reads."""
 
@@ -30,8 +31,8 @@ from datasets import Dataset  # noqa: E402
 from test_checkpoints import finish, kill_when, logged_steps  # noqa: E402
 from test_data import make_hf_tokenizer  # noqa: E402
 
-from dragon.data import DataArguments, DataError, load_text, pack  # noqa: E402
-from dragon.stream import StreamedBatches, build_streams  # noqa: E402
+from dragon.data.text import DataArguments, DataError, load_text, pack  # noqa: E402
+from dragon.data.streaming import StreamingBatches, build_streams  # noqa: E402
 
 datasets.disable_progress_bars()
 
@@ -64,7 +65,7 @@ def ids(rows) -> list[list[int]]:
 def test_streamed_blocks_are_the_materialised_blocks(tmp_path, shards, hf):
     """txt, jsonl and parquet shards streamed: the held-out head then the training stream are
     the materialised path's blocks in order (the same packing of the same documents), on every
-    build; read through StreamedBatches' thread too (the tokenizer copied with the dataset)."""
+    build; read through StreamingBatches' thread too (the tokenizer copied with the dataset)."""
     tokenizer = make_hf_tokenizer(tmp_path / "tok") if hf else None
     train, valid, tok = streams(tmp_path, shards, tokenizer_name=tokenizer)
     texts = load_text(DataArguments(train_file=str(shards), cache_dir=str(tmp_path / "cache")))
@@ -73,7 +74,7 @@ def test_streamed_blocks_are_the_materialised_blocks(tmp_path, shards, hf):
     assert streamed == expected and len(valid) == 5 and len(expected) > 100
     again, _, _ = streams(tmp_path, shards, tokenizer_name=tokenizer)
     assert ids(row["input_ids"] for row in again) == expected[5:]
-    assert ids(next(StreamedBatches(again, 4, 0, 1))) == expected[5:9]
+    assert ids(next(StreamingBatches(again, 4, 0, 1))) == expected[5:9]
 
 
 def read(batches, n) -> list[torch.Tensor]:
@@ -87,9 +88,9 @@ def test_two_ranks_read_what_one_rank_reads_at_the_same_global_batch(tmp_path, s
     train, _, _ = streams(tmp_path, shards)
     n = sum(1 for _ in train)
     steps = n // 4 + 3  # beyond one pass of the stream
-    one = read(StreamedBatches(train, 4, 0, 1), steps)
-    accum = read(StreamedBatches(train, 2, 0, 1, grad_accum=2), 2 * steps)
-    ranks = [read(StreamedBatches(train, 2, r, 2), steps) for r in (0, 1)]
+    one = read(StreamingBatches(train, 4, 0, 1), steps)
+    accum = read(StreamingBatches(train, 2, 0, 1, grad_accum=2), 2 * steps)
+    ranks = [read(StreamingBatches(train, 2, r, 2), steps) for r in (0, 1)]
     blocks = torch.tensor(ids(row["input_ids"] for row in train))
     blocks = torch.cat([blocks, blocks])  # the global order over two passes
     for s in range(steps):
@@ -106,14 +107,14 @@ def test_resume_reads_the_same_next_batches(tmp_path, shards, consumed):
     micro-batches of 3 of the 607 blocks in a pass) and in the second pass."""
     train, _, _ = streams(tmp_path, shards)
     assert sum(1 for _ in train) == 607
-    full = read(StreamedBatches(train, 3, 1, 2), consumed + 12)
-    first = StreamedBatches(train, 3, 1, 2)
+    full = read(StreamingBatches(train, 3, 1, 2), consumed + 12)
+    first = StreamingBatches(train, 3, 1, 2)
     read(first, consumed)
     torch.save(first.state_dict(), tmp_path / "state.pt")
-    resumed = StreamedBatches(train, 3, 1, 2)
+    resumed = StreamingBatches(train, 3, 1, 2)
     resumed.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=False))
     assert all(torch.equal(a, b) for a, b in zip(read(resumed, 12), full[consumed:]))
-    seeked = StreamedBatches(train, 3, 1, 2, grad_accum=1)
+    seeked = StreamingBatches(train, 3, 1, 2, grad_accum=1)
     seeked.seek(consumed)
     assert torch.equal(next(seeked), full[consumed])
 
@@ -128,21 +129,21 @@ def test_a_shuffled_stream_resumes_with_its_buffer(tmp_path, shards, consumed):
     and in the second (160)."""
     train, _, _ = streams(tmp_path, shards)
     stream = [tuple(row) for row in ids(row["input_ids"] for row in train)]  # 607 blocks
-    shuffled = StreamedBatches(train, 1, 0, 1, shuffle_blocks=64, seed=1)
+    shuffled = StreamingBatches(train, 1, 0, 1, shuffle_blocks=64, seed=1)
     out = [tuple(b[0].tolist()) for b in read(shuffled, 500)]
     assert out != stream[:500]
     for k in range(0, 500, 50):  # out's first k blocks are among the stream's first k + 64
         assert not Counter(out[:k]) - Counter(stream[:k + 64])
-    other = read(StreamedBatches(train, 1, 0, 1, shuffle_blocks=64, seed=2), 100)
+    other = read(StreamingBatches(train, 1, 0, 1, shuffle_blocks=64, seed=2), 100)
     assert [tuple(b[0].tolist()) for b in other] != out[:100]
-    one = read(StreamedBatches(train, 4, 0, 1, shuffle_blocks=64), 20)
-    ranks = [read(StreamedBatches(train, 2, r, 2, shuffle_blocks=64), 20) for r in (0, 1)]
+    one = read(StreamingBatches(train, 4, 0, 1, shuffle_blocks=64), 20)
+    ranks = [read(StreamingBatches(train, 2, r, 2, shuffle_blocks=64), 20) for r in (0, 1)]
     assert all(torch.equal(ranks[r][s], one[s][r::2]) for s in range(20) for r in (0, 1))
-    full = read(StreamedBatches(train, 3, 1, 2, shuffle_blocks=64), consumed + 12)
-    first = StreamedBatches(train, 3, 1, 2, shuffle_blocks=64)
+    full = read(StreamingBatches(train, 3, 1, 2, shuffle_blocks=64), consumed + 12)
+    first = StreamingBatches(train, 3, 1, 2, shuffle_blocks=64)
     read(first, consumed)
     torch.save(first.state_dict(), tmp_path / "state.pt")
-    resumed = StreamedBatches(train, 3, 1, 2, shuffle_blocks=64)
+    resumed = StreamingBatches(train, 3, 1, 2, shuffle_blocks=64)
     resumed.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=False))
     assert all(torch.equal(a, b) for a, b in zip(read(resumed, 12), full[consumed:]))
 
@@ -251,14 +252,14 @@ def test_mixture_takes_tokens_by_the_weights(tmp_path, two_sources):
     binomial share); every block is tagged with its own source; a seed fixes the draw."""
     a, b = two_sources
     train, _, _ = mixture(tmp_path, f"{a}=0.7,{b}=0.3")
-    batches = StreamedBatches(train, 8, 0, 1)
+    batches = StreamingBatches(train, 8, 0, 1)
     rows = torch.cat(read(batches, 250))
     from_a = (rows == ord("a")).all(dim=1)
     assert bool((from_a | (rows == ord("b")).all(dim=1)).all())  # no block mixes sources
     assert abs(from_a.float().mean().item() - 0.7) < 0.031
     assert batches.tokens_taken(2) == [int(from_a.sum()) * 7, int((~from_a).sum()) * 7]
     for seed, same in ((0, True), (1, False)):
-        draw = StreamedBatches(mixture(tmp_path, f"{a}=0.7,{b}=0.3", seed)[0], 8, 0, 1)
+        draw = StreamingBatches(mixture(tmp_path, f"{a}=0.7,{b}=0.3", seed)[0], 8, 0, 1)
         assert torch.equal(torch.cat(read(draw, 250)), rows) == same
 
 
@@ -267,11 +268,11 @@ def test_mixture_resumes_exactly(tmp_path, two_sources):
     uninterrupted one, its token counts included."""
     a, b = two_sources
     train, _, _ = mixture(tmp_path, f"{a}=1,{b}=1")
-    full = StreamedBatches(train, 4, 1, 2)
+    full = StreamingBatches(train, 4, 1, 2)
     expected = read(full, 60)
-    first = StreamedBatches(train, 4, 1, 2)
+    first = StreamingBatches(train, 4, 1, 2)
     read(first, 37)
-    resumed = StreamedBatches(train, 4, 1, 2)
+    resumed = StreamingBatches(train, 4, 1, 2)
     resumed.load_state_dict(first.state_dict())
     assert all(torch.equal(x, y) for x, y in zip(read(resumed, 23), expected[37:]))
     assert resumed.tokens_taken(2) == full.tokens_taken(2)

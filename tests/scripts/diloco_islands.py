@@ -3,10 +3,11 @@
     python diloco_islands.py ISLAND HOST:PORT OUT_JSON [elastic]
 
 Two processes (islands 0 and 1, one rank each) meet through a real ProcessGroupGloo built by
-dragon.topology.enter_island (one launch per island). The "inner optimizer" is a gradient step
-on a quadratic with an island-specific centre, so each island's progress depends on the weights
-it starts from and the delayed schedule matters. Each scenario records, after every outer step,
-the island's weights, theta_outer and the metrics, for the test to check against a hand simulation.
+dragon.parallel.topology.enter_island (one launch per island). The "inner optimizer" is a gradient
+step on a quadratic with an island-specific centre, so each island's progress depends on the
+weights it starts from and the delayed schedule matters. Each scenario records, after every outer
+step, the island's weights, theta_outer and the metrics, for the test to check against a hand
+simulation.
 
 `elastic` (a standalone store at HOST:PORT): an elastic run in sync mode, then one in delayed
 mode; in each, island 1 leaves after outer step 1 (its exchange done), and island 0 trains on
@@ -22,9 +23,9 @@ from types import SimpleNamespace
 
 import torch
 
-from dragon.args import DiLoCoArguments
-from dragon.diloco import DiLoCo
-from dragon.topology import Topology, enter_island
+from dragon.run.args import DiLoCoArguments
+from dragon.diloco.outer import DiLoCo
+from dragon.parallel.topology import Topology, enter_island
 
 SHAPES = [(20, 30), (400,)]  # two tensors, 1000 values
 INNER_STEPS, OUTER_STEPS, INNER_LR = 3, 4, 0.3

@@ -14,8 +14,8 @@ import deepspeed
 import torch
 
 from dragon import BDHForCausalLM
-from dragon.pipe import EmbedStage, HeadStage, bdh_pipeline
-from dragon.model import BDHLayer
+from dragon.parallel.pipeline import EmbedStage, HeadStage, bdh_pipeline
+from dragon.model.bdh import BDHLayer
 
 out, micro_batches = sys.argv[1], int(sys.argv[2])
 deepspeed.init_distributed(timeout=timedelta(seconds=120))

@@ -17,8 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dragon.metrics import MetricHistory
-from dragon.retention import RetentionPolicy, attach_retention, default_history_path
+from dragon.run.metrics import MetricHistory
+from dragon.checkpoint.retention import RetentionPolicy, attach_retention, default_history_path
 
 EVAL_LOSSES = [
     5.0,
@@ -61,7 +61,7 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 def zero2(out: str) -> dict:
     import deepspeed
 
-    from dragon import checkpoint
+    from dragon.checkpoint import checkpointer as checkpoint
 
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=60))
     torch.manual_seed(0)

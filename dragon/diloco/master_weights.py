@@ -84,7 +84,7 @@ class MasterWeights:
     def segments(self) -> list[list[tuple[str, int, int, int]]]:
         """Where the master tensors' values sit in the model: per tensor, (parameter name, offset
         in the flattened parameter, offset in the tensor, numel) of each piece, so that a state
-        laid out like them moves to another partitioning (dragon.reshape)."""
+        laid out like them moves to another partitioning (dragon.checkpoint.reshape)."""
         opt = self.engine.optimizer
         names = {id(p): n for n, p in self.engine.module.named_parameters()}
         pieces: list[list[tuple[str, int, int, int]]] = [[] for _ in self.tensors()]

@@ -14,8 +14,8 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.utils import partition_balanced, partition_uniform
 from torch import nn
 
-from dragon.attention import BDHCache
-from dragon.model import (
+from dragon.model.attention import BDHCache
+from dragon.model.bdh import (
     BDHConfig,
     BDHForCausalLM,
     BDHLayer,
@@ -23,7 +23,7 @@ from dragon.model import (
     embed_tokens,
     lm_logits,
 )
-from dragon.cost import parameter_count
+from dragon.model.cost import parameter_count
 
 SHARED_KEY = "bdh_shared_block"
 SHARED_WEIGHTS = ["encoder", "encoder_v", "decoder"]

@@ -32,9 +32,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from dragon.exchange import Round
-from dragon.faults import exit_in_outer_step
-from dragon.topology import Topology
+from dragon.diloco.exchange import Round
+from dragon.run.faults import exit_in_outer_step
+from dragon.parallel.topology import Topology
 
 logger = logging.getLogger("dragon")
 _PREFIX = "dragon-diloco/elastic"
@@ -175,7 +175,7 @@ def elastic_round(outer, delta: torch.Tensor, own, step: int, final: bool, joini
     was let into); delayed, also the late average and the eager gradient. Joiners take the
     shared state. When an island is lost during any of it, the step's quorum forms again without
     it and the whole round is retried (nothing is applied before one succeeds). Returns a
-    dragon.exchange.Round."""
+    dragon.diloco.exchange.Round."""
     for attempt in range(outer.islands):
         if joining is not None and attempt == 0:
             members, group, joiners = joining

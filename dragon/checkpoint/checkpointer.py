@@ -9,9 +9,9 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from dragon.distributed import rank
-from dragon.reshape import converted_tag
-from dragon.retention import MARKER, find_resume_checkpoint
+from dragon.parallel.distributed import rank
+from dragon.checkpoint.reshape import converted_tag
+from dragon.checkpoint.retention import MARKER, find_resume_checkpoint
 
 
 def rng_state() -> dict:
@@ -44,9 +44,10 @@ def save(
     client_state: dict[str, Any],
     rank_files: Optional[dict[str, Any]] = None,
 ) -> str:
-    """engine.save_checkpoint (wrapped by dragon.retention.attach_retention) with each rank's RNG
+    """engine.save_checkpoint (wrapped by dragon.checkpoint.retention.attach_retention) with each
+    rank's RNG
     state and `rank_files` (name -> object, saved as <name>_<rank>.pt); returns the tag. Raises
-    dragon.faults.SaveFailed on every rank when any rank could not write its part."""
+    dragon.run.faults.SaveFailed on every rank when any rank could not write its part."""
     tag = tag_for(step)
     engine.save_checkpoint(
         save_dir,
@@ -78,7 +79,8 @@ def resolve_resume(resume: str, save_dir: str) -> tuple[str, str]:
 
 def resume(engine, load_dir: str, tag: str, universal: bool = False) -> dict:
     """Load model, optimizer, scheduler and this rank's RNG; returns the client state.
-    `universal`: a checkpoint of another layout, through its universal form (dragon.reshape)."""
+    `universal`: a checkpoint of another layout, through its universal form
+    (dragon.checkpoint.reshape)."""
     load_tag = tag
     if universal:
         pipeline = getattr(engine, "pipeline_parallelism", False)

@@ -1,10 +1,10 @@
 """Data pipeline for BDH training: text in, packed token blocks out, deterministic batches.
 
-Text comes from local files (dragon.sources), a hub dataset, or (by default) the running
+Text comes from local files (dragon.data.sources), a hub dataset, or (by default) the running
 interpreter's standard library. Documents are tokenized (raw UTF-8 bytes unless a local HF
 tokenizer is given), concatenated, and cut into samples of block_size+1 ids, so input = ids[:-1] and
 target = ids[1:]. The last blocks are held out for validation, contiguously, as the
-reference's 90/10 split of one byte stream does. dragon.stream reads the same sources as a
+reference's 90/10 split of one byte stream does. dragon.data.streaming reads the same sources as a
 stream instead (--streaming).
 """
 
@@ -22,11 +22,11 @@ import numpy as np
 import torch
 from datasets import Dataset
 
-from dragon.sources import DataError, builder_groups, resolve_files
+from dragon.data.sources import DataError, builder_groups, resolve_files
 
 PACK_BATCH_SIZE = 1000  # documents per map batch; only each batch's tail is dropped
 _EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
-__all__ = ["DataError"]  # raised by every dragon data module; defined in dragon.sources
+__all__ = ["DataError"]  # raised by every dragon data module; defined in dragon.data.sources
 
 
 @dataclass
@@ -62,11 +62,12 @@ class DataArguments:
     dataset_mixture: Optional[str] = field(
         default=None,
         metadata={"help": "--streaming: weighted sources, \"SOURCE=WEIGHT,...\" (each a file, "
-                  "glob, directory or hub name[:config]; dragon.mixture)."},
+                  "glob, directory or hub name[:config]; dragon.data.mixture)."},
     )
     streaming: bool = field(
         default=False,
-        metadata={"help": "Read, tokenize and pack the data as training reads it (dragon.stream)."},
+        metadata={"help": "Read, tokenize and pack the data as training reads it "
+                          "(dragon.data.streaming)."},
     )
     validation_file: Optional[str] = field(
         default=None,

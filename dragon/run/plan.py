@@ -1,11 +1,11 @@
 """--dry_run: the resolved plan of a run, printed after every check a real start runs, before any
-process group, model or engine exists (dragon.preflight calls it and exits 0)."""
+process group, model or engine exists (dragon.run.preflight calls it and exits 0)."""
 
 import json
 
-from dragon.cost import model_profile
-from dragon.distributed import launcher_world_size
-from dragon.memory import estimate
+from dragon.model.cost import model_profile
+from dragon.parallel.distributed import launcher_world_size
+from dragon.run.memory import estimate
 
 MIB = 2**20
 
@@ -26,7 +26,8 @@ def rank_layout(world: int, islands: int, stages: int, one_launch_per_island: bo
 
 
 def plan_lines(inputs, config, dp_world: int) -> list[str]:
-    """The plan as printed lines (inputs: dragon.preflight.RecipeInputs; config: its BDHConfig)."""
+    """The plan as printed lines (inputs: dragon.run.preflight.RecipeInputs; config: its
+    BDHConfig)."""
     args, diloco, ds = inputs.train, inputs.diloco, inputs.ds_config
     stages = inputs.pipeline.pipeline_stages if inputs.pipeline else 1
     islands = diloco.diloco_islands if diloco.enabled else 1
@@ -81,7 +82,7 @@ def memory_lines(inputs, config, dp_world: int, stages: int) -> list[str]:
         rows = micro + (args.per_device_eval_batch_size if args.eval_carried else 0)
     parts = estimate(config, ds, inputs.data.block_size, dp_world, stages, outer, rows)
     device = sum(v for k, v in parts.items() if not k.startswith("host"))
-    lines = ["memory per rank (estimate, dragon.memory):"]
+    lines = ["memory per rank (estimate, dragon.run.memory):"]
     lines += [f"  {name}: {value / MIB:,.1f} MiB" for name, value in parts.items()]
     lines.append(f"  total: {device / MIB:,.1f} MiB")
     return lines

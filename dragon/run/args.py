@@ -9,12 +9,12 @@ from typing import Optional
 import torch
 from transformers import SchedulerType
 
-from dragon.faults import NAN_POLICIES, SAVE_FAILURES
-from dragon.metrics import RECORDED_METRICS
-from dragon.attention import DEFAULT_CHUNK_SIZE
-from dragon.model import BDHConfig
-from dragon.retention import RetentionPolicy
-from dragon.topology import island_size
+from dragon.run.faults import NAN_POLICIES, SAVE_FAILURES
+from dragon.run.metrics import RECORDED_METRICS
+from dragon.model.attention import DEFAULT_CHUNK_SIZE
+from dragon.model.bdh import BDHConfig
+from dragon.checkpoint.retention import RetentionPolicy
+from dragon.parallel.topology import island_size
 
 
 def _help(text: str, **kwargs):
@@ -250,7 +250,7 @@ class DiLoCoArguments:
         default=None,
     )
     diloco_store_external: bool = _help(
-        "No island hosts the store: it runs on its own (python -m dragon.island_store).",
+        "No island hosts the store: it runs on its own (python -m dragon.diloco.island_store).",
         default=False,
     )
     diloco_elastic: bool = _help(
@@ -319,7 +319,8 @@ class DiLoCoArguments:
             )
         if not self.diloco_store_external:
             raise ValueError(
-                "--diloco_elastic needs --diloco_store_external (python -m dragon.island_store): "
+                "--diloco_elastic needs --diloco_store_external "
+                "(python -m dragon.diloco.island_store): "
                 "a store hosted by island 0 would end the run with it"
             )
         if not 1 <= self.diloco_min_islands <= self.diloco_islands:

@@ -1,4 +1,5 @@
-"""A store for DiLoCo islands that outlives every island: `python -m dragon.island_store --port P`.
+"""A store for DiLoCo islands that outlives every island: `python -m dragon.diloco.island_store
+--port P`.
 
 Islands launched separately meet through a TCPStore at --diloco_store HOST:PORT. By default
 island 0's first rank hosts it, so the run ends with island 0; with --diloco_elastic an island

@@ -25,8 +25,8 @@ from typing import Optional
 
 import torch
 
-from dragon.cost import parameter_count
-from dragon.model import BDHConfig, BDHForCausalLM
+from dragon.model.cost import parameter_count
+from dragon.model.bdh import BDHConfig, BDHForCausalLM
 
 ADAM_BYTES, FP32 = 8, 4
 
@@ -117,7 +117,7 @@ def estimate(
     if outer_states:
         parts["DiLoCo theta_outer and outer optimizer"] = outer_states * FP32 * master
     if carried_rows:
-        from dragon.carry import state_bytes_per_row
+        from dragon.run.carry import state_bytes_per_row
 
         parts["carried state"] = carried_rows * state_bytes_per_row(config)
     if host:

@@ -10,22 +10,22 @@ from typing import Any, Optional
 
 from transformers import HfArgumentParser
 
-from dragon.args import DiLoCoArguments, ModelArguments, PipelineArguments, TrainingArguments
-from dragon.checkpoint import resolve_resume
-from dragon.retention import list_checkpoints
-from dragon.batches import TrainBatches, eval_batches
-from dragon.carry import check_state_fits
-from dragon.data import DataArguments, build_datasets
-from dragon.stream import build_streams, check_stream
+from dragon.run.args import DiLoCoArguments, ModelArguments, PipelineArguments, TrainingArguments
+from dragon.checkpoint.checkpointer import resolve_resume
+from dragon.checkpoint.retention import list_checkpoints
+from dragon.data.batches import TrainBatches, eval_batches
+from dragon.run.carry import check_state_fits
+from dragon.data.text import DataArguments, build_datasets
+from dragon.data.streaming import build_streams, check_stream
 
-from dragon.distributed import launcher_world_size
-from dragon.ds_config import load_ds_config, resolve_ds_config, zero_stage
-from dragon.model import BDHConfig
-from dragon.memory import mark_baseline
-from dragon.plan import plan_lines
-from dragon.reshape import (Layout, check_diloco_state, regroup_message, reshape_message,
+from dragon.parallel.distributed import launcher_world_size
+from dragon.parallel.ds_config import load_ds_config, resolve_ds_config, zero_stage
+from dragon.model.bdh import BDHConfig
+from dragon.run.memory import mark_baseline
+from dragon.run.plan import plan_lines
+from dragon.checkpoint.reshape import (Layout, check_diloco_state, regroup_message, reshape_message,
                             saved_islands, saved_layout)
-from dragon.topology import pipeline_data_parallel
+from dragon.parallel.topology import pipeline_data_parallel
 
 
 @dataclass
@@ -155,7 +155,7 @@ def _check_model(
         return  # the sizes are the directory's
     config = model_args.config(vocab_size)
     if pipe_args is not None:
-        from dragon.pipe import check_pipeline  # imports DeepSpeed's pipeline module
+        from dragon.parallel.pipeline import check_pipeline  # imports DeepSpeed's pipeline module
 
         check_pipeline(config, pipe_args.pipeline_stages, pipe_args.partition_method)
 
@@ -224,7 +224,8 @@ def _with_checkpoints(root: str, island: int, launch_dir: str) -> Optional[str]:
 def _check_reshape(
     resume: dict, ds_config: dict, dp_world: int, stages: int, diloco: DiLoCoArguments
 ) -> dict[int, str]:
-    """island -> the line a resume on another layout prints (dragon.reshape; `stages`: of the
+    """island -> the line a resume on another layout prints (dragon.checkpoint.reshape; `stages`:
+    of the
     pipeline, 0 without one); switches the engine to DeepSpeed's universal checkpoint loading
     when one converts for ZeRO-1/2/3."""
     bf16 = bool(ds_config.get("bf16", {}).get("enabled", False))

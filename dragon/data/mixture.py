@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 from datasets import IterableDataset, interleave_datasets
 
-from dragon.data import PACK_BATCH_SIZE, DataArguments, DataError, pack_batch, open_texts
-from dragon.sources import EXTENSION_BUILDERS
+from dragon.data.text import PACK_BATCH_SIZE, DataArguments, DataError, pack_batch, open_texts
+from dragon.data.sources import EXTENSION_BUILDERS
 
 _EXAMPLE = '"code/*.jsonl=0.7,prose.txt=0.3"'
 

@@ -1,5 +1,6 @@
-"""A pipeline checkpoint (dragon.pipe, ZeRO-0, fp32) as a plain model's ZeRO-0 checkpoint, and
-back, so that dragon.reshape converts between the recipes and between pipeline shapes.
+"""A pipeline checkpoint (dragon.parallel.pipeline, ZeRO-0, fp32) as a plain model's ZeRO-0
+checkpoint, and
+back, so that dragon.checkpoint.reshape converts between the recipes and between pipeline shapes.
 
 A pipeline checkpoint holds the weights in layer files (layer_00: the embedding; the first layer
 of each stage: the shared block; layer_<n+1>: the head) and each stage's torch Adam in
@@ -14,8 +15,8 @@ import os
 
 import torch
 
-from dragon.model import BDHConfig, BDHForCausalLM
-from dragon.pipe import SHARED_KEY, SHARED_WEIGHTS, model_from_pipeline_checkpoint
+from dragon.model.bdh import BDHConfig, BDHForCausalLM
+from dragon.parallel.pipeline import SHARED_KEY, SHARED_WEIGHTS, model_from_pipeline_checkpoint
 
 SHARED = [f"layer.{name}" for name in SHARED_WEIGHTS]
 

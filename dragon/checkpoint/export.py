@@ -14,11 +14,11 @@ import os
 import torch
 import torch.distributed as dist
 
-from dragon.distributed import rank
-from dragon.metrics import MetricHistory, metrics_path
-from dragon.model import BDHConfig, BDHForCausalLM
-from dragon.pipe import is_pipeline_checkpoint, model_from_pipeline_checkpoint
-from dragon.retention import (
+from dragon.parallel.distributed import rank
+from dragon.run.metrics import MetricHistory, metrics_path
+from dragon.model.bdh import BDHConfig, BDHForCausalLM
+from dragon.parallel.pipeline import is_pipeline_checkpoint, model_from_pipeline_checkpoint
+from dragon.checkpoint.retention import (
     RetentionPolicy,
     find_resume_checkpoint,
     is_complete,

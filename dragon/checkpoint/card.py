@@ -6,16 +6,16 @@ import os
 import sys
 from typing import Optional
 
-from dragon.cost import parameter_count
-from dragon.ds_config import zero_stage
-from dragon.metrics import MetricHistory, metrics_path
-from dragon.model import BDHConfig
+from dragon.model.cost import parameter_count
+from dragon.parallel.ds_config import zero_stage
+from dragon.run.metrics import MetricHistory, metrics_path
+from dragon.model.bdh import BDHConfig
 
 RUN_FILE = "run.json"
 
 
 def run_info(inputs, islands: int, dp_world: int, tokens_per_step: int) -> dict:
-    """The training configuration a model card names (inputs: dragon.preflight.RecipeInputs)."""
+    """The training configuration a model card names (inputs: dragon.run.preflight.RecipeInputs)."""
     diloco = inputs.diloco
     return {
         "recipe": os.path.basename(sys.argv[0]),

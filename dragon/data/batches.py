@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from datasets import Dataset
 
-from dragon.data import DataError
+from dragon.data.text import DataError
 
 
 def shard_indices(n: int, rank: int, world: int) -> range:
@@ -114,7 +114,7 @@ class TrainBatches:
         self.epoch, self.micro_step = divmod(step * self.grad_accum, self.micro_steps_per_epoch)
 
 
-class StreamBatches(TrainBatches):
+class ContiguousRowBatches(TrainBatches):
     """Training micro-batches whose rows are streams: row g of the global batch reads block
     (stream start + step) of its own contiguous stretch of the corpus, so row g of step k+1
     continues exactly where row g of step k ended (Transformer-XL's order), and a state carried

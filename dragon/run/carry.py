@@ -1,12 +1,14 @@
 """The attention state carried from one training step to the next (truncated backpropagation
 through time, as the BDH paper trains).
 
-Every row of a step's batch is a stream through the corpus (dragon.batches.StreamBatches). This
+Every row of a step's batch is a stream through the corpus
+(dragon.data.batches.ContiguousRowBatches). This
 rank keeps one BDHCache per micro-batch slot of a step (gradient accumulation slot a holds the
 state of the rows micro-batch a reads); each step continues from it, and after the step it is
 detached, so gradients stop at the block boundary. The states are zeroed (and RoPE positions
 restart) when the streams wrap around the epoch and, with --state_reset_steps R, every R steps.
-A pipeline stage keeps the states of its own layers the same way (dragon.pipe.carrying).
+A pipeline stage keeps the states of its own layers the same way
+(dragon.parallel.pipeline.carrying).
 """
 
 import os
@@ -14,8 +16,8 @@ from typing import Optional
 
 import torch
 
-from dragon.attention import BDHCache
-from dragon.model import BDHConfig
+from dragon.model.attention import BDHCache
+from dragon.model.bdh import BDHConfig
 
 STATE_FILE = "carried_state"  # <name>_<rank>.pt in every checkpoint of a run with --carry_state
 

@@ -11,16 +11,16 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from dragon import checkpoint
-from dragon.cost import model_profile
-from dragon.attention import BDHCache
-from dragon.batches import StreamBatches, TrainBatches, eval_batches, eval_streams
-from dragon.carry import STATE_FILE as CARRIED_STATE
-from dragon.carry import CarriedState, state_bytes_per_row
-from dragon.diloco import STATE_FILE as DILOCO_STATE
-from dragon.diloco import DiLoCo
-from dragon.distributed import all_reduce_mean, all_reduce_values, rank, world_size
-from dragon.faults import (
+from dragon.checkpoint import checkpointer as checkpoint
+from dragon.model.cost import model_profile
+from dragon.model.attention import BDHCache
+from dragon.data.batches import ContiguousRowBatches, TrainBatches, eval_batches, eval_streams
+from dragon.run.carry import STATE_FILE as CARRIED_STATE
+from dragon.run.carry import CarriedState, state_bytes_per_row
+from dragon.diloco.outer import STATE_FILE as DILOCO_STATE
+from dragon.diloco.outer import DiLoCo
+from dragon.parallel.distributed import all_reduce_mean, all_reduce_values, rank, world_size
+from dragon.run.faults import (
     SaveFailed,
     StepGuard,
     Verdict,
@@ -28,17 +28,17 @@ from dragon.faults import (
     skip_nonfinite_updates,
     weights_finite,
 )
-from dragon.card import run_info, write_model_card, write_run_info
-from dragon.memory import peak_bytes
-from dragon.metrics import MetricsLogger, Throughput, peak_tflops_per_device, source_tokens
-from dragon.mixture import source_names
-from dragon.model import BDHConfig, BDHForCausalLM
-from dragon.preflight import RecipeInputs
-from dragon.reshape import diloco_state_for
-from dragon.retention import find_resume_checkpoint
-from dragon.stream import STATE_FILE as STREAM_STATE
-from dragon.stream import StreamedBatches
-from dragon.topology import Topology
+from dragon.checkpoint.card import run_info, write_model_card, write_run_info
+from dragon.run.memory import peak_bytes
+from dragon.run.metrics import MetricsLogger, Throughput, peak_tflops_per_device, source_tokens
+from dragon.data.mixture import source_names
+from dragon.model.bdh import BDHConfig, BDHForCausalLM
+from dragon.run.preflight import RecipeInputs
+from dragon.checkpoint.reshape import diloco_state_for
+from dragon.checkpoint.retention import find_resume_checkpoint
+from dragon.data.streaming import STATE_FILE as STREAM_STATE
+from dragon.data.streaming import StreamingBatches
+from dragon.parallel.topology import Topology
 
 logger = logging.getLogger("dragon")
 
@@ -86,12 +86,12 @@ class TrainingRun:
         self.streamed, self.dp_world = inputs.data.streaming, dp_world
         self.sources = source_names(inputs.data)  # a mixture's, whose tokens the metrics count
         if self.streamed:  # every island's rank reads its own share of one global stream
-            self.train_batches = StreamedBatches(
+            self.train_batches = StreamingBatches(
                 inputs.train_set, self.micro, data_rank, data_world, self.accum,
                 shuffle_blocks=inputs.data.shuffle_buffer_blocks, seed=args.seed,
             )
         else:
-            batches = StreamBatches if args.carry_state else TrainBatches
+            batches = ContiguousRowBatches if args.carry_state else TrainBatches
             self.train_batches = batches(
                 inputs.train_set, self.micro, data_rank, data_world, self.accum, seed=args.seed
             )
@@ -139,7 +139,7 @@ class TrainingRun:
         shared = None if inputs.diloco.diloco_elastic else topology
         self.guard = StepGuard(args.nan_policy, args.max_bad_steps, shared)
         skip_nonfinite_updates(engine)
-        install_nan_hook(engine.module, lambda: self.step + 1)  # test-only (dragon.faults)
+        install_nan_hook(engine.module, lambda: self.step + 1)  # test-only (dragon.run.faults)
         self._logger = MetricsLogger(
             self.output_dir,
             rank() == 0,
@@ -169,7 +169,7 @@ class TrainingRun:
     def _resume(self, load_dir: str, tag: str, reshaped: Optional[str] = None,
                 regrouped: Optional[tuple[str, bool]] = None) -> None:
         """`reshaped`: the line of a resume on another layout; `regrouped`: (the line of a resume
-        by another number of islands, whether this island is new) (dragon.reshape)."""
+        by another number of islands, whether this island is new) (dragon.checkpoint.reshape)."""
         regrouped, new_island = regrouped or (None, False)
         for line in (reshaped, regrouped):
             if line and rank() == 0:
@@ -276,7 +276,7 @@ class TrainingRun:
         sys.exit(0)
 
     def _kept(self) -> str:
-        """The checkpoint a resume would take (dragon.retention), or none."""
+        """The checkpoint a resume would take (dragon.checkpoint.retention), or none."""
         try:
             return os.path.join(*find_resume_checkpoint(self.save_dir))
         except ValueError:

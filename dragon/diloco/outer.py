@@ -5,7 +5,8 @@ Inside an island every step is an ordinary DeepSpeed step. Every H steps each ra
 pseudo-gradient Delta = theta_outer - theta_inner, in fp32, on its own part of DeepSpeed's fp32
 MASTER weights (its partition under ZeRO-1/2/3 and the bf16 optimizer, its stage's weights in
 a pipeline, the whole model under ZeRO-0), averages Delta with rank r of every other island
-(dragon.topology), steps an outer optimizer (Nesterov SGD by default) on theta_outer with the
+(dragon.parallel.topology), steps an outer optimizer (Nesterov SGD by default) on theta_outer with
+the
 average as gradient (delayed mode: see below), and writes theta_outer back into the master
 weights and the module's working weights. theta_outer and the outer optimizer's state are fp32,
 on the master weights' device or on CPU (--diloco_outer_on_cpu).
@@ -42,7 +43,8 @@ theta_outer over the island's ranks (equal bits on every island after a sync out
 Inner optimizer state, LR schedule and data stream stay per island, as in DiLoCo.
 
 Elastic (--diloco_elastic): each outer step averages over the islands that reach it
-(dragon.membership), outer_quorum records how many; an island lost during the exchange is left
+(dragon.diloco.membership), outer_quorum records how many; an island lost during the exchange is
+left
 out of a retry. The average is over the members only, so a lone island steps on its own Delta.
 Delayed: an average in flight that failed (an island died during it) is redone at the next outer
 step from the survivors' kept Deltas, so the late average is the survivors' average.
@@ -56,12 +58,12 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from dragon.args import DiLoCoArguments
-from dragon.distributed import all_reduce_values
-from dragon.exchange import Exchange, Round, flatten
-from dragon.master_weights import MasterWeights
-from dragon.membership import Membership, elastic_round
-from dragon.topology import Topology
+from dragon.run.args import DiLoCoArguments
+from dragon.parallel.distributed import all_reduce_values
+from dragon.diloco.exchange import Exchange, Round, flatten
+from dragon.diloco.master_weights import MasterWeights
+from dragon.diloco.membership import Membership, elastic_round
+from dragon.parallel.topology import Topology
 
 logger = logging.getLogger("dragon")
 
@@ -305,7 +307,8 @@ class DiLoCo:
             "outer_step": self.outer_step,
             "mode": self.mode,
             "numels": self.numels,
-            "segments": getattr(self.weights, "segments", lambda: None)(),  # for dragon.reshape
+            # the partition, for dragon.checkpoint.reshape
+            "segments": getattr(self.weights, "segments", lambda: None)(),
             "outer_params": [p.detach().cpu().clone() for p in self.outer_params],
             "optimizer": self.optimizer.state_dict(),
             "previous": None if self.previous is None else self.previous.clone(),

@@ -7,7 +7,7 @@ under `layer.`; everything else has the same name, shape and meaning.
 
 import torch
 
-from dragon.model import BDHConfig, BDHForCausalLM, rope_frequencies
+from dragon.model.bdh import BDHConfig, BDHForCausalLM, rope_frequencies
 
 COMPILE_PREFIX = "_orig_mod."
 

@@ -8,10 +8,10 @@ fault-injection suite can prove what the run does (tests/test_faults.py):
 - DRAGON_FAULT_NAN_STEPS=3,4 (and DRAGON_FAULT_RANK=r, default 0): rank r's training forwards of
   those steps (1-based) return NaN.
 - DRAGON_FAULT_SAVE_STEP=8 (and DRAGON_FAULT_RANK): rank r's checkpoint writes of the step-8 save
-  raise OSError(ENOSPC), as a full disk would (dragon.retention).
+  raise OSError(ENOSPC), as a full disk would (dragon.checkpoint.retention).
 - DRAGON_FAULT_EXIT_OUTER_STEP=2 and DRAGON_FAULT_ISLAND=i: island i's processes exit at once
   (os._exit) in elastic outer step 2, after its quorum formed and before the exchange
-  (dragon.diloco).
+  (dragon.diloco.outer).
 """
 
 import errno
@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from dragon.distributed import all_reduce_values
+from dragon.parallel.distributed import all_reduce_values
 
 logger = logging.getLogger("dragon")
 
@@ -186,7 +186,7 @@ class SaveGuard:
         if self.error is not None:
             return
         try:
-            if self.inject:  # the test-only hook (dragon.faults)
+            if self.inject:  # the test-only hook (dragon.run.faults)
                 raise OSError(errno.ENOSPC, "No space left on device (DRAGON_FAULT_SAVE_STEP)")
             write(*args)
         except OSError as e:

@@ -129,7 +129,8 @@ def enter_island(args, timeout_s: float = 600.0) -> Topology:
 
     `args` has diloco_islands, diloco_island_index (None: one launch holds every island),
     diloco_store (HOST:PORT, needed with diloco_island_index), diloco_store_external (no island
-    hosts the store) and diloco_elastic (no static cross-island group: dragon.membership). With
+    hosts the store) and diloco_elastic (no static cross-island group: dragon.diloco.membership).
+    With
     one island nothing changes: the launch is the island and there is no cross-island group.
     """
     islands = args.diloco_islands

@@ -2,8 +2,8 @@
 
 from dataclasses import dataclass
 
-from dragon.attention import CAUSAL_BLOCK, resolve_form, row_blocks
-from dragon.model import BDHConfig
+from dragon.model.attention import CAUSAL_BLOCK, resolve_form, row_blocks
+from dragon.model.bdh import BDHConfig
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from torch import nn
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from dragon.attention import (
+from dragon.model.attention import (
     DEFAULT_CHUNK_SIZE,
     FORMS,
     BDHCache,

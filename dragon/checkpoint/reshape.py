@@ -1,6 +1,7 @@
 """Resume a checkpoint on another data-parallel size, ZeRO stage or recipe, exactly.
 
-A checkpoint saved on one layout is converted once into its universal form (dragon.universal:
+A checkpoint saved on one layout is converted once into its universal form
+(dragon.checkpoint.universal:
 one file per parameter and state, fp32 weights, Adam's two moments, the step), next to it in
 <tag>_universal/; an engine whose config has "checkpoint": {"load_universal": true} loads that
 into its own partitioning, and a ZeRO-0 launch loads a ZeRO-0 checkpoint made from it
@@ -16,7 +17,7 @@ island resumed on another layout gets its outer state (theta_outer, the outer op
 moments, the average in flight) laid out for its new partition (diloco_state_for).
 
 A ZeRO-0 checkpoint on another number of ranks loads as it is (one file). A ZeRO-0 pipeline
-checkpoint becomes a plain model's ZeRO-0 checkpoint and back (dragon.pipe_checkpoint), so the
+checkpoint becomes a plain model's ZeRO-0 checkpoint and back (dragon.checkpoint.pipeline), so the
 recipes resume each other's checkpoints and a pipeline resumes on other stage boundaries.
 ZeRO-1 pipelines (a per-stage partitioned optimizer) and bf16 ZeRO-0 checkpoints (their master
 weights live in DeepSpeed's bf16 optimizer) are refused in one line.
@@ -32,10 +33,10 @@ from typing import Optional
 
 import torch
 
-from dragon import universal
-from dragon.model import BDHConfig
-from dragon.pipe_checkpoint import stage_files, write_pipeline, zero0_states_of_pipeline
-from dragon.retention import CONVERSIONS
+from dragon.checkpoint import universal
+from dragon.model.bdh import BDHConfig
+from dragon.checkpoint.pipeline import stage_files, write_pipeline, zero0_states_of_pipeline
+from dragon.checkpoint.retention import CONVERSIONS
 
 logger = logging.getLogger("dragon")
 UNIVERSAL, ZERO0, PIPELINE = CONVERSIONS  # retention deletes them with their checkpoint
@@ -179,7 +180,7 @@ def check_diloco_state(tag_dir: str) -> list[str]:
     """The DiLoCo state files of a checkpoint that can move to another layout (none: a run
     without DiLoCo); ValueError in one line for a state that does not say where its values sit
     in the model."""
-    from dragon.diloco import STATE_FILE
+    from dragon.diloco.outer import STATE_FILE
 
     files = sorted(glob.glob(os.path.join(tag_dir, f"{STATE_FILE}_*.pt")))
     if files and torch.load(files[0], map_location="cpu", weights_only=False,

@@ -16,22 +16,23 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from dragon.distributed import rank
-from dragon.faults import SaveFailed, SaveGuard, fault_rank, fault_steps
-from dragon.metrics import MetricHistory
+from dragon.parallel.distributed import rank
+from dragon.run.faults import SaveFailed, SaveGuard, fault_rank, fault_steps
+from dragon.run.metrics import MetricHistory
 
 logger = logging.getLogger(__name__)
 
 MARKER = "dragon_complete.json"
 HISTORY = "metric_history.jsonl"
 DELETING = ".deleting-"
-# dragon.reshape's forms of a checkpoint for a launch of another layout, next to it
+# dragon.checkpoint.reshape's forms of a checkpoint for a launch of another layout, next to it
 CONVERSIONS = ("_universal", "_zero0", "_pipeline")
 # Layout (a): tag dirs in one save_dir (dragon's `step<N>`, DeepSpeed's default `global_step<N>`);
 # layout (b): accelerate's `checkpoint_<i>` dirs, each a DeepSpeed save_dir of its own.
 TAG_RE = re.compile(r"^(step|global_step)(\d+)$")
 ACCEL_RE = re.compile(r"^(checkpoint_)(\d+)$")
-# Files only DeepSpeed (or dragon.checkpoint.save, which writes its RNG file first) puts in a tag
+# Files only DeepSpeed (or dragon.checkpoint.checkpointer.save, which writes its RNG file first)
+# puts in a tag
 # dir.
 DS_FILE_RE = re.compile(
     r"^(.*mp_rank_\d+.*\.pt|layer_\d+-.*model_states\.pt|rng_state_\d+\.pt|"
@@ -193,7 +194,8 @@ def _ignore_missing(func, path, exc_info) -> None:
 
 def _delete(save_dir: str, name: str) -> bool:
     """Rename to a hidden name first, so a crash mid-rmtree never leaves a checkpoint-looking dir.
-    The checkpoint's conversions for another layout (dragon.reshape) go with it, after it.
+    The checkpoint's conversions for another layout (dragon.checkpoint.reshape) go with it, after
+    it.
     """
     trash = os.path.join(save_dir, DELETING + name)
     if os.path.exists(trash):

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from datasets import Dataset, IterableDataset
 
-from dragon.data import (
+from dragon.data.text import (
     PACK_BATCH_SIZE,
     DataArguments,
     DataError,
@@ -34,7 +34,7 @@ from dragon.data import (
     open_texts,
     pack,
 )
-from dragon.mixture import mixed_blocks
+from dragon.data.mixture import mixed_blocks
 
 STATE_FILE = "data_stream"  # <name>_<rank>.pt in each checkpoint: this rank's stream position
 PREFETCH = 8  # micro-batches the reading thread keeps ready
@@ -101,7 +101,7 @@ def build_streams(args: DataArguments, seed: int = 0) -> tuple[IterableDataset, 
     return train, valid, tokenizer
 
 
-class StreamedBatches:
+class StreamingBatches:
     """Training micro-batches of one data-parallel rank read from the global block stream, with a
     thread reading ahead; `state_dict()` is the position after the last micro-batch returned."""
 
@@ -164,7 +164,7 @@ class StreamedBatches:
         except BaseException as e:  # re-raised by __next__ in the training thread
             out.put(e)
 
-    def __iter__(self) -> "StreamedBatches":
+    def __iter__(self) -> "StreamingBatches":
         return self
 
     def __next__(self) -> torch.Tensor:
@@ -172,7 +172,7 @@ class StreamedBatches:
             self._queue = queue.Queue(maxsize=self.prefetch)
             # Iterating keeps its position on the dataset's own iterables: a private copy, made
             # here before the thread starts, keeps this reader apart from any other reader of
-            # the same dataset (the validation head, another StreamedBatches).
+            # the same dataset (the validation head, another StreamingBatches).
             args = (self._queue, copy.deepcopy(self.blocks), dict(self._state))
             threading.Thread(target=self._fill, args=args, daemon=True).start()
         item = self._queue.get()

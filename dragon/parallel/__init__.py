@@ -1,0 +1,7 @@
+"""The parallel layout: process groups, islands, the pipeline and the DeepSpeed config.
+
+- distributed: process-group start-up under any launcher, small all-reduces
+- topology: islands x data ranks, each island its own torch.distributed world (enter_island)
+- pipeline: BDH as a DeepSpeed PipelineModule (bdh_pipeline, carrying)
+- ds_config: DeepSpeed JSON configs with "auto" values filled from the arguments
+"""

@@ -1,0 +1,10 @@
+"""What a recipe needs around its loop: inputs, checks, metrics, faults and the run's state.
+
+- args: the argument dataclasses (ModelArguments, TrainingArguments, DiLoCoArguments, ...)
+- preflight: every check before a process group starts (RecipeInputs)
+- metrics: metrics.jsonl (its one writer and reader), throughput, MFU, logging
+- faults: preemption signals and non-finite steps (StepGuard)
+- loop: TrainingRun, the bookkeeping around a recipe's step
+- carry: attention states carried from step to step (CarriedState)
+- optim, memory, plan: the client optimizer, memory estimates, --dry_run
+"""
