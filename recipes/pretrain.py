@@ -7,27 +7,36 @@
     accelerate launch --config_file launch/accelerate/zero2.yaml recipes/pretrain.py \
         --output_dir runs/x
 
-Top to bottom: inputs (all checked before any process group starts), the model, the DeepSpeed
-engine with the retention hook on its save_checkpoint, then the loop: batch, forward, backward,
-step, the DiLoCo outer step, logging, evaluation, save; then the export. dragon.run.loop.TrainingRun
-keeps the bookkeeping (data streams, resume, metrics, checkpoint contents).
+Top to bottom: the inputs (all checked before any process group starts), the model, the DeepSpeed
+engine, the run's state and the Checkpointer that saves and resumes it, then the loop: batch,
+forward, backward, step, the DiLoCo outer step, logging, evaluation, save; then the export. An
+early end (a preemption, a failure) is an exception that main() turns into one line and an exit
+code.
 """
 
+import os
+import sys
 from typing import Optional
 
 import deepspeed
 import torch
 
-from dragon.model.attention import BDHCache
-from dragon.diloco.outer import DiLoCo
-from dragon.parallel.distributed import all_reduce_mean, init_distributed, rank, world_size
-from dragon.checkpoint.export import export_engine
-from dragon.run.loop import TrainingRun, initial_model
-from dragon.run.metrics import RECORDED_METRICS, metrics_path, grad_norm_before_step, setup_logging
-from dragon.run.optim import client_optimizer_and_scheduler
-from dragon.run.preflight import preflight
+from dragon.checkpoint.card import write_run_files
+from dragon.checkpoint.checkpointer import Checkpointer, RNGState, tag_for
+from dragon.checkpoint.export import complete_export, export_engine, print_sample
 from dragon.checkpoint.retention import attach_retention
+from dragon.checkpoint.writes import SaveFailed
+from dragon.diloco.outer import DiLoCo
+from dragon.errors import RunStopped
+from dragon.model.attention import BDHCache
+from dragon.parallel.distributed import all_reduce_mean, init_distributed, rank, world_size
 from dragon.parallel.topology import enter_island
+from dragon.run.data import run_data
+from dragon.run.faults import skip_nonfinite_updates
+from dragon.run.loop import TrainingRun
+from dragon.run.metrics import RECORDED_METRICS, metrics_path, setup_logging, step_and_grad_norm
+from dragon.run.optim import client_optimizer_and_scheduler
+from dragon.run.preflight import initial_model, preflight
 
 
 @torch.no_grad()
@@ -62,35 +71,47 @@ def main():
         model_parameters=model.parameters(),
         config=inputs.ds_config,
     )
+    skip_nonfinite_updates(engine)  # where DeepSpeed steps torch's optimizer as it is (ZeRO-0)
     if args.torch_compile:
         engine.compile()
-    # Every engine.save_checkpoint is followed by a completion marker and pruning: the last
-    # --save_total_limit checkpoints plus the best by --metric_for_best_model in metrics.jsonl.
-    attach_retention(
-        engine,
-        args.retention_policy(),
-        RECORDED_METRICS,
-        history_path=metrics_path(inputs.run_dir(topology.island)),
-    )
-    outer = DiLoCo.from_engine(engine, inputs.diloco, topology)  # None unless --diloco_inner_steps
-    run = TrainingRun(
-        engine, inputs, model.config, topology, dp_rank=rank(), dp_world=world_size(), diloco=outer
-    )
+    run_dir = inputs.run_dir(topology.island)  # <output_dir>, or <output_dir>/island<i>
+    save_dir = os.path.join(run_dir, "checkpoints")
+    # Optional: after every engine.save_checkpoint, a completion marker once every rank wrote its
+    # files, and pruning to the last --save_total_limit plus the best by --metric_for_best_model.
+    attach_retention(engine, args.retention_policy(), RECORDED_METRICS, metrics_path(run_dir))
+    outer = DiLoCo.from_engine(engine, inputs.diloco.config(), topology)  # None without DiLoCo
+
+    # The run's state: this rank's data (and carried attention states), RNG, the outer loop.
+    data_rank, data_world = topology.data_shard(rank(), world_size())
+    data = run_data(inputs, data_rank, data_world, rank(), world_size(), engine,
+                    model.config.n_layer)
+    shared, per_rank = data.checkpoint_pieces()
+    torch.manual_seed(args.seed + topology.launch_rank)  # every rank its own dropout masks
+    per_rank["rng_state"] = RNGState(args.seed + topology.launch_rank)
+    if outer:
+        per_rank["diloco_state"] = outer
+    checkpointer = Checkpointer(engine, save_dir, shared, per_rank)
+    target = inputs.resume_target(topology.island)
+    step = checkpointer.resume(target) if target else 0
+    run = TrainingRun(engine, inputs, model.config, topology, data, world_size(), step, outer)
+    if inputs.diloco.diloco_join:  # elastic: take the live islands' weights, outer state, step
+        run.joined(*outer.join(), resumed=target is not None)
+    if rank() == 0:
+        write_run_files(save_dir, inputs, model.config, topology.islands, world_size(),
+                        run.run_tokens_per_step)
 
     engine.train()
     while not run.done:
         losses = []
         caches = run.step_caches()  # with --carry_state each micro-batch's rows continue a state
         for micro_step in range(run.accum):
-            batch = next(run.train_batches).to(engine.device)
+            batch = next(data.train).to(engine.device)
             loss = engine(input_ids=batch, labels=batch, cache=caches[micro_step]).loss
             engine.backward(loss)
-            if micro_step == run.accum - 1:
-                unclipped_norm = grad_norm_before_step(engine)  # only ZeRO-0 fp32 needs it
-            engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
+            # DeepSpeed steps the optimizer only at the accumulation boundary
+            grad_norm = step_and_grad_norm(engine)
             losses.append(loss.item())
-        step = run.end_step(sum(losses) / len(losses))
-        grad_norm = engine.get_global_grad_norm() or unclipped_norm
+        step = run.end_step(all_reduce_mean([sum(losses) / len(losses)])[0])  # over every rank
         # A preemption signal or a non-finite step, as every rank sees it (the update of a
         # non-finite step is not applied).
         verdict = run.check(grad_norm)
@@ -99,22 +120,35 @@ def main():
         if run.due(args.logging_steps):
             record.update(run.train_metrics(grad_norm))
         if run.due(args.eval_steps):
-            record["eval_loss"] = evaluate(engine, run.valid_batches)
-            if run.valid_streams:
+            record["eval_loss"] = evaluate(engine, data.valid)
+            if data.valid_streams:
                 streams = BDHCache(model.config.n_layer)
-                record["eval_loss_carried"] = evaluate(engine, run.valid_streams, streams)
+                record["eval_loss_carried"] = evaluate(engine, data.valid_streams, streams)
         run.log(record)
         # With DiLoCo, save_steps is a multiple of H (an outer step); a preemption waits for one.
         if run.due(args.save_steps) or verdict.save:
-            run.save()
+            try:
+                checkpointer.save(step)
+            except SaveFailed as failure:  # some rank could not write; `latest` is unchanged
+                run.save_failed(failure)  # trains on with --save_failure continue, else stops
         if verdict.stop:
             run.stop(verdict)
 
-    run.finish(
-        lambda out_dir: export_engine(engine, model.config, out_dir, run.last_checkpoint),
-        topology.island,
-    )
+    run.close()
+    if outer:
+        outer.close(ended_at=step)  # every island is past its last outer step, on theta_outer
+    if topology.island == 0:  # with DiLoCo, island 0 exports for every island
+        final_dir = os.path.join(args.output_dir, "final")
+        export_engine(engine, model.config, final_dir, os.path.join(save_dir, tag_for(step)))
+        if rank() == 0:
+            complete_export(final_dir, inputs.tokenizer, model.config, save_dir, step)
+            if args.sample_max_new_tokens > 0:
+                print_sample(final_dir, inputs.tokenizer, args.sample_prompt,
+                             args.sample_max_new_tokens)
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except RunStopped as stop:  # every early end: one line, and its exit code
+        sys.exit(stop.exit_status())

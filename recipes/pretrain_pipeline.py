@@ -6,26 +6,41 @@
     torchrun --nproc_per_node 2 recipes/pretrain_pipeline.py --pipeline_stages 2 \
         --deepspeed ds_configs/pipeline_zero0.json --output_dir runs/x
 
-The ZeRO recipe's shape (recipes/pretrain.py) with the pipeline's step: engine.train_batch runs
-DeepSpeed's 1F1B schedule over gradient_accumulation_steps micro-batches. The arguments,
-metrics, checkpoints and resume are the ZeRO recipe's.
+BDH as a PipelineModule: an embedding stage, n_layer uses of one block of weights shared by every
+stage (a TiedLayerSpec), a head. engine.train_batch runs DeepSpeed's 1F1B schedule over the
+gradient_accumulation_steps micro-batches: forward, backward and step in one call.
+
+Top to bottom: the inputs (all checked before any process group starts), the model and its
+pipeline, the DeepSpeed engine, the run's state and the Checkpointer that saves and resumes it,
+then the loop: batch, forward-backward-step, the DiLoCo outer step, logging, evaluation, save;
+then the export. An early end (a preemption, a failure) is an exception that main() turns into
+one line and an exit code.
 """
 
+import os
+import sys
 from typing import Optional
 
 import deepspeed
+import torch
 
-from dragon.model.attention import BDHCache
+from dragon.checkpoint.card import write_run_files
+from dragon.checkpoint.checkpointer import Checkpointer, RNGState, tag_for
+from dragon.checkpoint.export import complete_export, export_engine, print_sample
+from dragon.checkpoint.retention import attach_retention
+from dragon.checkpoint.writes import SaveFailed
 from dragon.diloco.outer import DiLoCo
-from dragon.parallel.distributed import init_distributed
-from dragon.checkpoint.export import export_engine
-from dragon.run.loop import TrainingRun, initial_model
+from dragon.errors import RunStopped
+from dragon.model.attention import BDHCache
+from dragon.parallel.distributed import init_distributed, rank
+from dragon.parallel.pipeline import bdh_pipeline, carrying, stage_layer
+from dragon.parallel.topology import enter_island
+from dragon.run.data import run_data
+from dragon.run.faults import skip_nonfinite_updates
+from dragon.run.loop import TrainingRun
 from dragon.run.metrics import RECORDED_METRICS, metrics_path, setup_logging
 from dragon.run.optim import client_optimizer_and_scheduler
-from dragon.parallel.pipeline import bdh_pipeline, carrying, stage_layer
-from dragon.run.preflight import preflight
-from dragon.checkpoint.retention import attach_retention
-from dragon.parallel.topology import enter_island
+from dragon.run.preflight import initial_model, preflight
 
 
 def pairs(batches):
@@ -70,57 +85,83 @@ def main():
         model_parameters=pipe.parameters(),
         config=inputs.ds_config,
     )
+    skip_nonfinite_updates(engine)  # where DeepSpeed steps torch's optimizer as it is (ZeRO-0)
     if args.torch_compile:
         engine.compile()  # each stage's layers, in place
-    # Every engine.save_checkpoint is followed by a completion marker and pruning
-    # (recipes/pretrain.py).
-    attach_retention(
-        engine,
-        args.retention_policy(),
-        RECORDED_METRICS,
-        history_path=metrics_path(inputs.run_dir(topology.island)),
-    )
-    outer = DiLoCo.from_engine(engine, inputs.diloco, topology)  # None unless --diloco_inner_steps
-    run = TrainingRun(
-        engine,
-        inputs,
-        model.config,
-        topology,
-        dp_rank=engine.grid.data_parallel_id,
-        dp_world=engine.grid.data_parallel_size,
-        diloco=outer,
-        state_layers=stage_layer(pipe).layers_on_stage,
-    )
+    run_dir = inputs.run_dir(topology.island)  # <output_dir>, or <output_dir>/island<i>
+    save_dir = os.path.join(run_dir, "checkpoints")
+    # Optional: after every engine.save_checkpoint, a completion marker once every rank wrote its
+    # files, and pruning to the last --save_total_limit plus the best by --metric_for_best_model.
+    attach_retention(engine, args.retention_policy(), RECORDED_METRICS, metrics_path(run_dir))
+    outer = DiLoCo.from_engine(engine, inputs.diloco.config(), topology)  # None without DiLoCo
 
-    train_data = pairs(run.train_batches)
+    # The run's state: this data rank's blocks (every stage of it reads the same ones), the
+    # attention states of this stage's layers (--carry_state), RNG, the outer loop.
+    dp_rank, dp_world = engine.grid.data_parallel_id, engine.grid.data_parallel_size
+    data_rank, data_world = topology.data_shard(dp_rank, dp_world)
+    data = run_data(inputs, data_rank, data_world, dp_rank, dp_world, engine,
+                    stage_layer(pipe).layers_on_stage)
+    shared, per_rank = data.checkpoint_pieces()
+    torch.manual_seed(args.seed + topology.launch_rank)  # every rank its own dropout masks
+    per_rank["rng_state"] = RNGState(args.seed + topology.launch_rank)
+    if outer:
+        per_rank["diloco_state"] = outer
+    checkpointer = Checkpointer(engine, save_dir, shared, per_rank)
+    target = inputs.resume_target(topology.island)
+    step = checkpointer.resume(target) if target else 0
+    run = TrainingRun(engine, inputs, model.config, topology, data, dp_world, step, outer)
+    if inputs.diloco.diloco_join:  # elastic: take the live islands' weights, outer state, step
+        run.joined(*outer.join(), resumed=target is not None)
+    if rank() == 0:
+        write_run_files(save_dir, inputs, model.config, topology.islands, dp_world,
+                        run.run_tokens_per_step)
+
+    train_data = pairs(data.train)
     while not run.done:
         # With --carry_state micro-batch m's rows continue the state in run.step_caches()[m].
         with carrying(pipe, run.step_caches()):
             loss = engine.train_batch(train_data)  # forward, backward, step over the micro-batches
-        # The loss is already averaged over the micro-batches and the data-parallel ranks.
+        # The loss is averaged over the micro-batches and the data-parallel ranks already.
         step = run.end_step(loss.item())
         grad_norm = engine.get_global_grad_norm()
-        verdict = run.check(grad_norm)  # preemption, non-finite steps (recipes/pretrain.py)
+        # A preemption signal or a non-finite step, as every rank sees it (the update of a
+        # non-finite step is not applied).
+        verdict = run.check(grad_norm)
 
         record = outer.maybe_outer_step(step, final=run.done) if outer else {}
         if run.due(args.logging_steps):
-            record.update(run.train_metrics(grad_norm, already_averaged=True))
+            record.update(run.train_metrics(grad_norm))
         if run.due(args.eval_steps):
-            record["eval_loss"] = evaluate(engine, run.valid_batches)
-            if run.valid_streams:
+            record["eval_loss"] = evaluate(engine, data.valid)
+            if data.valid_streams:
                 streams = BDHCache(stage_layer(pipe).layers_on_stage)
-                record["eval_loss_carried"] = evaluate(engine, run.valid_streams, streams)
+                record["eval_loss_carried"] = evaluate(engine, data.valid_streams, streams)
         run.log(record)
-        if run.due(args.save_steps) or verdict.save:  # DiLoCo: at an outer step (pretrain.py)
-            run.save()
+        # With DiLoCo, save_steps is a multiple of H (an outer step); a preemption waits for one.
+        if run.due(args.save_steps) or verdict.save:
+            try:
+                checkpointer.save(step)
+            except SaveFailed as failure:  # some rank could not write; `latest` is unchanged
+                run.save_failed(failure)  # trains on with --save_failure continue, else stops
         if verdict.stop:
             run.stop(verdict)
 
-    run.finish(
-        lambda out_dir: export_engine(engine, model.config, out_dir, run.last_checkpoint),
-        topology.island,
-    )
+    run.close()
+    if outer:
+        outer.close(ended_at=step)  # every island is past its last outer step, on theta_outer
+    if topology.island == 0:  # with DiLoCo, island 0 exports for every island
+        final_dir = os.path.join(args.output_dir, "final")
+        # every stage's weights, read back from the checkpoint of the last step
+        export_engine(engine, model.config, final_dir, os.path.join(save_dir, tag_for(step)))
+        if rank() == 0:
+            complete_export(final_dir, inputs.tokenizer, model.config, save_dir, step)
+            if args.sample_max_new_tokens > 0:
+                print_sample(final_dir, inputs.tokenizer, args.sample_prompt,
+                             args.sample_max_new_tokens)
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except RunStopped as stop:  # every early end: one line, and its exit code
+        sys.exit(stop.exit_status())

@@ -35,6 +35,8 @@ def free_port() -> int:
 
 def job_env(**extra) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **extra)
+    if any(key.startswith("DRAGON_FAULT_") for key in extra):  # tests/faults makes them happen
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests" / "faults"), str(REPO)])
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     return env

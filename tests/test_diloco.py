@@ -51,7 +51,7 @@ def inner_step(weights) -> None:
 
 def toy_outer_loop(args: DiLoCoArguments, steps: int, final_step: int = 0) -> DiLoCo:
     """One island on toy weights: `steps` inner steps, each followed by maybe_outer_step."""
-    outer = DiLoCo(toy.Weights(toy.initial_weights()), args, Topology())
+    outer = DiLoCo(toy.Weights(toy.initial_weights()), args.config(), Topology())
     for step in range(1, steps + 1):
         inner_step(outer.weights)
         outer.maybe_outer_step(step, final=step == final_step)
@@ -62,7 +62,7 @@ def test_outer_nesterov_step_equals_hand_computation():
     """One island, three outer steps of Nesterov SGD (lr 0.7, momentum 0.9) on toy weights."""
     w = toy.initial_weights()
     weights = toy.Weights([t.clone() for t in w])
-    outer = DiLoCo(weights, DiLoCoArguments(diloco_inner_steps=2), Topology())
+    outer = DiLoCo(weights, DiLoCoArguments(diloco_inner_steps=2).config(), Topology())
     theta, buf = torch.cat([t.flatten() for t in w]).double(), None
     c = torch.cat([t.flatten() for t in toy.centre(0)]).double()
     for step in range(1, 7):
@@ -91,7 +91,7 @@ def test_outer_nesterov_step_equals_hand_computation():
     state = outer.state_dict()  # momentum survives a save / load
     again = DiLoCo(
         toy.Weights([t.clone() for t in weights.tensors()]),
-        DiLoCoArguments(diloco_inner_steps=2),
+        DiLoCoArguments(diloco_inner_steps=2).config(),
         Topology(),
     )
     again.load_state_dict(state)
@@ -145,7 +145,7 @@ def test_any_torch_optimizer_as_outer_optimizer():
     weights = toy.Weights(toy.initial_weights())
     outer = DiLoCo(
         weights,
-        DiLoCoArguments(diloco_inner_steps=1),
+        DiLoCoArguments(diloco_inner_steps=1).config(),
         Topology(),
         outer_optimizer=lambda params: torch.optim.Adam(params, lr=0.05),
     )

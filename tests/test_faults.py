@@ -2,7 +2,7 @@
 dead rank and a dead DiLoCo island. Each ends in bounded time with a clear message and an intact
 last checkpoint, and a resume from it gives the uninterrupted run's losses (bit-equal).
 
-Faults come from signals to real processes and from dragon.run.faults' test-only hooks
+Faults come from signals to real processes and from the test-only hooks of tests/faults
 (DRAGON_FAULT_NAN_STEPS, DRAGON_FAULT_SAVE_STEP, DRAGON_FAULT_RANK).
 """
 

@@ -98,3 +98,14 @@ def write_model_card(out_dir: str, config: BDHConfig, save_dir: str, step: Optio
                      source: str) -> None:
     with open(os.path.join(out_dir, "README.md"), "w") as f:
         f.write(model_card(config, save_dir, step, source))
+
+
+def write_run_files(save_dir: str, inputs, config: BDHConfig, islands: int, dp_world: int,
+                    tokens_per_step: int) -> None:
+    """config.json, the tokenizer and run.json beside the checkpoints, so that recipes/export.py
+    and sample.py can use any checkpoint and every export's model card names the run (inputs:
+    dragon.run.preflight.RecipeInputs)."""
+    config.save_pretrained(save_dir)
+    if hasattr(inputs.tokenizer, "save_pretrained"):
+        inputs.tokenizer.save_pretrained(save_dir)
+    write_run_info(save_dir, run_info(inputs, islands, dp_world, tokens_per_step))

@@ -1,61 +1,208 @@
-"""DeepSpeed checkpoints with everything resuming needs (RNG, data position, rank files), and
-resume.
+"""One Checkpointer saves and resumes a run: the engine's own state through
+engine.save_checkpoint / load_checkpoint, and every other piece of run state beside it.
+
+Each piece is an object with state_dict() / load_state_dict() (torchtitan's Stateful):
+- `shared` pieces are the same on every rank (the data position): saved once, in DeepSpeed's
+  client state;
+- `per_rank` pieces differ by rank (RNG, carried states, DiLoCo's outer state, a stream's
+  position): saved as <tag>/<name>_<rank>.pt, before DeepSpeed's files, so that a checkpoint
+  whose completion marker exists holds them all (dragon.checkpoint.retention).
+
+A resume loads what the checkpoint holds for this rank. A piece whose own saved state is missing,
+or was saved by another layout (dragon.checkpoint.reshape) or by another island, is handed the
+whole checkpoint instead through its `resume_elsewhere(saved)`, when it has one.
 """
 
 import os
 import random
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
-from dragon.parallel.distributed import rank
 from dragon.checkpoint.reshape import converted_tag
-from dragon.checkpoint.retention import MARKER, find_resume_checkpoint
+from dragon.checkpoint.retention import (MARKER, all_or_nothing, find_resume_checkpoint,
+                                         last_complete)
+from dragon.checkpoint.writes import SaveFailed
+from dragon.errors import TrainingFailed
+from dragon.parallel.distributed import all_reduce_values, rank
+
+RNG_STATE = "rng_state"  # <tag>/rng_state_<rank>.pt
 
 
-def rng_state() -> dict:
-    state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
 
 
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+@dataclass
+class ResumeTarget:
+    """A checkpoint to resume from, as preflight resolved it."""
+
+    load_dir: str
+    tag: str
+    reshaped: Optional[str] = None  # the line of a resume on another layout (dragon.reshape)
+    regrouped: Optional[str] = None  # the line of a resume by another number of islands
+    new_island: bool = False  # this island did not exist then: it takes island 0's checkpoint
+
+
+@dataclass
+class Saved:
+    """A checkpoint being resumed, as the pieces that cannot load their own state see it."""
+
+    tag_dir: str
+    step: int
+    relaid: bool  # saved on another layout: every rank's files are another partition's
+    borrowed: bool  # another island's checkpoint (a new island's start)
+
+    def rank_file(self, name: str, of_rank: Optional[int] = None) -> Optional[Any]:
+        """<name>_<rank>.pt of this rank (or `of_rank`), None when absent."""
+        path = os.path.join(self.tag_dir, f"{name}_{rank() if of_rank is None else of_rank}.pt")
+        if not os.path.exists(path):
+            return None
+        return torch.load(path, map_location="cpu", weights_only=False)
+
+
+class RNGState:
+    """Python's, numpy's and torch's generators (CUDA's too, where there is one). A rank that
+    resumes from another island's checkpoint seeds torch with `seed` + step, as a fresh run seeds
+    it with `seed`: so every rank of every island draws its own dropout masks."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+
+    def state_dict(self) -> dict:
+        state = {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+
+    def resume_elsewhere(self, saved: Saved) -> None:
+        own = saved.rank_file(RNG_STATE)
+        if own is not None:  # another layout's rank r: its generators, as good as any
+            self.load_state_dict(own)
+        if saved.borrowed:  # island 0's masks are not this island's
+            torch.manual_seed(self.seed + saved.step)
 
 
 def tag_for(step: int) -> str:
     return f"step{step}"
 
 
-def save(
-    engine,
-    save_dir: str,
-    step: int,
-    client_state: dict[str, Any],
-    rank_files: Optional[dict[str, Any]] = None,
-) -> str:
-    """engine.save_checkpoint (wrapped by dragon.checkpoint.retention.attach_retention) with each
-    rank's RNG
-    state and `rank_files` (name -> object, saved as <name>_<rank>.pt); returns the tag. Raises
-    dragon.run.faults.SaveFailed on every rank when any rank could not write its part."""
-    tag = tag_for(step)
-    engine.save_checkpoint(
-        save_dir,
-        tag=tag,
-        client_state={"step": step, **client_state},
-        rank_files={"rng_state": rng_state(), **(rank_files or {})},
+class Checkpointer:
+    """save(step) and resume(target) of one engine and the run's other state (module docstring).
+    """
+
+    def __init__(
+        self,
+        engine,
+        save_dir: str,
+        shared: Optional[dict[str, Stateful]] = None,
+        per_rank: Optional[dict[str, Stateful]] = None,
+    ):
+        self.engine, self.save_dir = engine, save_dir
+        self.shared, self.per_rank = dict(shared or {}), dict(per_rank or {})
+
+    def save(self, step: int) -> str:
+        """Save as tag step<step> (engine.save_checkpoint is collective: every rank calls this);
+        returns the tag directory. A write that fails on any rank raises SaveFailed on every
+        rank (dragon.checkpoint.writes): here for the per-rank files, in the retention hook for
+        DeepSpeed's own (without the hook, DeepSpeed raises on the failing rank alone)."""
+        if not weights_finite(self.engine):
+            raise TrainingFailed(f"step {step}: weights hold NaN or inf, not saved; last "
+                                 f"complete checkpoint: {self.last_complete()}")
+        try:
+            return self._save(step)
+        except SaveFailed as failure:
+            raise SaveFailed(f"{failure}; last complete checkpoint: {self.last_complete()}")
+
+    def _save(self, step: int) -> str:
+        tag = tag_for(step)
+        tag_dir = os.path.join(self.save_dir, tag)
+        with all_or_nothing(self.engine, self.save_dir, tag) as writes:
+            writes.run(os.makedirs, tag_dir, 0o777, True)
+            writes.run(_unmark, tag_dir)  # an overwritten tag is incomplete until all is new
+            for name, state in self.per_rank.items():
+                path = os.path.join(tag_dir, f"{name}_{rank()}.pt")
+                writes.run(torch.save, state.state_dict(), path)
+        client_state = {name: state.state_dict() for name, state in self.shared.items()}
+        self.engine.save_checkpoint(self.save_dir, tag=tag, client_state={"step": step,
+                                                                          **client_state})
+        return tag_dir
+
+    def last_complete(self) -> str:
+        """The checkpoint a resume would take now, or "none"."""
+        return last_complete(self.save_dir)
+
+    def resume(self, target: ResumeTarget) -> int:
+        """Load the engine (weights, optimizer, LR schedule) and every piece from `target`;
+        returns the step it was saved at."""
+        load_tag = target.tag
+        if target.reshaped:  # through the form of the checkpoint that this layout loads
+            load_tag = converted_tag(target.load_dir, target.tag, *_loadable_form(self.engine))
+        path, client_state = self.engine.load_checkpoint(target.load_dir, tag=load_tag)
+        if path is None:  # DeepSpeed only warns and carries on from fresh weights
+            raise RuntimeError(f"no loadable DeepSpeed checkpoint in {target.load_dir} "
+                               f"(tag {target.tag or 'from latest'})")
+        step = client_state["step"]
+        another = bool(target.reshaped or target.regrouped)
+        saved = Saved(os.path.join(target.load_dir, target.tag), step,
+                      relaid=bool(target.reshaped), borrowed=target.new_island)
+        for name, state in self.shared.items():  # the same everywhere: kept, then moved on
+            if name in client_state:
+                state.load_state_dict(client_state[name])
+            if another or name not in client_state:
+                _resume_elsewhere(state, saved)
+        for name, state in self.per_rank.items():
+            own = None if another or target.new_island else saved.rank_file(name)
+            if own is None:
+                _resume_elsewhere(state, saved)
+            else:
+                state.load_state_dict(own)
+        return step
+
+
+def _resume_elsewhere(state: Stateful, saved: Saved) -> None:
+    """A piece's own resume from a checkpoint that holds no state of it as it is now; a piece
+    without one keeps its fresh state."""
+    if hasattr(state, "resume_elsewhere"):
+        state.resume_elsewhere(saved)
+
+
+def weights_finite(engine) -> bool:
+    """Whether every rank's weights (its ZeRO-3 partitions) are finite: a collective."""
+    finite = all(
+        bool(torch.isfinite(getattr(p, "ds_tensor", p)).all()) for p in engine.module.parameters()
     )
-    return tag
+    return all_reduce_values([float(not finite)], dist.ReduceOp.MAX)[0] == 0
+
+
+def _unmark(tag_dir: str) -> None:
+    try:
+        os.remove(os.path.join(tag_dir, MARKER))
+    except FileNotFoundError:
+        pass
+
+
+def _loadable_form(engine) -> tuple[str, Optional[list[int]]]:
+    """(the converted form this engine loads, the pipeline's stage boundaries)."""
+    if getattr(engine, "pipeline_parallelism", False):
+        return "pipeline", [int(p) for p in engine.module.parts]
+    return ("zero0" if engine.zero_optimization_stage() == 0 else "universal"), None
 
 
 def resolve_resume(resume: str, save_dir: str) -> tuple[str, str]:
@@ -75,34 +222,3 @@ def resolve_resume(resume: str, save_dir: str) -> tuple[str, str]:
         raise ValueError(
             f"--resume_from_checkpoint {resume}: {path} holds no complete checkpoint"
         ) from None
-
-
-def resume(engine, load_dir: str, tag: str, universal: bool = False) -> dict:
-    """Load model, optimizer, scheduler and this rank's RNG; returns the client state.
-    `universal`: a checkpoint of another layout, through its universal form
-    (dragon.checkpoint.reshape)."""
-    load_tag = tag
-    if universal:
-        pipeline = getattr(engine, "pipeline_parallelism", False)
-        form = "pipeline" if pipeline else (
-            "zero0" if engine.zero_optimization_stage() == 0 else "universal")
-        parts = [int(p) for p in engine.module.parts] if pipeline else None
-        load_tag = converted_tag(load_dir, tag, form, parts)
-    path, client_state = engine.load_checkpoint(load_dir, tag=load_tag)
-    if path is None:  # DeepSpeed only warns and carries on from fresh weights
-        raise RuntimeError(
-            f"no loadable DeepSpeed checkpoint in {load_dir} (tag {tag or 'from latest'})"
-        )
-    rng_file = os.path.join(load_dir, tag, f"rng_state_{rank()}.pt")
-    if os.path.exists(rng_file):
-        set_rng_state(torch.load(rng_file, weights_only=False))
-    return client_state
-
-
-def load_rank_file(load_dir: str, tag: str, name: str) -> Optional[Any]:
-    """This rank's <name>_<rank>.pt of a checkpoint written by save(rank_files=...); None if absent.
-    """
-    path = os.path.join(load_dir, tag, f"{name}_{rank()}.pt")
-    return (
-        torch.load(path, map_location="cpu", weights_only=False) if os.path.exists(path) else None
-    )

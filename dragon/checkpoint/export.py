@@ -14,6 +14,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from dragon.checkpoint.card import write_model_card
 from dragon.parallel.distributed import rank
 from dragon.run.metrics import MetricHistory, metrics_path
 from dragon.model.bdh import BDHConfig, BDHForCausalLM
@@ -134,3 +135,18 @@ def load_model(path: str) -> BDHForCausalLM:
     if is_hf_directory(path):
         return BDHForCausalLM.from_pretrained(path)
     return model_from_checkpoint(path)
+
+
+def complete_export(out_dir: str, tokenizer, config: BDHConfig, save_dir: str, step: int) -> None:
+    """Beside a run's exported weights (rank 0): its tokenizer and its model card."""
+    if hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(out_dir)
+    write_model_card(out_dir, config, save_dir, step, f"the end of its run (step {step})")
+
+
+def print_sample(model_dir: str, tokenizer, prompt: str, max_new_tokens: int) -> None:
+    """A sample of the exported model, printed (top-5 sampling, with the state cache)."""
+    model = BDHForCausalLM.from_pretrained(model_dir).eval()
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=True, top_k=5)
+    print(f"--- sample from {model_dir} ---\n{tokenizer.decode(out[0].tolist())}\n---", flush=True)

@@ -10,14 +10,14 @@ import re
 import shutil
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
 
-import torch
 import torch.distributed as dist
 
 from dragon.parallel.distributed import rank
-from dragon.run.faults import SaveFailed, SaveGuard, fault_rank, fault_steps
+from dragon.checkpoint.writes import GuardedWrites, SaveFailed
 from dragon.run.metrics import MetricHistory
 
 logger = logging.getLogger(__name__)
@@ -31,9 +31,8 @@ CONVERSIONS = ("_universal", "_zero0", "_pipeline")
 # layout (b): accelerate's `checkpoint_<i>` dirs, each a DeepSpeed save_dir of its own.
 TAG_RE = re.compile(r"^(step|global_step)(\d+)$")
 ACCEL_RE = re.compile(r"^(checkpoint_)(\d+)$")
-# Files only DeepSpeed (or dragon.checkpoint.checkpointer.save, which writes its RNG file first)
-# puts in a tag
-# dir.
+# Files only DeepSpeed (or dragon.checkpoint.checkpointer, which writes its RNG file first) puts
+# in a tag dir.
 DS_FILE_RE = re.compile(
     r"^(.*mp_rank_\d+.*\.pt|layer_\d+-.*model_states\.pt|rng_state_\d+\.pt|"
     + re.escape(MARKER)
@@ -249,6 +248,14 @@ def prune(
     return deleted
 
 
+def last_complete(save_dir: str) -> str:
+    """The checkpoint a resume from `save_dir` would take now, or "none" (for messages)."""
+    try:
+        return os.path.join(*find_resume_checkpoint(save_dir))
+    except ValueError:
+        return "none"
+
+
 def find_resume_checkpoint(save_dir: str) -> tuple[str, str]:
     """(load_dir, tag) to resume from: the tag `latest` names if complete, else the newest complete
     one.
@@ -288,6 +295,20 @@ def _is_deleter(engine) -> bool:
     return int(getattr(engine, "local_rank", 0) if node_local else rank()) == 0
 
 
+@contextmanager
+def all_or_nothing(engine, save_dir: str, tag: str) -> Iterator[GuardedWrites]:
+    """The writes of one save, inside: every rank's are written, or SaveFailed on every rank after
+    it, and the tag directory is gone at once (it frees the space) unless `latest` names it."""
+    with GuardedWrites(engine) as writes:
+        yield writes
+    try:
+        writes.agree(f"{tag} in {save_dir}")
+    except SaveFailed:
+        if _is_deleter(engine) and _read_latest(save_dir) != tag:
+            _delete(save_dir, tag)
+        raise
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -323,11 +344,7 @@ def attach_retention(
 ) -> None:
     """Wrap engine.save_checkpoint so that a save is complete only when every rank wrote all of
     it: then the completion marker, `latest` and the prune; else SaveFailed on every rank, and
-    `latest` still names the previous checkpoint.
-
-    The wrapper also takes `rank_files` (name -> object, written as <tag>/<name>_<rank>.pt
-    before DeepSpeed's files).
-    """
+    `latest` still names the previous checkpoint (dragon.checkpoint.writes)."""
     if not isinstance(policy, RetentionPolicy):
         raise ValueError(f"policy must be a RetentionPolicy, got {type(policy).__name__}")
     if isinstance(expected_metrics, str):
@@ -340,9 +357,7 @@ def attach_retention(
     original = getattr(engine, "_dragon_save_checkpoint", None) or engine.save_checkpoint
     first_save = [True]
 
-    def save_checkpoint(
-        save_dir, tag=None, client_state=None, save_latest=True, rank_files=None, **kwargs
-    ):
+    def save_checkpoint(save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
         save_dir = str(save_dir)
         parent, base = os.path.split(os.path.abspath(save_dir))
         accelerate = ACCEL_RE.match(base) is not None  # layout (b): each checkpoint_<i> a save_dir
@@ -367,18 +382,9 @@ def attach_retention(
         if deleter and os.path.exists(os.path.join(tag_dir, MARKER)):
             os.remove(os.path.join(tag_dir, MARKER))  # an overwritten tag is incomplete until done
         _barrier()
-        inject = step in fault_steps("SAVE_STEP") and rank() == fault_rank()
-        with SaveGuard(engine, inject) as guard:
-            guard.run(os.makedirs, tag_dir, 0o777, True)
-            for name, obj in (rank_files or {}).items():
-                guard.run(torch.save, obj, os.path.join(tag_dir, f"{name}_{rank()}.pt"))
+        with all_or_nothing(engine, save_dir, tag) as writes:
+            writes.run(os.makedirs, tag_dir, 0o777, True)
             result = original(save_dir, tag, client_state, False, **kwargs)
-        try:
-            guard.agree(f"{tag} in {save_dir}")  # every rank's files are written, or all raise
-        except SaveFailed:
-            if deleter and _read_latest(save_dir) != tag:
-                _delete(save_dir, tag)  # never resumed from; gone at once frees the space
-            raise
         history = _history_everywhere(hist_file)
         try:
             if deleter:

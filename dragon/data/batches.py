@@ -109,6 +109,10 @@ class TrainBatches:
             )
         self.epoch, self.micro_step, self.seed = epoch, micro_step, int(state["seed"])
 
+    def resume_elsewhere(self, saved) -> None:
+        """A checkpoint of another layout: stand where this rank reads after the saved step."""
+        self.seek(saved.step)
+
     def seek(self, step: int) -> None:
         """Stand where this stream is after `step` optimizer steps from its start."""
         self.epoch, self.micro_step = divmod(step * self.grad_accum, self.micro_steps_per_epoch)

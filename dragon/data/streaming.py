@@ -197,6 +197,11 @@ class StreamingBatches:
         self._state = dict(state)
         self.epoch, self.micro_step = state["epoch"], state["micro_step"]
 
+    def resume_elsewhere(self, saved) -> None:
+        """A checkpoint without this rank's position (another layout's): read on from the saved
+        step's place in the global stream."""
+        self.seek(saved.step)
+
     def seek(self, step: int) -> None:
         """Stand where this rank's stream is after `step` optimizer steps from its start (of any
         launch layout: the global order does not depend on it), by reading up to there."""

@@ -12,7 +12,6 @@ from a checkpoint) needs a fresh store; islands that die and --diloco_join keep 
 
 import argparse
 import signal
-import sys
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -32,14 +31,13 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True, help="port to listen on")
     args = parser.parse_args()
     if not 0 < args.port < 65536:
-        sys.exit(f"error: --port {args.port}: must be in 1-65535")
+        parser.error(f"--port {args.port}: must be in 1-65535")
+    # Serve until SIGTERM or SIGINT, blocked in every thread (the store's too) and waited for here.
+    stops = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stops)
     store = serve(args.host, args.port)
     print(f"dragon island store listening on {args.host}:{args.port}", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    try:
-        signal.pause()
-    except KeyboardInterrupt:
-        pass
+    signal.sigwait(stops)
     del store
 
 

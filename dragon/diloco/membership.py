@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from dragon.diloco.exchange import Round
-from dragon.run.faults import exit_in_outer_step
+from dragon.errors import IslandLost, JoinRefused
 from dragon.parallel.topology import Topology
 
 logger = logging.getLogger("dragon")
@@ -80,13 +80,13 @@ class Membership:
         if t.island not in members:
             if joining and attempt == 0:
                 return None
-            raise SystemExit(
-                f"error: island {t.island} reached outer step {outer_step} after its quorum "
+            raise IslandLost(
+                f"island {t.island} reached outer step {outer_step} after its quorum "
                 f"(islands {members}) had formed; it is out of the run"
             )
         if len(members) < self.min_islands:
-            raise SystemExit(
-                f"error: outer step {outer_step}: {len(members)} island(s) {members} reached it, "
+            raise IslandLost(
+                f"outer step {outer_step}: {len(members)} island(s) {members} reached it, "
                 f"fewer than --diloco_min_islands {self.min_islands}"
             )
         joiners = [i for i in members if self.store.check([f"{key}/joining/{i}"])]
@@ -130,11 +130,11 @@ class Membership:
         while not self.store.check([key]):
             if self.store.check([f"{_PREFIX}/ended"]):
                 step = self.store.get(f"{_PREFIX}/ended").decode()
-                raise SystemExit(f"error: --diloco_join: the live islands ended the run at step "
+                raise JoinRefused(f"--diloco_join: the live islands ended the run at step "
                                  f"{step}; no outer step is left to join (to train on, resume "
                                  "every island with a larger --max_steps)")
             if time.monotonic() > deadline:
-                raise SystemExit(f"error: --diloco_join: no outer step of the live islands "
+                raise JoinRefused(f"--diloco_join: no outer step of the live islands "
                                  f"within {self.timeout.total_seconds():.0f} s")
             time.sleep(0.05)
 
@@ -165,7 +165,7 @@ class Membership:
         wrong = [f"{k} {v} (theirs {theirs.get(k)})" for k, v in shape.items()
                  if v != theirs.get(k)]
         if wrong:
-            raise SystemExit(f"error: --diloco_join: this island's {', '.join(wrong)}; join with "
+            raise JoinRefused(f"--diloco_join: this island's {', '.join(wrong)}; join with "
                              "the live islands' model and --diloco_inner_steps")
         return outer_step
 
@@ -185,7 +185,6 @@ def elastic_round(outer, delta: torch.Tensor, own, step: int, final: bool, joini
             )
         try:
             late = late_average(outer, group, members) if outer.mode == "delayed" else None
-            exit_in_outer_step(outer.topology.island, outer.outer_step)  # test-only
             contributors = len(members) - len(joiners)
             exchange = outer.exchange(delta.clone(), group, len(members), contributors)
             gradient = None

@@ -53,21 +53,46 @@ step from the survivors' kept Deltas, so the late average is the survivors' aver
 import logging
 import math
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from dragon.run.args import DiLoCoArguments
 from dragon.parallel.distributed import all_reduce_values
 from dragon.diloco.exchange import Exchange, Round, flatten
 from dragon.diloco.master_weights import MasterWeights
 from dragon.diloco.membership import Membership, elastic_round
+from dragon.diloco.relayout import STATE_FILE, diloco_state_for
+from dragon.errors import IslandLost
 from dragon.parallel.topology import Topology
 
 logger = logging.getLogger("dragon")
 
-STATE_FILE = "diloco_state"  # <tag dir>/diloco_state_<rank>.pt, written with the RNG file
+
+@dataclass
+class DiLoCoConfig:
+    """What the outer loop needs to know (dragon.run.args.DiLoCoArguments.config() builds it)."""
+
+    inner_steps: int  # H
+    mode: str = "sync"  # or "delayed"
+    compress: str = "none"  # the pseudo-gradient on the wire: none (fp32), bf16, int8
+    int8_block: int = 1024  # values per int8 scale (0: one per tensor)
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    outer_on_cpu: bool = False
+    checksum: bool = False  # log a fingerprint of the weights after every outer step
+    elastic: bool = False  # islands may die and join (dragon.diloco.membership)
+    quorum_timeout: float = 60.0
+    min_islands: int = 1
+    join: bool = False  # this island joins live ones
+
+    def outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        """torch SGD with the outer lr and momentum (Nesterov unless momentum is 0)."""
+        momentum = self.outer_momentum
+        return torch.optim.SGD(params, lr=self.outer_lr, momentum=momentum,
+                               nesterov=self.nesterov and momentum > 0)
 
 
 class DiLoCo:
@@ -80,26 +105,26 @@ class DiLoCo:
     def __init__(
         self,
         weights,
-        args: DiLoCoArguments,
+        config: DiLoCoConfig,
         topology: Topology,
         outer_optimizer: Optional[Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = None,
     ):
-        self.weights, self.args, self.topology = weights, args, topology
-        self.H, self.mode = args.diloco_inner_steps, args.diloco_mode
+        self.weights, self.config, self.topology = weights, config, topology
+        self.H, self.mode = config.inner_steps, config.mode
         self.islands, self.group = topology.islands, topology.cross_group
         masters = weights.tensors()
         self.numels = [t.numel() for t in masters]
-        self.device = torch.device("cpu") if args.diloco_outer_on_cpu else masters[0].device
+        self.device = torch.device("cpu") if config.outer_on_cpu else masters[0].device
         self.membership = None
-        if args.diloco_elastic:
+        if config.elastic:
             self.membership = Membership(
-                topology, args.diloco_quorum_timeout, args.diloco_min_islands, topology.timeout_s
+                topology, config.quorum_timeout, config.min_islands, topology.timeout_s
             )
-            if not args.diloco_join:  # the islands that start together meet at outer step 0
+            if not config.join:  # the islands that start together meet at outer step 0
                 self.group = self.membership.quorum(0, 0)[1]
         self._adopt_island0_weights()
         self.outer_params = [m.detach().to(self.device, torch.float32, copy=True) for m in masters]
-        self._make_optimizer = outer_optimizer or args.outer_optimizer
+        self._make_optimizer = outer_optimizer or config.outer_optimizer
         self.optimizer = self._make_optimizer(self.outer_params)
         # delayed: this island's pseudo-gradient in flight, and the exchange carrying it
         self.previous = torch.zeros(sum(self.numels)) if self.mode == "delayed" else None
@@ -109,9 +134,13 @@ class DiLoCo:
         self.outer_step = 0
 
     @classmethod
-    def from_engine(cls, engine, args: DiLoCoArguments, topology: Topology, outer_optimizer=None):
-        """The outer loop for a DeepSpeed engine; None when DiLoCo is off."""
-        return cls(MasterWeights(engine), args, topology, outer_optimizer) if args.enabled else None
+    def from_engine(
+        cls, engine, config: Optional[DiLoCoConfig], topology: Topology, outer_optimizer=None
+    ) -> Optional["DiLoCo"]:
+        """The outer loop for a DeepSpeed engine; None when DiLoCo is off (no config)."""
+        if config is None:
+            return None
+        return cls(MasterWeights(engine), config, topology, outer_optimizer)
 
     def is_boundary(self, step: int, final: bool = False) -> bool:
         return step % self.H == 0 or final
@@ -126,7 +155,7 @@ class DiLoCo:
         try:
             return self._outer_step(step, final)
         except RuntimeError as e:  # gloo: an island's connection closed, or the timeout passed
-            raise SystemExit(self.topology.lost(step, e)) from None
+            raise IslandLost(self.topology.lost(step, e)) from None
 
     def _outer_step(self, step: int, final: bool, joining: Optional[tuple] = None) -> dict:
         start = time.perf_counter()
@@ -173,19 +202,19 @@ class DiLoCo:
         sums = [exchange.error_sq, exchange.norm_sq]
         norm_sq = self._norm_sq(applied[-1].result()) if applied else 0.0
         sums.append(norm_sq)
-        if self.args.diloco_checksum:
+        if self.config.checksum:
             sums += self.weights.fingerprint() + self._outer_fingerprint()
         sums = all_reduce_values(sums, dist.ReduceOp.SUM)
         bytes_max = all_reduce_values([float(exchange.bytes_sent)], dist.ReduceOp.MAX)[0]
         metrics.update(outer_bytes_sent=int(bytes_max), outer_payload_bytes=exchange.payload_bytes)
-        if self.args.diloco_compress != "none":
+        if self.config.compress != "none":
             metrics["outer_compress_error"] = math.sqrt(sums[0] / sums[1]) if sums[1] > 0 else 0.0
         if applied:
             metrics["outer_grad_norm"] = math.sqrt(sums[2])
             metrics["outer_comm_seconds"] = sum(e.seconds for e in applied)
             if self.mode == "delayed":
                 metrics["outer_comm_hidden_seconds"] = sum(e.hidden_seconds for e in applied)
-        if self.args.diloco_checksum:
+        if self.config.checksum:
             metrics.update(
                 weights_sum=sums[3], weights_sumsq=sums[4], outer_sum=sums[5], outer_sumsq=sums[6]
             )
@@ -201,8 +230,8 @@ class DiLoCo:
             delta,
             group,
             islands,
-            self.args.diloco_compress,
-            self.args.diloco_int8_block,
+            self.config.compress,
+            self.config.int8_block,
             self.numels,
             measure_bytes=self.mode == "sync",
             contributors=contributors,
@@ -318,6 +347,28 @@ class DiLoCo:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """This rank's state as it saved it; every island must resume the same outer step."""
+        self.check_same_step(state["outer_step"], "outer steps")
+        self._load(state)
+
+    def resume_elsewhere(self, saved) -> None:
+        """Resume from a checkpoint that holds no state of this rank as it is now
+        (dragon.checkpoint.checkpointer.Saved): one saved on another partition of the weights
+        (laid out again for this one), island 0's (a new island: no share of its own in the
+        average in flight), or one of a run without DiLoCo (the outer loop starts afresh)."""
+        self.check_same_step(saved.step)
+        if saved.relaid:
+            state = diloco_state_for(saved.tag_dir, self.weights.segments(), self.numels)
+        else:
+            state = saved.rank_file(STATE_FILE)
+        if state is None:
+            self.restart()
+            return
+        self._load(state)
+        if saved.borrowed:
+            self.forget_own_share()
+
+    def _load(self, state: dict) -> None:
         if state["numels"] != self.numels or state["mode"] != self.mode:
             raise ValueError(
                 f"DiLoCo state for mode {state['mode']} and {len(state['numels'])} tensors "
@@ -356,15 +407,15 @@ class DiLoCo:
         self.optimizer = self._make_optimizer(self.outer_params)
         self.pending, self.outer_step = None, 0
 
-    def check_same_step(self, step: int) -> None:
-        """Raise unless every island resumed at the same step."""
+    def check_same_step(self, step: int, what: str = "steps") -> None:
+        """Raise unless every island resumed at the same step (a collective across islands)."""
         if self.group is None:
             return
         t = torch.tensor([step, -step], dtype=torch.float64)
         self.group.allreduce([t], dist.ReduceOp.MAX).wait()
         if t[0] != -t[1]:
             raise RuntimeError(
-                f"islands resumed from different steps ({int(-t[1])} to {int(t[0])}); "
+                f"islands resumed from different {what} ({int(-t[1])} to {int(t[0])}); "
                 "resume every island from the same checkpoint step"
             )
 

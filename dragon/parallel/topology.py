@@ -71,14 +71,14 @@ class Topology:
             return [0]
 
     def lost(self, step: int, error: Exception) -> str:
-        """The one-line error when a cross-island collective of the outer step after `step` fails:
+        """The one-line reason when a cross-island collective of the outer step after `step` fails:
         which islands are missing, and what gloo said."""
         missing = ", ".join(map(str, self.missing(step)))
         # gloo's "[file:line] Read error [host]:port: Connection reset by peer. This is ..."
         cause = re.sub(r"^\[[^\]]*\] ", "", str(error).splitlines()[0] if str(error) else "")
         cause = cause.split(". ")[0][:160] or type(error).__name__
         return (
-            f"error: step {step}: island {missing} did not reach this outer step ({cause}); "
+            f"step {step}: island {missing} did not reach this outer step ({cause}); "
             "restart every island with --resume_from_checkpoint latest"
         )
 

@@ -6,7 +6,6 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
 from transformers import SchedulerType
 
 from dragon.run.faults import NAN_POLICIES, SAVE_FAILURES
@@ -14,6 +13,7 @@ from dragon.run.metrics import RECORDED_METRICS
 from dragon.model.attention import DEFAULT_CHUNK_SIZE
 from dragon.model.bdh import BDHConfig
 from dragon.checkpoint.retention import RetentionPolicy
+from dragon.diloco.outer import DiLoCoConfig
 from dragon.parallel.topology import island_size
 
 
@@ -373,14 +373,18 @@ class DiLoCoArguments:
             return resume
         return os.path.join(save_dir, os.path.basename(os.path.normpath(resume)))
 
-    def outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
-        """torch SGD with the outer lr and momentum (Nesterov unless momentum is 0)."""
-        momentum = self.diloco_outer_momentum
-        return torch.optim.SGD(
-            params,
-            lr=self.diloco_outer_lr,
-            momentum=momentum,
-            nesterov=self.diloco_nesterov and momentum > 0,
+    def config(self) -> Optional[DiLoCoConfig]:
+        """The outer loop's own config; None when DiLoCo is off."""
+        if not self.enabled:
+            return None
+        return DiLoCoConfig(
+            inner_steps=self.diloco_inner_steps, mode=self.diloco_mode,
+            compress=self.diloco_compress, int8_block=self.diloco_int8_block,
+            outer_lr=self.diloco_outer_lr, outer_momentum=self.diloco_outer_momentum,
+            nesterov=self.diloco_nesterov, outer_on_cpu=self.diloco_outer_on_cpu,
+            checksum=self.diloco_checksum, elastic=self.diloco_elastic,
+            quorum_timeout=self.diloco_quorum_timeout, min_islands=self.diloco_min_islands,
+            join=self.diloco_join,
         )
 
 

@@ -55,9 +55,17 @@ class CarriedState:
     """This rank's carried states: one cache per micro-batch slot, each for `n_layer` layers (the
     stage's layers in a pipeline)."""
 
-    def __init__(self, slots: int, n_layer: int, steps_per_epoch: int, reset_steps: int = 0):
+    def __init__(
+        self,
+        slots: int,
+        n_layer: int,
+        steps_per_epoch: int,
+        reset_steps: int = 0,
+        device: torch.device = torch.device("cpu"),
+    ):
         self.caches = [BDHCache(n_layer) for _ in range(slots)]
         self.steps_per_epoch, self.reset_steps = steps_per_epoch, reset_steps
+        self.device = device
 
     def begin_step(self, step: int) -> None:
         """Before step `step` (0-based): zero the states at an epoch wrap and every reset_steps."""
@@ -76,12 +84,19 @@ class CarriedState:
             "positions": [cache.position for cache in self.caches],
         }
 
-    def load_state_dict(self, state: dict, device: torch.device) -> None:
+    def resume_elsewhere(self, saved) -> None:
+        """Another island's or layout's checkpoint: its states where it saved this rank's rows
+        on the same partition of the model, else zero states."""
+        state = None if saved.relaid else saved.rank_file(STATE_FILE)
+        if state is not None:
+            self.load_state_dict(state)
+
+    def load_state_dict(self, state: dict) -> None:
         if len(state["states"]) != len(self.caches):
             raise ValueError(
                 f"the checkpoint carries {len(state['states'])} micro-batch slots of state, this "
                 f"run has {len(self.caches)}; resume with the same batch layout"
             )
         for cache, states, position in zip(self.caches, state["states"], state["positions"]):
-            cache.states = [None if s is None else s.to(device) for s in states]
+            cache.states = [None if s is None else s.to(self.device) for s in states]
             cache.position = int(position)

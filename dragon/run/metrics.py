@@ -216,12 +216,23 @@ class Throughput:
         return {"tokens_per_second": tps, "mfu": tps * self.flops_per_token / self.peak}
 
 
-def grad_norm_before_step(engine) -> Optional[float]:
-    """The global gradient norm where DeepSpeed does not record one (ZeRO-0 in fp32).
+def step_and_grad_norm(engine) -> Optional[float]:
+    """engine.step(), returning the global gradient norm before clipping at the accumulation
+    boundary (None before it).
 
-    Call after the last backward of a step and before engine.step(): the gradients are then
-    averaged over ranks and whole on every rank. Elsewhere get_global_grad_norm() has it.
-    """
+    DeepSpeed records the norm itself (get_global_grad_norm) except where it steps the torch
+    optimizer as it is (ZeRO-0 in fp32): there the norm is measured before the step, when the
+    gradients are averaged over ranks and whole on every rank."""
+    boundary = engine.is_gradient_accumulation_boundary()
+    measured = _unrecorded_grad_norm(engine) if boundary else None
+    engine.step()
+    if not boundary:
+        return None
+    recorded = engine.get_global_grad_norm()
+    return measured if recorded is None else float(recorded)
+
+
+def _unrecorded_grad_norm(engine) -> Optional[float]:
     if engine.zero_optimization_stage() > 0 or engine.bfloat16_enabled() or engine.fp16_enabled():
         return None
     grads = [p.grad for p in engine.module.parameters() if p.grad is not None]

@@ -3,15 +3,16 @@ the data, the model's sizes and attention form, the pipeline's shape and the res
 input exits with one line naming it; what was built for the checks is returned for the run."""
 
 import os
-import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
 from transformers import HfArgumentParser
 
+from dragon.errors import InputRefused, PlanShown
 from dragon.run.args import DiLoCoArguments, ModelArguments, PipelineArguments, TrainingArguments
-from dragon.checkpoint.checkpointer import resolve_resume
+from dragon.checkpoint.checkpointer import ResumeTarget, resolve_resume
 from dragon.checkpoint.retention import list_checkpoints
 from dragon.data.batches import TrainBatches, eval_batches
 from dragon.run.carry import check_state_fits
@@ -20,10 +21,11 @@ from dragon.data.streaming import build_streams, check_stream
 
 from dragon.parallel.distributed import launcher_world_size
 from dragon.parallel.ds_config import load_ds_config, resolve_ds_config, zero_stage
-from dragon.model.bdh import BDHConfig
+from dragon.model.bdh import BDHConfig, BDHForCausalLM
 from dragon.run.memory import mark_baseline
 from dragon.run.plan import plan_lines
-from dragon.checkpoint.reshape import (Layout, check_diloco_state, regroup_message, reshape_message,
+from dragon.diloco.relayout import check_diloco_state
+from dragon.checkpoint.reshape import (Layout, regroup_message, reshape_message,
                             saved_islands, saved_layout)
 from dragon.parallel.topology import pipeline_data_parallel
 
@@ -46,6 +48,14 @@ class RecipeInputs:
     # island -> (the line of a resume by another number of islands, whether it is a new island)
     regrouped: dict[int, tuple[str, bool]] = field(default_factory=dict)
 
+    def resume_target(self, island: int) -> Optional[ResumeTarget]:
+        """What island `island` resumes from (--resume_from_checkpoint), or None."""
+        if island not in self.resume:
+            return None
+        regrouped, new_island = self.regrouped.get(island, (None, False))
+        return ResumeTarget(*self.resume[island], reshaped=self.reshaped.get(island),
+                            regrouped=regrouped, new_island=new_island)
+
     def run_dir(self, island: int) -> str:
         """Where island `island` writes metrics.jsonl and checkpoints/ (<output_dir> without
         DiLoCo).
@@ -56,8 +66,8 @@ class RecipeInputs:
 def preflight(pipeline: bool = False) -> RecipeInputs:
     """Parse the recipe's arguments (PipelineArguments too for the pipeline recipe), check them."""
     if pipeline and os.environ.get("ACCELERATE_USE_DEEPSPEED"):
-        sys.exit(
-            "error: accelerate does not drive DeepSpeed's pipeline engine; launch with "
+        raise InputRefused(
+            "accelerate does not drive DeepSpeed's pipeline engine; launch with "
             "`deepspeed --num_gpus N recipes/pretrain_pipeline.py --pipeline_stages P ...` instead"
         )
     types = (ModelArguments, DataArguments, TrainingArguments, DiLoCoArguments)
@@ -100,7 +110,7 @@ def preflight(pipeline: bool = False) -> RecipeInputs:
         reshaped = _check_reshape(resume, ds_config, dp_world, stages, diloco)
         config = _model_config(model_args, tokenizer.vocab_size)
     except ValueError as e:  # DataError and config errors are ValueErrors with one-line messages
-        sys.exit(f"error: {e}")
+        raise InputRefused(str(e)) from None
     if pipeline:
         _warn_about_the_bubble(ds_config["gradient_accumulation_steps"], pipe_args.pipeline_stages)
     inputs = RecipeInputs(
@@ -109,7 +119,7 @@ def preflight(pipeline: bool = False) -> RecipeInputs:
     )
     if args.dry_run:
         print("\n".join(plan_lines(inputs, config, dp_world)))
-        sys.exit(0)
+        raise PlanShown("--dry_run: the plan above; nothing was trained")
     mark_baseline()  # memory_peak_mib counts from here: the model, engine and training
     return inputs
 
@@ -297,3 +307,14 @@ def _warn_about_the_bubble(micro_batches: int, stages: int) -> None:
             f"{micro_batches} micro-batches (gradient_accumulation_steps) for {stages} stages: "
             f"the pipeline bubble idles {bubble:.0%} of each step; use at least {stages}"
         )
+
+
+def initial_model(inputs: RecipeInputs) -> BDHForCausalLM:
+    """The starting weights, identical on every rank: a save_pretrained directory or a fresh init.
+    """
+    torch.manual_seed(inputs.train.seed)
+    if inputs.model.model_name_or_path:
+        return BDHForCausalLM.from_pretrained(
+            inputs.model.model_name_or_path, dtype=torch.float32, **inputs.model.attention_kwargs()
+        )
+    return BDHForCausalLM(inputs.model.config(inputs.tokenizer.vocab_size))

@@ -25,6 +25,7 @@ import torch
 
 from dragon.run.args import DiLoCoArguments
 from dragon.diloco.outer import DiLoCo
+from dragon.errors import RunStopped
 from dragon.parallel.topology import Topology, enter_island
 
 SHAPES = [(20, 30), (400,)]  # two tensors, 1000 values
@@ -102,7 +103,7 @@ def elastic(island: int, mode: str, topology, options: dict) -> list[dict]:
     args = DiLoCoArguments(diloco_inner_steps=INNER_STEPS, diloco_mode=mode,
                            diloco_outer_momentum=0.3, diloco_quorum_timeout=1, **options)
     weights = Weights(initial_weights())
-    outer, alone, c, record = DiLoCo(weights, args, topology), None, centre(island), []
+    outer, alone, c, record = DiLoCo(weights, args.config(), topology), None, centre(island), []
     for k in range(1, OUTER_STEPS + 1):
         final = k == OUTER_STEPS
         inner_steps(weights, c)
@@ -117,7 +118,8 @@ def elastic(island: int, mode: str, topology, options: dict) -> list[dict]:
             return record
         if k == 1:
             one = DiLoCoArguments(diloco_inner_steps=1, diloco_mode=mode, diloco_outer_momentum=0.3)
-            alone = DiLoCo(Weights([w.clone() for w in weights.tensors()]), one, Topology())
+            alone = DiLoCo(Weights([w.clone() for w in weights.tensors()]), one.config(),
+                           Topology())
             alone.load_state_dict(copy.deepcopy(outer.state_dict()))  # shares no tensor
     outer.close(ended_at=OUTER_STEPS * INNER_STEPS)
     return record
@@ -140,9 +142,9 @@ def elastic_runs(island: int, store: str) -> dict:
         args = DiLoCoArguments(diloco_inner_steps=INNER_STEPS, diloco_mode="delayed",
                                diloco_outer_momentum=0.3, diloco_join=True, **options)
         try:
-            DiLoCo(Weights(initial_weights()), args, topology).join()
-        except SystemExit as e:
-            records["join"] = str(e)
+            DiLoCo(Weights(initial_weights()), args.config(), topology).join()
+        except RunStopped as e:
+            records["join"] = e.exit_status()
     return records
 
 
@@ -174,7 +176,7 @@ def main():
         )
         weights = Weights(initial_weights() if island == 0 else [torch.zeros(s) for s in SHAPES])
         outer = DiLoCo(
-            weights, args, topology
+            weights, args.config(), topology
         )  # island 1 starts from zeros: the broadcast gives it theta_0
         record = []
         step = 0

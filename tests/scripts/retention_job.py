@@ -61,7 +61,7 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 def zero2(out: str) -> dict:
     import deepspeed
 
-    from dragon.checkpoint import checkpointer as checkpoint
+    from dragon.checkpoint.checkpointer import Checkpointer, RNGState
 
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=60))
     torch.manual_seed(0)
@@ -76,9 +76,8 @@ def zero2(out: str) -> dict:
         engine.step()
         if dist.get_rank() == 0:
             history.record(step, {"eval_loss": EVAL_LOSSES[step - 1]})
-        checkpoint.save(
-            engine, out, step, {}
-        )  # the recipes' save: rng file, then engine.save_checkpoint
+        # the recipes' save: rng file, then engine.save_checkpoint
+        Checkpointer(engine, out, per_rank={"rng_state": RNGState(0)}).save(step)
         snapshots[step] = params(engine)
     result = {"after_run": sorted(os.listdir(out))}
     torch.manual_seed(1)  # a fresh engine with other weights must get the saved ones back
@@ -99,7 +98,7 @@ def zero2(out: str) -> dict:
     fresh.step()
     if dist.get_rank() == 0:
         history.record(9, {"eval_loss": 0.5})
-    checkpoint.save(fresh, out, 9, {})
+    Checkpointer(fresh, out, per_rank={"rng_state": RNGState(0)}).save(9)
     result["after_resume"] = sorted(os.listdir(out))
 
     # a metric the run never records fails at the first save, before anything is written
@@ -127,7 +126,7 @@ def zero2(out: str) -> dict:
     for step, loss in [(1, 2.0), (2, 1.0), (3, 3.0)]:
         if dist.get_rank() == 0:
             node_history.record(step, {"eval_loss": loss})
-        checkpoint.save(local, node_dir, step, {})
+        Checkpointer(local, node_dir, per_rank={"rng_state": RNGState(0)}).save(step)
     return result
 
 

@@ -1,0 +1,97 @@
+"""Faults made to happen on purpose, for tests/test_faults.py and tests/test_elastic.py.
+
+A job whose PYTHONPATH starts with tests/faults imports this at every interpreter start (conftest's
+job_env adds it when a test sets a DRAGON_FAULT_* variable); dragon itself carries no fault hook.
+
+- DRAGON_FAULT_NAN_STEPS=3,4 (and DRAGON_FAULT_RANK=r, default 0): rank r's training forwards of
+  those steps (1-based) return NaN.
+- DRAGON_FAULT_SAVE_STEP=8 (and DRAGON_FAULT_RANK): rank r's DeepSpeed checkpoint writes of the
+  step-8 save raise OSError(ENOSPC), as a full disk would.
+- DRAGON_FAULT_EXIT_OUTER_STEP=2 and DRAGON_FAULT_ISLAND=i: island i's processes exit at once
+  (os._exit) in elastic outer step 2, after its quorum formed and before the exchange.
+"""
+
+import errno
+import functools
+import os
+
+
+def _steps(name: str) -> set[int]:
+    value = os.environ.get(f"DRAGON_FAULT_{name}", "")
+    return {int(s) for s in value.split(",") if s.strip()}
+
+
+def _faulty_rank() -> bool:
+    """Whether this process is rank DRAGON_FAULT_RANK of its (island's) world."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    return rank == int(os.environ.get("DRAGON_FAULT_RANK", "0"))
+
+
+def _nan_forwards(steps: set[int]) -> None:
+    """Every engine deepspeed.initialize returns gets a forward hook on its module."""
+    import deepspeed
+    import torch
+
+    initialize = deepspeed.initialize
+
+    @functools.wraps(initialize)
+    def with_nan_hook(*args, **kwargs):
+        result = initialize(*args, **kwargs)
+        engine = result[0]
+
+        def poison(module, inputs, output):
+            if not module.training or engine.global_steps + 1 not in steps:
+                return output
+            if isinstance(output, torch.Tensor):
+                return output * float("nan")
+            output["loss"] = output["loss"] * float("nan")  # a transformers ModelOutput
+            return output
+
+        if _faulty_rank():
+            engine.module.register_forward_hook(poison)
+        return result
+
+    deepspeed.initialize = with_nan_hook
+
+
+def _failing_saves(steps: set[int]) -> None:
+    """DeepSpeed writes every checkpoint file through its TorchCheckpointEngine."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
+        TorchCheckpointEngine,
+    )
+
+    save = TorchCheckpointEngine.save
+
+    def failing_save(self, state_dict, path):
+        tags = {f"step{s}" for s in steps}
+        if _faulty_rank() and tags & set(str(path).split(os.sep)):
+            raise OSError(errno.ENOSPC, "No space left on device (DRAGON_FAULT_SAVE_STEP)")
+        return save(self, state_dict, path)
+
+    TorchCheckpointEngine.save = failing_save
+
+
+def _dying_island(steps: set[int]) -> None:
+    """DiLoCo.exchange starts an outer step's exchange once the quorum has formed."""
+    from dragon.diloco.outer import DiLoCo
+
+    exchange = DiLoCo.exchange
+    island = int(os.environ.get("DRAGON_FAULT_ISLAND", "0"))
+
+    def dying_exchange(self, *args, **kwargs):
+        elastic = self.membership is not None
+        if elastic and self.outer_step in steps and self.topology.island == island:
+            os._exit(1)
+        return exchange(self, *args, **kwargs)
+
+    DiLoCo.exchange = dying_exchange
+
+
+if _steps("NAN_STEPS"):
+    _nan_forwards(_steps("NAN_STEPS"))
+if _steps("SAVE_STEP"):
+    _failing_saves(_steps("SAVE_STEP"))
+if _steps("EXIT_OUTER_STEP"):
+    _dying_island(_steps("EXIT_OUTER_STEP"))
