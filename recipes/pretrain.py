@@ -22,8 +22,8 @@ import deepspeed
 import torch
 
 from dragon.checkpoint.card import write_run_files
-from dragon.checkpoint.checkpointer import Checkpointer, RNGState, tag_for
-from dragon.checkpoint.export import complete_export, export_engine, print_sample
+from dragon.checkpoint.checkpointer import Checkpointer, RNGState
+from dragon.checkpoint.export import export_run, print_sample
 from dragon.checkpoint.retention import attach_retention
 from dragon.checkpoint.writes import SaveFailed
 from dragon.diloco.outer import DiLoCo
@@ -52,17 +52,11 @@ def evaluate(engine, batches, cache: Optional[BDHCache] = None) -> float:
     return all_reduce_mean([sum(losses) / len(losses)])[0]
 
 
-def main():
-    setup_logging()
-    inputs = preflight()
-    args = inputs.train
-    # With DiLoCo each island is a torch.distributed world of its own, entered before DeepSpeed.
-    topology = enter_island(inputs.diloco, args.dist_timeout)
-    init_distributed(args.dist_timeout)
-    model = initial_model(inputs)
-
+def deepspeed_engine(model, inputs):
+    """The model in a DeepSpeed engine, with torch's AdamW and transformers' schedule unless the
+    JSON names its own."""
     optimizer, lr_scheduler = client_optimizer_and_scheduler(
-        model.parameters(), inputs.ds_config, args
+        model.parameters(), inputs.ds_config, inputs.train
     )
     engine, _, _, _ = deepspeed.initialize(
         model=model,
@@ -72,8 +66,20 @@ def main():
         config=inputs.ds_config,
     )
     skip_nonfinite_updates(engine)  # where DeepSpeed steps torch's optimizer as it is (ZeRO-0)
-    if args.torch_compile:
+    if inputs.train.torch_compile:
         engine.compile()
+    return engine
+
+
+def main():
+    setup_logging()
+    inputs = preflight()
+    args = inputs.train
+    # With DiLoCo each island is a torch.distributed world of its own, entered before DeepSpeed.
+    topology = enter_island(inputs.diloco, args.dist_timeout)
+    init_distributed(args.dist_timeout)
+    model = initial_model(inputs)
+    engine = deepspeed_engine(model, inputs)
     run_dir = inputs.run_dir(topology.island)  # <output_dir>, or <output_dir>/island<i>
     save_dir = os.path.join(run_dir, "checkpoints")
     # Optional: after every engine.save_checkpoint, a completion marker once every rank wrote its
@@ -100,6 +106,19 @@ def main():
         write_run_files(save_dir, inputs, model.config, topology.islands, world_size(),
                         run.run_tokens_per_step)
 
+    train(engine, run, data, outer, checkpointer, args)
+    run.close()
+    if outer:
+        outer.close(ended_at=run.step)  # every island is past its last outer step, on theta_outer
+    if topology.island == 0:  # with DiLoCo, island 0 exports for every island
+        final_dir = export_run(engine, inputs, model.config, save_dir, run.step)
+        if rank() == 0 and args.sample_max_new_tokens > 0:
+            print_sample(final_dir, inputs.tokenizer, args.sample_prompt,
+                         args.sample_max_new_tokens)
+
+
+def train(engine, run, data, outer, checkpointer, args) -> None:
+    """The loop: batch, forward, backward, step, outer step, logging, evaluation, save."""
     engine.train()
     while not run.done:
         losses = []
@@ -122,7 +141,7 @@ def main():
         if run.due(args.eval_steps):
             record["eval_loss"] = evaluate(engine, data.valid)
             if data.valid_streams:
-                streams = BDHCache(model.config.n_layer)
+                streams = BDHCache(engine.module.config.n_layer)
                 record["eval_loss_carried"] = evaluate(engine, data.valid_streams, streams)
         run.log(record)
         # With DiLoCo, save_steps is a multiple of H (an outer step); a preemption waits for one.
@@ -133,18 +152,6 @@ def main():
                 run.save_failed(failure)  # trains on with --save_failure continue, else stops
         if verdict.stop:
             run.stop(verdict)
-
-    run.close()
-    if outer:
-        outer.close(ended_at=step)  # every island is past its last outer step, on theta_outer
-    if topology.island == 0:  # with DiLoCo, island 0 exports for every island
-        final_dir = os.path.join(args.output_dir, "final")
-        export_engine(engine, model.config, final_dir, os.path.join(save_dir, tag_for(step)))
-        if rank() == 0:
-            complete_export(final_dir, inputs.tokenizer, model.config, save_dir, step)
-            if args.sample_max_new_tokens > 0:
-                print_sample(final_dir, inputs.tokenizer, args.sample_prompt,
-                             args.sample_max_new_tokens)
 
 
 if __name__ == "__main__":

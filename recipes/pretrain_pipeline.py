@@ -25,8 +25,8 @@ import deepspeed
 import torch
 
 from dragon.checkpoint.card import write_run_files
-from dragon.checkpoint.checkpointer import Checkpointer, RNGState, tag_for
-from dragon.checkpoint.export import complete_export, export_engine, print_sample
+from dragon.checkpoint.checkpointer import Checkpointer, RNGState
+from dragon.checkpoint.export import export_run, print_sample
 from dragon.checkpoint.retention import attach_retention
 from dragon.checkpoint.writes import SaveFailed
 from dragon.diloco.outer import DiLoCo
@@ -60,23 +60,11 @@ def evaluate(engine, batches, cache: Optional[BDHCache] = None) -> float:
     return loss.item()
 
 
-def main():
-    setup_logging()
-    inputs = preflight(pipeline=True)
-    args, pipe_args = inputs.train, inputs.pipeline
-    # With DiLoCo each island is a torch.distributed world of its own, entered before DeepSpeed.
-    topology = enter_island(inputs.diloco, args.dist_timeout)
-    init_distributed(args.dist_timeout)
-    model = initial_model(inputs)
-    pipe = bdh_pipeline(
-        model,
-        pipe_args.pipeline_stages,
-        pipe_args.partition_method,
-        pipe_args.activation_checkpoint_interval,
-    )
-
+def deepspeed_engine(pipe, inputs):
+    """The pipeline in a DeepSpeed engine, with torch's AdamW and transformers' schedule unless
+    the JSON names its own."""
     optimizer, lr_scheduler = client_optimizer_and_scheduler(
-        pipe.parameters(), inputs.ds_config, args
+        pipe.parameters(), inputs.ds_config, inputs.train
     )
     engine, _, _, _ = deepspeed.initialize(
         model=pipe,
@@ -86,8 +74,22 @@ def main():
         config=inputs.ds_config,
     )
     skip_nonfinite_updates(engine)  # where DeepSpeed steps torch's optimizer as it is (ZeRO-0)
-    if args.torch_compile:
+    if inputs.train.torch_compile:
         engine.compile()  # each stage's layers, in place
+    return engine
+
+
+def main():
+    setup_logging()
+    inputs = preflight(pipeline=True)
+    args, pipe_args = inputs.train, inputs.pipeline
+    # With DiLoCo each island is a torch.distributed world of its own, entered before DeepSpeed.
+    topology = enter_island(inputs.diloco, args.dist_timeout)
+    init_distributed(args.dist_timeout)
+    model = initial_model(inputs)
+    pipe = bdh_pipeline(model, pipe_args.pipeline_stages, pipe_args.partition_method,
+                        pipe_args.activation_checkpoint_interval)
+    engine = deepspeed_engine(pipe, inputs)
     run_dir = inputs.run_dir(topology.island)  # <output_dir>, or <output_dir>/island<i>
     save_dir = os.path.join(run_dir, "checkpoints")
     # Optional: after every engine.save_checkpoint, a completion marker once every rank wrote its
@@ -116,6 +118,19 @@ def main():
         write_run_files(save_dir, inputs, model.config, topology.islands, dp_world,
                         run.run_tokens_per_step)
 
+    train(engine, pipe, run, data, outer, checkpointer, args)
+    run.close()
+    if outer:
+        outer.close(ended_at=run.step)  # every island is past its last outer step, on theta_outer
+    if topology.island == 0:  # with DiLoCo, island 0 exports for every island
+        final_dir = export_run(engine, inputs, model.config, save_dir, run.step)
+        if rank() == 0 and args.sample_max_new_tokens > 0:
+            print_sample(final_dir, inputs.tokenizer, args.sample_prompt,
+                         args.sample_max_new_tokens)
+
+
+def train(engine, pipe, run, data, outer, checkpointer, args) -> None:
+    """The loop: batch, forward-backward-step, outer step, logging, evaluation, save."""
     train_data = pairs(data.train)
     while not run.done:
         # With --carry_state micro-batch m's rows continue the state in run.step_caches()[m].
@@ -145,19 +160,6 @@ def main():
                 run.save_failed(failure)  # trains on with --save_failure continue, else stops
         if verdict.stop:
             run.stop(verdict)
-
-    run.close()
-    if outer:
-        outer.close(ended_at=step)  # every island is past its last outer step, on theta_outer
-    if topology.island == 0:  # with DiLoCo, island 0 exports for every island
-        final_dir = os.path.join(args.output_dir, "final")
-        # every stage's weights, read back from the checkpoint of the last step
-        export_engine(engine, model.config, final_dir, os.path.join(save_dir, tag_for(step)))
-        if rank() == 0:
-            complete_export(final_dir, inputs.tokenizer, model.config, save_dir, step)
-            if args.sample_max_new_tokens > 0:
-                print_sample(final_dir, inputs.tokenizer, args.sample_prompt,
-                             args.sample_max_new_tokens)
 
 
 if __name__ == "__main__":

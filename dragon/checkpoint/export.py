@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dragon.checkpoint.card import write_model_card
+from dragon.checkpoint.checkpointer import tag_for
 from dragon.parallel.distributed import rank
 from dragon.run.metrics import MetricHistory, metrics_path
 from dragon.model.bdh import BDHConfig, BDHForCausalLM
@@ -150,3 +151,14 @@ def print_sample(model_dir: str, tokenizer, prompt: str, max_new_tokens: int) ->
     ids = torch.tensor([tokenizer.encode(prompt)])
     out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=True, top_k=5)
     print(f"--- sample from {model_dir} ---\n{tokenizer.decode(out[0].tolist())}\n---", flush=True)
+
+
+def export_run(engine, inputs, config: BDHConfig, save_dir: str, step: int) -> str:
+    """<output_dir>/final at the end of a run: its weights (every rank calls; a pipeline's are read
+    back from the checkpoint of the last step), tokenizer and model card; returns the directory
+    (inputs: dragon.run.preflight.RecipeInputs)."""
+    final_dir = os.path.join(inputs.train.output_dir, "final")
+    export_engine(engine, config, final_dir, os.path.join(save_dir, tag_for(step)))
+    if rank() == 0:
+        complete_export(final_dir, inputs.tokenizer, config, save_dir, step)
+    return final_dir
