@@ -36,7 +36,8 @@ from dragon.run.faults import skip_nonfinite_updates
 from dragon.run.loop import TrainingRun
 from dragon.run.metrics import RECORDED_METRICS, metrics_path, setup_logging, step_and_grad_norm
 from dragon.run.optim import client_optimizer_and_scheduler
-from dragon.run.preflight import initial_model, preflight
+from dragon.run.inputs import initial_model
+from dragon.run.preflight import preflight
 
 
 @torch.no_grad()

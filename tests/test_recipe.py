@@ -3,6 +3,7 @@
 import json
 import math
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -12,7 +13,9 @@ from conftest import (
     STEPS,
     TINY,
     bad_input_base,
+    job_env,
     launch,
+    launch_command,
     losses,
     read_jsonl,
     run_recipe_in_process,
@@ -123,6 +126,27 @@ def test_main_job_on_builtin_corpus(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "--- sample from" in proc.stdout and "import " in proc.stdout
     assert len(read_jsonl(out / "metrics.jsonl")) == 3
+
+
+def test_a_copied_recipe_runs_from_anywhere(runs, text_file, tmp_path):
+    """recipes/pretrain.py copied alone into an empty directory and run from there, with the
+    installed dragon and no checkout on the path: the recipe in place's losses, bit for bit."""
+    project = tmp_path / "my_project"
+    project.mkdir()
+    shutil.copy(REPO / "recipes" / "pretrain.py", project / "train.py")
+    out = tmp_path / "copied"
+    args = ["--deepspeed", str(REPO / "ds_configs" / "zero2.json"), "--output_dir", str(out),
+            "--train_file", str(text_file), "--max_steps", str(STEPS),
+            "--per_device_train_batch_size", "4", *TINY]
+    command = launch_command("torchrun", 2, str(project / "train.py"), args)
+    env = job_env()
+    del env["PYTHONPATH"]  # dragon as pip installed it
+    proc = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _, reference, _ = runs("zero2")
+    assert losses(read_jsonl(out / "metrics.jsonl")) == losses(reference)
+    assert (out / "final" / "model.safetensors").exists()
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ or was saved by another layout (dragon.checkpoint.reshape) or by another island,
 whole checkpoint instead through its `resume_elsewhere(saved)`, when it has one.
 """
 
+import logging
 import os
 import random
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from dragon.checkpoint.writes import SaveFailed
 from dragon.errors import TrainingFailed
 from dragon.parallel.distributed import all_reduce_values, rank
 
+logger = logging.getLogger("dragon")
 RNG_STATE = "rng_state"  # <tag>/rng_state_<rank>.pt
 
 
@@ -151,6 +153,9 @@ class Checkpointer:
     def resume(self, target: ResumeTarget) -> int:
         """Load the engine (weights, optimizer, LR schedule) and every piece from `target`;
         returns the step it was saved at."""
+        for line in (target.reshaped, target.regrouped):  # a resume on another layout says so
+            if line and rank() == 0:
+                logger.info(line)
         load_tag = target.tag
         if target.reshaped:  # through the form of the checkpoint that this layout loads
             load_tag = converted_tag(target.load_dir, target.tag, *_loadable_form(self.engine))

@@ -363,20 +363,12 @@ def attach_retention(
         accelerate = ACCEL_RE.match(base) is not None  # layout (b): each checkpoint_<i> a save_dir
         root = parent if accelerate else save_dir
         hist_file = history_path or default_history_path(root)
-        metric = policy.metric_for_best_model
-        if first_save[0] and metric is not None and metric not in expected:  # same on every rank
-            if not any(metric in record for record in _history_everywhere(hist_file).values()):
-                raise ValueError(
-                    f"metric_for_best_model={metric!r} is never recorded "
-                    f"(expected metrics {sorted(expected)}, history {hist_file})"
-                )
+        if first_save[0]:  # the same on every rank
+            _check_metric_recorded(policy.metric_for_best_model, expected, hist_file)
         first_save[0] = False
         client_state = {} if client_state is None else client_state
         tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"  # DeepSpeed's
-        match = None if accelerate else TAG_RE.match(tag)
-        step = client_state.get("step") if isinstance(client_state, dict) else None
-        step = int(match.group(2)) if match else step if isinstance(step, int) else None
-        step = int(engine.global_steps) if step is None else step
+        step = _step_of(engine, None if accelerate else tag, client_state)
         tag_dir = os.path.join(save_dir, tag)
         deleter = _is_deleter(engine)
         if deleter and os.path.exists(os.path.join(tag_dir, MARKER)):
@@ -399,3 +391,24 @@ def attach_retention(
 
     engine._dragon_save_checkpoint = original
     engine.save_checkpoint = save_checkpoint  # an instance attribute: recipes and accelerate use it
+
+
+def _check_metric_recorded(metric: Optional[str], expected: set, hist_file: str) -> None:
+    """Raise when the metric that picks the best checkpoint is neither expected nor in the
+    history."""
+    if metric is None or metric in expected:
+        return
+    if not any(metric in record for record in _history_everywhere(hist_file).values()):
+        raise ValueError(
+            f"metric_for_best_model={metric!r} is never recorded "
+            f"(expected metrics {sorted(expected)}, history {hist_file})"
+        )
+
+
+def _step_of(engine, tag: Optional[str], client_state) -> int:
+    """The step a save records: its tag's (step<N>, global_step<N>), else the client state's
+    "step", else the engine's global step."""
+    match = None if tag is None else TAG_RE.match(tag)
+    step = client_state.get("step") if isinstance(client_state, dict) else None
+    step = int(match.group(2)) if match else step if isinstance(step, int) else None
+    return int(engine.global_steps) if step is None else step

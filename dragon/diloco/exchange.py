@@ -2,9 +2,10 @@
 an all-gather of int8 codes with absmax scales; asynchronous, with the bytes it sends (measured or
 modelled) and its times recorded."""
 
+import io
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -188,3 +189,18 @@ class Round:
     gradient: Optional[torch.Tensor] = None  # delayed or shared by a live island
     contributors: Optional[int] = None  # what the exchange divides by (default: every island)
     step: int = 0  # the step shared with a joiner
+
+
+def broadcast_object(value: Any, group, root: int) -> Any:
+    """`value` of member `root`, on every member of a gloo group (torch.save's format)."""
+    size = torch.zeros(1, dtype=torch.int64)
+    if value is not None:
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        size[0] = payload.numel()
+    group.broadcast(size, root).wait()
+    if value is None:
+        payload = torch.empty(int(size[0]), dtype=torch.uint8)
+    group.broadcast(payload, root).wait()
+    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)

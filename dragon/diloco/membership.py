@@ -22,14 +22,12 @@ redone at the next outer step among its members, from the pseudo-gradients each 
 the members that contributed to it: the late average is then the survivors' average.
 """
 
-import io
 import json
 import logging
 import time
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-import torch
 import torch.distributed as dist
 
 from dragon.diloco.exchange import Round
@@ -97,6 +95,26 @@ class Membership:
         store = dist.PrefixStore(f"{key}/rank{t.island_rank}", self.store)
         group = dist.ProcessGroupGloo(store, members.index(t.island), len(members), self.timeout)
         return members, group, joiners
+
+    def run_round(self, outer_step: int, attempt: Callable[[list[int], Any, list[int]], Round],
+                  joining: Optional[tuple] = None, final: bool = False) -> Round:
+        """attempt(members, their gloo group, the joining members) among the quorum of
+        `outer_step` (`joining`: the quorum a joiner was let into). When an island is lost
+        during it, the step's quorum forms again without it and the whole attempt is retried
+        (nothing is applied before one succeeds)."""
+        for retry in range(self.topology.islands):
+            if joining is not None and retry == 0:
+                members, group, joiners = joining
+            else:
+                members, group, joiners = self.quorum(outer_step, retry, joining is not None, final)
+            try:
+                return attempt(members, group, joiners)
+            except RuntimeError as e:  # gloo: a member's connection closed, or the timeout
+                logger.warning(
+                    f"outer step {outer_step}: the exchange among islands {members} failed "
+                    f"({str(e).splitlines()[0][:160]}); retrying without the lost island"
+                )
+        raise RuntimeError(f"outer step {outer_step}: no exchange succeeded")
 
     def _report(self, outer_step: int, members: list[int], joiners: list[int]) -> None:
         if self.topology.island_rank != 0:
@@ -168,97 +186,3 @@ class Membership:
             raise JoinRefused(f"--diloco_join: this island's {', '.join(wrong)}; join with "
                              "the live islands' model and --diloco_inner_steps")
         return outer_step
-
-
-def elastic_round(outer, delta: torch.Tensor, own, step: int, final: bool, joining=None):
-    """DiLoCo `outer`'s exchange among this outer step's quorum (`joining`: the quorum a joiner
-    was let into); delayed, also the late average and the eager gradient. Joiners take the
-    shared state. When an island is lost during any of it, the step's quorum forms again without
-    it and the whole round is retried (nothing is applied before one succeeds). Returns a
-    dragon.diloco.exchange.Round."""
-    for attempt in range(outer.islands):
-        if joining is not None and attempt == 0:
-            members, group, joiners = joining
-        else:
-            members, group, joiners = outer.membership.quorum(
-                outer.outer_step, attempt, joining is not None, final
-            )
-        try:
-            late = late_average(outer, group, members) if outer.mode == "delayed" else None
-            contributors = len(members) - len(joiners)
-            exchange = outer.exchange(delta.clone(), group, len(members), contributors)
-            gradient = None
-            if outer.mode == "delayed":
-                gradient = outer.eager_gradient(own, late, exchange, final, contributors)
-            if joiners:
-                step, gradient = share_state(outer, group, members, joiners, step, gradient)
-            outer.membership.publish(outer.outer_step, step, outer.shape())
-            outer.group = group
-            return Round(exchange, late, gradient, contributors, step)
-        except RuntimeError as e:  # gloo: a member's connection closed, or the timeout
-            logger.warning(
-                f"outer step {outer.outer_step}: the exchange among islands {members} failed "
-                f"({str(e).splitlines()[0][:160]}); retrying without the lost island"
-            )
-    raise RuntimeError(f"outer step {outer.outer_step}: no exchange succeeded")
-
-
-def late_average(outer, group, members: list[int]):
-    """Delayed: the average in flight since the last outer step. When it failed on any member
-    (an island died during it), the members redo it from their kept pseudo-gradients: the late
-    average is then the survivors' average."""
-    failed = 0.0
-    if outer.pending is not None:
-        try:
-            outer.pending.result()
-        except RuntimeError:
-            failed = 1.0
-    flags = [failed, float(outer.contributed)]
-    if group is not None:
-        t = torch.tensor(flags, dtype=torch.float64)
-        group.allreduce([t]).wait()
-        flags = t.tolist()
-    if flags[0] == 0:
-        return outer.pending
-    logger.warning(f"outer step {outer.outer_step}: the average in flight since the last outer "
-                   f"step failed; islands {members} redo it among themselves")
-    outer.previous_share = max(int(flags[1]), 1)
-    redo = outer.exchange(outer.previous.clone(), group, len(members), outer.previous_share)
-    redo.result()
-    return redo
-
-
-def share_state(outer, group, members: list[int], joiners: list[int], step: int, gradient):
-    """Broadcast theta_outer, the outer optimizer's state, the step and (delayed) the outer
-    gradient from the first member that is not joining; the joiners take theta_outer and the
-    optimizer's state. Returns (step, gradient) as the sender has them."""
-    root = members.index(min(i for i in members if i not in joiners))
-    joining = outer.topology.island in joiners
-    state = None if joining else {
-        "step": step,
-        "theta_outer": [p.detach().cpu() for p in outer.outer_params],
-        "optimizer": outer.optimizer.state_dict(),
-        "gradient": gradient,
-    }
-    state = _broadcast_object(state, group, root)
-    if joining:
-        with torch.no_grad():
-            for p, v in zip(outer.outer_params, state["theta_outer"]):
-                p.copy_(v.view_as(p))
-        outer.optimizer.load_state_dict(state["optimizer"])
-    return state["step"], state["gradient"]
-
-
-def _broadcast_object(value: Any, group, root: int) -> Any:
-    """`value` of member `root`, on every member of a gloo group (torch.save's format)."""
-    size = torch.zeros(1, dtype=torch.int64)
-    if value is not None:
-        buffer = io.BytesIO()
-        torch.save(value, buffer)
-        payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-        size[0] = payload.numel()
-    group.broadcast(size, root).wait()
-    if value is None:
-        payload = torch.empty(int(size[0]), dtype=torch.uint8)
-    group.broadcast(payload, root).wait()
-    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)

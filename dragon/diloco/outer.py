@@ -60,10 +60,10 @@ import torch
 import torch.distributed as dist
 
 from dragon.parallel.distributed import all_reduce_values
-from dragon.diloco.exchange import Exchange, Round, flatten
+from dragon.diloco.exchange import Exchange, Round, broadcast_object, flatten
 from dragon.diloco.master_weights import MasterWeights
-from dragon.diloco.membership import Membership, elastic_round
-from dragon.diloco.relayout import STATE_FILE, diloco_state_for
+from dragon.diloco.membership import Membership
+from dragon.diloco.state import OuterState
 from dragon.errors import IslandLost
 from dragon.parallel.topology import Topology
 
@@ -95,7 +95,7 @@ class DiLoCoConfig:
                                nesterov=self.nesterov and momentum > 0)
 
 
-class DiLoCo:
+class DiLoCo(OuterState):
     """The outer loop of one rank: call maybe_outer_step(step) after every inner step.
 
     `weights` is a MasterWeights (or anything with tensors(), publish(), replicas, excluded and
@@ -170,7 +170,7 @@ class DiLoCo:
         own = delta.clone() if self.mode == "delayed" else None  # an fp32 all-reduce works in place
         metrics = {"outer_step": self.outer_step}
         if self.membership is not None:
-            round_ = elastic_round(self, delta, own, step, final, joining)
+            round_ = self._elastic_round(delta, own, step, final, joining)
             metrics["outer_quorum"] = len(self.membership.members)
         else:
             round_ = Round(self.exchange(delta, self.group, self.islands), self.pending)
@@ -197,8 +197,14 @@ class DiLoCo:
                 exchange.bytes_sent += self._average_islands()
         self.joined_step = round_.step
         self._write(self.outer_params)
+        metrics.update(self._exchange_metrics(exchange, applied))
+        metrics["outer_seconds"] = time.perf_counter() - start
+        return metrics
 
-        # metrics: one small all-reduce within the island
+    def _exchange_metrics(self, exchange: Exchange, applied: list) -> dict:
+        """An outer step's bytes, errors, norms and times, over the island's ranks (one small
+        all-reduce); `applied`: the exchanges whose averages this step applied."""
+        metrics = {}
         sums = [exchange.error_sq, exchange.norm_sq]
         norm_sq = self._norm_sq(applied[-1].result()) if applied else 0.0
         sums.append(norm_sq)
@@ -218,7 +224,6 @@ class DiLoCo:
             metrics.update(
                 weights_sum=sums[3], weights_sumsq=sums[4], outer_sum=sums[5], outer_sumsq=sums[6]
             )
-        metrics["outer_seconds"] = time.perf_counter() - start
         return metrics
 
     # -------------------------------------------------------------- pieces
@@ -291,6 +296,70 @@ class DiLoCo:
                 p.copy_(a.view_as(p))
         return average.bytes_sent
 
+    def _elastic_round(self, delta, own, step: int, final: bool, joining=None) -> Round:
+        """The exchange among this outer step's quorum (`joining`: the quorum a joiner was let
+        into), retried by the membership without an island lost during it; delayed, also the late
+        average and the eager gradient. Joiners take the shared state."""
+
+        def attempt(members: list[int], group, joiners: list[int]) -> Round:
+            late = self._late_average(group, members) if self.mode == "delayed" else None
+            contributors = len(members) - len(joiners)
+            exchange = self.exchange(delta.clone(), group, len(members), contributors)
+            gradient, at_step = None, step
+            if self.mode == "delayed":
+                gradient = self.eager_gradient(own, late, exchange, final, contributors)
+            if joiners:
+                at_step, gradient = self._share_state(group, members, joiners, step, gradient)
+            self.membership.publish(self.outer_step, at_step, self.shape())
+            self.group = group
+            return Round(exchange, late, gradient, contributors, at_step)
+
+        return self.membership.run_round(self.outer_step, attempt, joining, final)
+
+    def _late_average(self, group, members: list[int]):
+        """Delayed: the average in flight since the last outer step. When it failed on any member
+        (an island died during it), the members redo it from their kept pseudo-gradients: the late
+        average is then the survivors' average."""
+        failed = 0.0
+        if self.pending is not None:
+            try:
+                self.pending.result()
+            except RuntimeError:
+                failed = 1.0
+        flags = [failed, float(self.contributed)]
+        if group is not None:
+            t = torch.tensor(flags, dtype=torch.float64)
+            group.allreduce([t]).wait()
+            flags = t.tolist()
+        if flags[0] == 0:
+            return self.pending
+        logger.warning(f"outer step {self.outer_step}: the average in flight since the last outer "
+                       f"step failed; islands {members} redo it among themselves")
+        self.previous_share = max(int(flags[1]), 1)
+        redo = self.exchange(self.previous.clone(), group, len(members), self.previous_share)
+        redo.result()
+        return redo
+
+    def _share_state(self, group, members: list[int], joiners: list[int], step: int, gradient):
+        """Broadcast theta_outer, the outer optimizer's state, the step and (delayed) the outer
+        gradient from the first member that is not joining; the joiners take theta_outer and the
+        optimizer's state. Returns (step, gradient) as the sender has them."""
+        root = members.index(min(i for i in members if i not in joiners))
+        joining = self.topology.island in joiners
+        state = None if joining else {
+            "step": step,
+            "theta_outer": [p.detach().cpu() for p in self.outer_params],
+            "optimizer": self.optimizer.state_dict(),
+            "gradient": gradient,
+        }
+        state = broadcast_object(state, group, root)
+        if joining:
+            with torch.no_grad():
+                for p, v in zip(self.outer_params, state["theta_outer"]):
+                    p.copy_(v.view_as(p))
+            self.optimizer.load_state_dict(state["optimizer"])
+        return state["step"], state["gradient"]
+
     def _apply(self, average: torch.Tensor) -> None:
         """One outer optimizer step on theta_outer with `average` as its gradient."""
         for p, g in zip(self.outer_params, average.split(self.numels)):
@@ -324,101 +393,6 @@ class DiLoCo:
 
     # -------------------------------------------------------------- checkpoints
 
-    def state_dict(self) -> dict:
-        """theta_outer, the outer optimizer, the outer step and (delayed) this island's last
-        pseudo-gradient and the average in flight (waited for here: the save point is the same on
-        every island)."""
-        try:
-            pending = self.pending.result().clone() if self.pending is not None else None
-        except RuntimeError:  # elastic: an island died during it; the next outer step redoes it
-            pending = "lost"
-        return {
-            "outer_step": self.outer_step,
-            "mode": self.mode,
-            "numels": self.numels,
-            # the partition, for dragon.checkpoint.reshape
-            "segments": getattr(self.weights, "segments", lambda: None)(),
-            "outer_params": [p.detach().cpu().clone() for p in self.outer_params],
-            "optimizer": self.optimizer.state_dict(),
-            "previous": None if self.previous is None else self.previous.clone(),
-            "pending": pending,
-            "previous_share": self.previous_share,
-            "contributed": self.contributed,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        """This rank's state as it saved it; every island must resume the same outer step."""
-        self.check_same_step(state["outer_step"], "outer steps")
-        self._load(state)
-
-    def resume_elsewhere(self, saved) -> None:
-        """Resume from a checkpoint that holds no state of this rank as it is now
-        (dragon.checkpoint.checkpointer.Saved): one saved on another partition of the weights
-        (laid out again for this one), island 0's (a new island: no share of its own in the
-        average in flight), or one of a run without DiLoCo (the outer loop starts afresh)."""
-        self.check_same_step(saved.step)
-        if saved.relaid:
-            state = diloco_state_for(saved.tag_dir, self.weights.segments(), self.numels)
-        else:
-            state = saved.rank_file(STATE_FILE)
-        if state is None:
-            self.restart()
-            return
-        self._load(state)
-        if saved.borrowed:
-            self.forget_own_share()
-
-    def _load(self, state: dict) -> None:
-        if state["numels"] != self.numels or state["mode"] != self.mode:
-            raise ValueError(
-                f"DiLoCo state for mode {state['mode']} and {len(state['numels'])} tensors "
-                "does not fit "
-                f"mode {self.mode} and {len(self.numels)} tensors; was the model, ZeRO stage or "
-                "island size changed?"
-            )
-        with torch.no_grad():
-            for p, saved in zip(self.outer_params, state["outer_params"]):
-                p.copy_(saved)
-            if self.previous is not None:
-                self.previous.copy_(state["previous"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.outer_step = state["outer_step"]
-        self.pending = None if state["pending"] is None else _Resolved(state["pending"])
-        self.previous_share = state.get("previous_share", self.islands)
-        self.contributed = state.get("contributed", True)
-
-    def forget_own_share(self) -> None:
-        """A new island resumed from island 0's state has no pseudo-gradient of its own in the
-        average in flight."""
-        if self.previous is not None:
-            self.previous.zero_()
-        self.contributed = False
-
-    def restart(self) -> None:
-        """Start the outer loop afresh from the current weights (a checkpoint saved without DiLoCo).
-        """
-        self._adopt_island0_weights()
-        masters = self.weights.tensors()
-        with torch.no_grad():
-            for p, m in zip(self.outer_params, masters):
-                p.copy_(m)
-            if self.previous is not None:
-                self.previous.zero_()
-        self.optimizer = self._make_optimizer(self.outer_params)
-        self.pending, self.outer_step = None, 0
-
-    def check_same_step(self, step: int, what: str = "steps") -> None:
-        """Raise unless every island resumed at the same step (a collective across islands)."""
-        if self.group is None:
-            return
-        t = torch.tensor([step, -step], dtype=torch.float64)
-        self.group.allreduce([t], dist.ReduceOp.MAX).wait()
-        if t[0] != -t[1]:
-            raise RuntimeError(
-                f"islands resumed from different {what} ({int(-t[1])} to {int(t[0])}); "
-                "resume every island from the same checkpoint step"
-            )
-
     def close(self, ended_at: Optional[int] = None) -> None:
         """Wait for every island after the last outer step (so the store outlives its users); an
         elastic run's store runs on its own, and its islands may be gone: a run that `ended_at`
@@ -427,17 +401,3 @@ class DiLoCo:
             self.topology.barrier()
         elif ended_at is not None:
             self.membership.end(ended_at)
-
-
-class _Resolved:
-    """A finished exchange restored from a checkpoint ("lost": one that failed, to be redone)."""
-
-    seconds = hidden_seconds = 0.0
-
-    def __init__(self, average):
-        self.average = average
-
-    def result(self) -> torch.Tensor:
-        if isinstance(self.average, str):
-            raise RuntimeError("the exchange in flight at this checkpoint failed")
-        return self.average

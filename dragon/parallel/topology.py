@@ -130,8 +130,7 @@ def enter_island(args, timeout_s: float = 600.0) -> Topology:
     `args` has diloco_islands, diloco_island_index (None: one launch holds every island),
     diloco_store (HOST:PORT, needed with diloco_island_index), diloco_store_external (no island
     hosts the store) and diloco_elastic (no static cross-island group: dragon.diloco.membership).
-    With
-    one island nothing changes: the launch is the island and there is no cross-island group.
+    With one island nothing changes: the launch is the island and there is no cross-island group.
     """
     islands = args.diloco_islands
     index = args.diloco_island_index
@@ -157,40 +156,45 @@ def enter_island(args, timeout_s: float = 600.0) -> Topology:
             islands, index, launch_rank, launch_world, store=store, timeout_s=timeout_s
         )
     else:
-        size = island_size(islands, launch_world)
-        island, island_rank = divmod(launch_rank, size)
-        host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
-        agent_store = (
-            os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None) == "True"
-        )  # torchrun's store
-        store = dist.TCPStore(
-            host,
-            port,
-            world_size=None,
-            is_master=launch_rank == 0 and not agent_store,
-            timeout=timeout,
-            wait_for_workers=False,
-        )
-        # The island's own world, as DeepSpeed will see it. MASTER_PORT is only a name from here
-        # on (DeepSpeed's CPU shared-memory op names its segments after it): one per island.
-        # LOCAL_WORLD_SIZE stays the processes on this node (CPU threads are shared out by it).
-        os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", str(launch_world)))
-        os.environ.update(
-            RANK=str(island_rank), WORLD_SIZE=str(size), MASTER_PORT=str(port + 1 + island)
-        )
-        from deepspeed.accelerator import get_accelerator
-
-        dist.init_process_group(
-            get_accelerator().communication_backend_name(),
-            store=dist.PrefixStore(f"{_PREFIX}/island{island}", store),
-            rank=island_rank,
-            world_size=size,
-            timeout=timeout,
-        )
-        topology = Topology(islands, island, island_rank, size, store=store, timeout_s=timeout_s)
+        topology = _split_launch(islands, launch_rank, launch_world, timeout_s)
     if islands > 1 and not args.diloco_elastic:  # elastic islands meet in per-step groups
         prefix = f"{_PREFIX}/cross/rank{topology.island_rank}"
         topology.cross_group = dist.ProcessGroupGloo(
-            dist.PrefixStore(prefix, store), topology.island, islands, timeout
+            dist.PrefixStore(prefix, topology.store), topology.island, islands, timeout
         )
     return topology
+
+
+def _split_launch(islands: int, launch_rank: int, launch_world: int, timeout_s: float) -> Topology:
+    """One launch holds every island: this rank's block of ranks becomes its island's own world,
+    started through the launcher's store under a per-island prefix."""
+    timeout = timedelta(seconds=timeout_s)
+    size = island_size(islands, launch_world)
+    island, island_rank = divmod(launch_rank, size)
+    host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
+    agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None) == "True"  # torchrun's
+    store = dist.TCPStore(
+        host,
+        port,
+        world_size=None,
+        is_master=launch_rank == 0 and not agent_store,
+        timeout=timeout,
+        wait_for_workers=False,
+    )
+    # The island's own world, as DeepSpeed will see it. MASTER_PORT is only a name from here
+    # on (DeepSpeed's CPU shared-memory op names its segments after it): one per island.
+    # LOCAL_WORLD_SIZE stays the processes on this node (CPU threads are shared out by it).
+    os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", str(launch_world)))
+    os.environ.update(
+        RANK=str(island_rank), WORLD_SIZE=str(size), MASTER_PORT=str(port + 1 + island)
+    )
+    from deepspeed.accelerator import get_accelerator
+
+    dist.init_process_group(
+        get_accelerator().communication_backend_name(),
+        store=dist.PrefixStore(f"{_PREFIX}/island{island}", store),
+        rank=island_rank,
+        world_size=size,
+        timeout=timeout,
+    )
+    return Topology(islands, island, island_rank, size, store=store, timeout_s=timeout_s)

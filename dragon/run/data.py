@@ -1,5 +1,5 @@
-"""The batches one rank trains and evaluates on, built from the checked inputs, and the pieces of
-them a checkpoint holds."""
+"""A run's data: loaded and checked before the run starts (load_data, check_data_fits), then the
+batches one rank trains and evaluates on (run_data) and the pieces of them a checkpoint holds."""
 
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -9,9 +9,10 @@ import torch
 from dragon.data.batches import ContiguousRowBatches, TrainBatches, eval_batches, eval_streams
 from dragon.data.mixture import source_names
 from dragon.data.streaming import STATE_FILE as STREAM_STATE
-from dragon.data.streaming import StreamingBatches
+from dragon.data.streaming import StreamingBatches, build_streams, check_stream
+from dragon.data.text import build_datasets
 from dragon.run.carry import STATE_FILE as CARRIED_STATE
-from dragon.run.carry import CarriedState
+from dragon.run.carry import CarriedState, check_state_fits
 
 
 @dataclass
@@ -71,3 +72,58 @@ def run_data(
         source_names(data_args),
         data_args.streaming,
     )
+
+
+def load_data(data_args, args) -> tuple[Any, Any, Any]:
+    """(train set, validation set, tokenizer): streams with --streaming, else materialised
+    datasets. Raises ValueError in one line on flags that do not go together."""
+    _check_streaming(data_args, args)
+    if data_args.streaming:
+        return build_streams(data_args, args.seed)
+    return build_datasets(data_args)
+
+
+def check_data_fits(inputs, config, dp_world: int, islands: int) -> None:
+    """Raise when the data cannot fill one step or one evaluation on every rank, or when the
+    states of --carry_state cannot be carried (inputs: dragon.run.inputs.RecipeInputs, not yet
+    resolved to a resume)."""
+    data_args, args, ds_config = inputs.data, inputs.train, inputs.ds_config
+    micro = ds_config["train_micro_batch_size_per_gpu"]
+    accum = ds_config["gradient_accumulation_steps"]
+    if data_args.streaming:
+        check_stream(inputs.train_set, micro * accum * dp_world * islands, data_args.block_size)
+    else:
+        TrainBatches(inputs.train_set, micro, 0, dp_world * islands, accum)
+    # (the validation streams of eval_loss_carried need exactly what these batches need)
+    eval_batches(inputs.valid_set, args.per_device_eval_batch_size, 0, dp_world,
+                 args.max_eval_samples)
+    if not args.carry_state:
+        return
+    pipe_args = inputs.pipeline
+    if pipe_args is not None and pipe_args.activation_checkpoint_interval:
+        raise ValueError(
+            "--carry_state with --activation_checkpoint_interval "
+            f"{pipe_args.activation_checkpoint_interval}: a recomputed forward would carry the "
+            "state twice; use --activation_checkpoint_interval 0"
+        )
+    rows = micro * accum + (args.per_device_eval_batch_size if args.eval_carried else 0)
+    check_state_fits(config, rows)
+
+
+def _check_streaming(data_args, args) -> None:
+    """Raise on what --streaming cannot do, and on streaming-only flags without it."""
+    if not data_args.streaming:
+        if data_args.validation_file is not None:
+            raise ValueError(f"--validation_file {data_args.validation_file}: it is read with "
+                             "--streaming only; add --streaming, or drop it to hold out "
+                             "--validation_split_percentage of the data")
+        if data_args.dataset_mixture is not None:
+            raise ValueError(f"--dataset_mixture {data_args.dataset_mixture}: mixtures are "
+                             "streamed; add --streaming")
+        return
+    if args.carry_state:
+        raise ValueError("--carry_state with --streaming: carried states read the corpus as "
+                         "contiguous stretches, which needs its length; drop one of them")
+    if data_args.preprocessing_num_workers is not None:
+        raise ValueError(f"--preprocessing_num_workers {data_args.preprocessing_num_workers} "
+                         "with --streaming: a stream is packed by one reading thread; drop it")

@@ -1,0 +1,188 @@
+"""DiLoCo's state in a checkpoint: what each rank saves and loads (OuterState, a part of
+dragon.diloco.outer.DiLoCo), and the re-layout of a state saved on one partition of the weights
+(data-parallel size, ZeRO stage) for another.
+
+Each rank's saved state names where its flat values sit in the model (`segments`, from
+MasterWeights.segments): the pieces of every saved rank are joined per parameter and cut again
+for this rank's partition.
+"""
+
+import glob
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+STATE_FILE = "diloco_state"  # <tag dir>/diloco_state_<rank>.pt
+
+
+class OuterState:
+    """DiLoCo's save and resume: theta_outer, the outer optimizer, the outer step and (delayed)
+    what is in flight."""
+
+    def state_dict(self) -> dict:
+        """theta_outer, the outer optimizer, the outer step and (delayed) this island's last
+        pseudo-gradient and the average in flight (waited for here: the save point is the same on
+        every island)."""
+        try:
+            pending = self.pending.result().clone() if self.pending is not None else None
+        except RuntimeError:  # elastic: an island died during it; the next outer step redoes it
+            pending = "lost"
+        return {
+            "outer_step": self.outer_step,
+            "mode": self.mode,
+            "numels": self.numels,
+            # the partition, for dragon.checkpoint.reshape
+            "segments": getattr(self.weights, "segments", lambda: None)(),
+            "outer_params": [p.detach().cpu().clone() for p in self.outer_params],
+            "optimizer": self.optimizer.state_dict(),
+            "previous": None if self.previous is None else self.previous.clone(),
+            "pending": pending,
+            "previous_share": self.previous_share,
+            "contributed": self.contributed,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """This rank's state as it saved it; every island must resume the same outer step."""
+        self.check_same_step(state["outer_step"], "outer steps")
+        self._load(state)
+
+    def resume_elsewhere(self, saved) -> None:
+        """Resume from a checkpoint that holds no state of this rank as it is now
+        (dragon.checkpoint.checkpointer.Saved): one saved on another partition of the weights
+        (laid out again for this one), island 0's (a new island: no share of its own in the
+        average in flight), or one of a run without DiLoCo (the outer loop starts afresh)."""
+        self.check_same_step(saved.step)
+        if saved.relaid:
+            state = diloco_state_for(saved.tag_dir, self.weights.segments(), self.numels)
+        else:
+            state = saved.rank_file(STATE_FILE)
+        if state is None:
+            self.restart()
+            return
+        self._load(state)
+        if saved.borrowed:
+            self.forget_own_share()
+
+    def _load(self, state: dict) -> None:
+        if state["numels"] != self.numels or state["mode"] != self.mode:
+            raise ValueError(
+                f"DiLoCo state for mode {state['mode']} and {len(state['numels'])} tensors "
+                "does not fit "
+                f"mode {self.mode} and {len(self.numels)} tensors; was the model, ZeRO stage or "
+                "island size changed?"
+            )
+        with torch.no_grad():
+            for p, saved in zip(self.outer_params, state["outer_params"]):
+                p.copy_(saved)
+            if self.previous is not None:
+                self.previous.copy_(state["previous"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.outer_step = state["outer_step"]
+        self.pending = None if state["pending"] is None else _Resolved(state["pending"])
+        self.previous_share = state.get("previous_share", self.islands)
+        self.contributed = state.get("contributed", True)
+
+    def forget_own_share(self) -> None:
+        """A new island resumed from island 0's state has no pseudo-gradient of its own in the
+        average in flight."""
+        if self.previous is not None:
+            self.previous.zero_()
+        self.contributed = False
+
+    def restart(self) -> None:
+        """Start the outer loop afresh from the current weights (a checkpoint saved without DiLoCo).
+        """
+        self._adopt_island0_weights()
+        masters = self.weights.tensors()
+        with torch.no_grad():
+            for p, m in zip(self.outer_params, masters):
+                p.copy_(m)
+            if self.previous is not None:
+                self.previous.zero_()
+        self.optimizer = self._make_optimizer(self.outer_params)
+        self.pending, self.outer_step = None, 0
+
+    def check_same_step(self, step: int, what: str = "steps") -> None:
+        """Raise unless every island resumed at the same step (a collective across islands)."""
+        if self.group is None:
+            return
+        t = torch.tensor([step, -step], dtype=torch.float64)
+        self.group.allreduce([t], dist.ReduceOp.MAX).wait()
+        if t[0] != -t[1]:
+            raise RuntimeError(
+                f"islands resumed from different {what} ({int(-t[1])} to {int(t[0])}); "
+                "resume every island from the same checkpoint step"
+            )
+
+
+class _Resolved:
+    """A finished exchange restored from a checkpoint ("lost": one that failed, to be redone)."""
+
+    seconds = hidden_seconds = 0.0
+
+    def __init__(self, average):
+        self.average = average
+
+    def result(self) -> torch.Tensor:
+        if isinstance(self.average, str):
+            raise RuntimeError("the exchange in flight at this checkpoint failed")
+        return self.average
+
+
+def check_diloco_state(tag_dir: str) -> list[str]:
+    """The DiLoCo state files of a checkpoint that can move to another layout (none: a run
+    without DiLoCo); ValueError in one line for a state that does not say where its values sit
+    in the model."""
+    files = sorted(glob.glob(os.path.join(tag_dir, f"{STATE_FILE}_*.pt")))
+    if files and torch.load(files[0], map_location="cpu", weights_only=False,
+                               mmap=True).get("segments") is None:
+        raise ValueError(f"--resume_from_checkpoint: {tag_dir} holds no DiLoCo state that says "
+                         "where its values sit in the model; it resumes only on its own layout")
+    return files
+
+
+def diloco_state_for(tag_dir: str, segments: list, numels: list[int]) -> Optional[dict]:
+    """This rank's DiLoCo state (DiLoCo.state_dict's form) for master tensors laid out as
+    `segments` (MasterWeights.segments), gathered from the states every rank of another layout
+    saved in `tag_dir` (None: it has none): each flat tensor goes through the parameters."""
+    saved = [torch.load(f, map_location="cpu", weights_only=False)
+             for f in check_diloco_state(tag_dir)]
+    if not saved:
+        return None
+
+    def moved(tensors_of) -> list[torch.Tensor]:
+        """Lay out again the flat tensors tensors_of(state) -> [one per master tensor]."""
+        found: dict[str, dict[int, torch.Tensor]] = {}  # name -> {offset in it: piece}
+        for state in saved:
+            for flat, pieces in zip(tensors_of(state), state["segments"]):
+                for name, at, offset, numel in pieces:
+                    found.setdefault(name, {})[at] = flat[offset:offset + numel]
+        whole = {name: torch.cat([p[k] for k in sorted(p)]) for name, p in found.items()}
+        out = [torch.zeros(n) for n in numels]
+        for flat, pieces in zip(out, segments):
+            for name, at, offset, numel in pieces:
+                flat[offset:offset + numel] = whole[name][at:at + numel]
+        return out
+
+    def flat_vector(key):  # one vector over every master tensor (delayed mode)
+        if saved[0][key] is None or isinstance(saved[0][key], str):
+            return saved[0][key]
+        return torch.cat(moved(lambda state: state[key].split(state["numels"])))
+
+    first = saved[0]
+    optimizer = first["optimizer"]
+    keys = [k for k, v in optimizer["state"].get(0, {}).items()
+            if torch.is_tensor(v) and v.shape == first["outer_params"][0].shape]
+    state = {i: {k: v for k, v in optimizer["state"][0].items() if k not in keys}
+             for i in range(len(numels))} if optimizer["state"] else {}
+    for key in keys:
+        for i, values in enumerate(moved(lambda s: [s["optimizer"]["state"][j][key]
+                                                     for j in range(len(s["numels"]))])):
+            state[i][key] = values
+    groups = [dict(optimizer["param_groups"][0], params=list(range(len(numels))))]
+    return dict(first, numels=numels, segments=segments,
+                outer_params=moved(lambda s: s["outer_params"]),
+                optimizer={"state": state, "param_groups": groups},
+                previous=flat_vector("previous"), pending=flat_vector("pending"))

@@ -1,0 +1,56 @@
+"""The checked inputs of a run (dragon.run.preflight builds them), and the model they start from.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from dragon.checkpoint.checkpointer import ResumeTarget
+from dragon.data.text import DataArguments
+from dragon.model.bdh import BDHForCausalLM
+from dragon.run.args import DiLoCoArguments, ModelArguments, PipelineArguments, TrainingArguments
+
+
+@dataclass
+class RecipeInputs:
+    """The checked inputs of a run, and what was built to check them."""
+
+    model: ModelArguments
+    data: DataArguments
+    train: TrainingArguments
+    diloco: DiLoCoArguments  # DiLoCoArguments() when DiLoCo is off
+    pipeline: Optional[PipelineArguments]  # None in the ZeRO recipe
+    ds_config: dict  # every "auto" filled
+    train_set: Any
+    valid_set: Any
+    tokenizer: Any
+    resume: dict[int, tuple[str, str]]  # island -> (load_dir, tag) of --resume_from_checkpoint
+    reshaped: dict[int, str] = field(default_factory=dict)  # island -> what the resume converts
+    # island -> (the line of a resume by another number of islands, whether it is a new island)
+    regrouped: dict[int, tuple[str, bool]] = field(default_factory=dict)
+
+    def resume_target(self, island: int) -> Optional[ResumeTarget]:
+        """What island `island` resumes from (--resume_from_checkpoint), or None."""
+        if island not in self.resume:
+            return None
+        regrouped, new_island = self.regrouped.get(island, (None, False))
+        return ResumeTarget(*self.resume[island], reshaped=self.reshaped.get(island),
+                            regrouped=regrouped, new_island=new_island)
+
+    def run_dir(self, island: int) -> str:
+        """Where island `island` writes metrics.jsonl and checkpoints/ (<output_dir> without
+        DiLoCo).
+        """
+        return self.diloco.output_dir(self.train.output_dir, island)
+
+
+def initial_model(inputs: RecipeInputs) -> BDHForCausalLM:
+    """The starting weights, identical on every rank: a save_pretrained directory or a fresh init.
+    """
+    torch.manual_seed(inputs.train.seed)
+    if inputs.model.model_name_or_path:
+        return BDHForCausalLM.from_pretrained(
+            inputs.model.model_name_or_path, dtype=torch.float32, **inputs.model.attention_kwargs()
+        )
+    return BDHForCausalLM(inputs.model.config(inputs.tokenizer.vocab_size))

@@ -1,0 +1,118 @@
+"""The checks of --resume_from_checkpoint and --output_dir before a run starts: which checkpoint
+each island resumes, on which layout, and whether it fits the model this run builds."""
+
+import os
+import warnings
+from typing import Optional
+
+from dragon.checkpoint.checkpointer import resolve_resume
+from dragon.checkpoint.reshape import (Layout, regroup_message, reshape_message, saved_islands,
+                                       saved_layout)
+from dragon.checkpoint.retention import list_checkpoints
+from dragon.diloco.state import check_diloco_state
+from dragon.model.bdh import BDHConfig
+from dragon.parallel.ds_config import zero_stage
+from dragon.run.args import DiLoCoArguments, TrainingArguments
+
+
+def resume_targets(
+    args: TrainingArguments, diloco: DiLoCoArguments
+) -> tuple[dict[int, tuple[str, str]], dict[int, tuple[str, bool]]]:
+    """(island -> (load_dir, tag) for --resume_from_checkpoint, for each island this launch runs;
+    island -> (the line a resume by another number of islands prints, whether it is new)). A
+    run saved by I islands resumes `latest` or a tag by I' islands: island i < I from its own
+    checkpoint, the others from island 0's (theta_outer, the outer optimizer's state, the
+    step). Islands launched apart see only their own directory: one without checkpoints takes
+    island 0's."""
+    resume, root = args.resume_from_checkpoint, args.output_dir
+    if not resume:
+        return {}, {}
+    launch = diloco.diloco_islands if diloco.enabled else 1
+    together = diloco.diloco_island_index is None  # every island's directory is here
+    saved = saved_islands(root) if together else None
+    plain = resume == "latest" or os.sep not in resume  # a tag of this run, not a path
+    targets, regrouped = {}, {}
+    for island in diloco.local_islands():
+        save_dir = os.path.join(diloco.output_dir(root, island), "checkpoints")
+        if plain and (saved not in (None, launch) or not list_checkpoints(save_dir)):
+            own = _with_checkpoints(root, island, save_dir)
+            save_dir = own or _with_checkpoints(root, 0, save_dir) or save_dir
+            regrouped[island] = (regroup_message(saved, launch, island, not own), not own)
+        targets[island] = resolve_resume(diloco.resume_path(resume, save_dir), save_dir)
+    return targets, regrouped
+
+
+def _with_checkpoints(root: str, island: int, launch_dir: str) -> Optional[str]:
+    """Island `island`'s checkpoints/ under `root` as it was saved (alone, or one of several
+    islands), where it holds any."""
+    for save_dir in (os.path.join(root, f"island{island}", "checkpoints"), launch_dir):
+        if list_checkpoints(save_dir):
+            return save_dir
+    return None
+
+
+def check_reshape(
+    resume: dict, ds_config: dict, dp_world: int, stages: int, diloco: DiLoCoArguments
+) -> dict[int, str]:
+    """island -> the line a resume on another layout prints (dragon.checkpoint.reshape; `stages`:
+    of the
+    pipeline, 0 without one); switches the engine to DeepSpeed's universal checkpoint loading
+    when one converts for ZeRO-1/2/3."""
+    bf16 = bool(ds_config.get("bf16", {}).get("enabled", False))
+    launch = Layout(zero_stage(ds_config), dp_world, stages > 0, bf16=bf16, stages=max(stages, 1))
+    reshaped = {}
+    for island, (load_dir, tag) in resume.items():
+        saved = saved_layout(load_dir, tag)
+        message = reshape_message(saved, launch)
+        if saved.global_batch and saved.global_batch != ds_config["train_batch_size"]:
+            warnings.warn(
+                f"--resume_from_checkpoint: the global batch changes from {saved.global_batch} "
+                f"to {ds_config['train_batch_size']} samples; the data order then differs from "
+                "the uninterrupted run's"
+            )
+        if message is not None:
+            if diloco.enabled and (saved.pipeline or launch.pipeline):
+                raise ValueError(f"{message[len('resume: '):]}: not yet with DiLoCo pipelines")
+            if diloco.enabled:
+                check_diloco_state(os.path.join(load_dir, tag))
+            reshaped[island] = message
+            if launch.zero_stage > 0 and not launch.pipeline:  # the others load their own form
+                ds_config.setdefault("checkpoint", {})["load_universal"] = True
+    return reshaped
+
+
+def check_output_dir(args: TrainingArguments, diloco: DiLoCoArguments) -> None:
+    """Raise when a new run would train into another run's checkpoints (retention would mix the
+    two), unless resuming it or --overwrite_output_dir."""
+    if args.resume_from_checkpoint or args.overwrite_output_dir:
+        return
+    for island in diloco.local_islands():
+        save_dir = os.path.join(diloco.output_dir(args.output_dir, island), "checkpoints")
+        steps = list_checkpoints(save_dir)
+        found = sorted(steps, key=steps.get)
+        if found:
+            raise ValueError(
+                f"--output_dir {args.output_dir}: {save_dir} already holds checkpoints "
+                f"({', '.join(found[-3:])}); continue that run with --resume_from_checkpoint "
+                "latest, or pass --overwrite_output_dir to train a new one there"
+            )
+
+
+SIZES = ("n_layer", "n_embd", "n_head", "mlp_internal_dim_multiplier", "vocab_size")
+
+
+def check_resume_sizes(config: BDHConfig, resume: dict[int, tuple[str, str]]) -> None:
+    """Raise when a resume target holds a model of other sizes than this run builds (`config`).
+    """
+    for load_dir, tag in resume.values():
+        if not os.path.isfile(os.path.join(load_dir, "config.json")):
+            continue  # a checkpoint written outside the recipes: DeepSpeed checks the shapes
+        saved = BDHConfig.from_pretrained(load_dir)
+        wrong = [k for k in SIZES if getattr(saved, k) != getattr(config, k)]
+        if wrong:
+            theirs = ", ".join(f"{k}={getattr(saved, k)}" for k in wrong)
+            ours = ", ".join(f"{k}={getattr(config, k)}" for k in wrong)
+            raise ValueError(
+                f"--resume_from_checkpoint: {os.path.join(load_dir, tag)} holds a model with "
+                f"{theirs}, this run builds {ours}; resume with the same sizes"
+            )
