@@ -17,7 +17,7 @@ matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 from transformers import HfArgumentParser  # noqa: E402
 
-from dragon.run.metrics import MetricHistory, metrics_path  # noqa: E402
+from dragon.history import MetricHistory, metrics_path  # noqa: E402
 
 
 @dataclass

@@ -34,7 +34,8 @@ from dragon.parallel.topology import enter_island
 from dragon.run.data import run_data
 from dragon.run.faults import skip_nonfinite_updates
 from dragon.run.loop import TrainingRun
-from dragon.run.metrics import RECORDED_METRICS, metrics_path, setup_logging, step_and_grad_norm
+from dragon.history import metrics_path
+from dragon.run.metrics import RECORDED_METRICS, setup_logging, step_and_grad_norm
 from dragon.run.optim import client_optimizer_and_scheduler
 from dragon.run.inputs import initial_model
 from dragon.run.preflight import preflight

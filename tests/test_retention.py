@@ -11,7 +11,7 @@ import warnings
 import pytest
 
 from conftest import launch
-from dragon.run.metrics import MetricHistory
+from dragon.history import MetricHistory
 from dragon.checkpoint.retention import (
     MARKER,
     RetentionPolicy,

@@ -8,7 +8,7 @@ from typing import Optional
 
 from dragon.model.cost import parameter_count
 from dragon.parallel.ds_config import zero_stage
-from dragon.run.metrics import MetricHistory, metrics_path
+from dragon.history import MetricHistory, metrics_path
 from dragon.model.bdh import BDHConfig
 
 RUN_FILE = "run.json"

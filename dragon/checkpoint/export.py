@@ -17,7 +17,7 @@ import torch.distributed as dist
 from dragon.checkpoint.card import write_model_card
 from dragon.checkpoint.checkpointer import tag_for
 from dragon.parallel.distributed import rank
-from dragon.run.metrics import MetricHistory, metrics_path
+from dragon.history import MetricHistory, metrics_path
 from dragon.model.bdh import BDHConfig, BDHForCausalLM
 from dragon.parallel.pipeline import is_pipeline_checkpoint, model_from_pipeline_checkpoint
 from dragon.checkpoint.retention import (

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from dragon.parallel.distributed import rank
 from dragon.checkpoint.writes import GuardedWrites, SaveFailed
-from dragon.run.metrics import MetricHistory
+from dragon.history import MetricHistory
 
 logger = logging.getLogger(__name__)
 

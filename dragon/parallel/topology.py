@@ -25,6 +25,8 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from dragon.parallel.distributed import launcher_world_size
+
 _PREFIX = "dragon-diloco"
 
 
@@ -198,3 +200,15 @@ def _split_launch(islands: int, launch_rank: int, launch_world: int, timeout_s: 
         timeout=timeout,
     )
     return Topology(islands, island, island_rank, size, store=store, timeout_s=timeout_s)
+
+
+def data_parallel_world(args, diloco, pipe_args=None) -> tuple[int, int]:
+    """(data-parallel ranks of one island, islands) for this launch (the recipe's
+    TrainingArguments, DiLoCoArguments and PipelineArguments or None)."""
+    world, islands = launcher_world_size(), 1
+    if diloco.enabled:  # every island is a world of its own; data is split over all of them
+        diloco.check_training(args)
+        world, islands = diloco.island_world(world), diloco.diloco_islands
+    if pipe_args is None:
+        return world, islands
+    return pipeline_data_parallel(world, pipe_args.pipeline_stages, islands), islands

@@ -6,7 +6,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
-from transformers import SchedulerType
+from transformers import HfArgumentParser, SchedulerType
 
 from dragon.run.faults import NAN_POLICIES, SAVE_FAILURES
 from dragon.run.metrics import RECORDED_METRICS
@@ -14,6 +14,7 @@ from dragon.model.attention import DEFAULT_CHUNK_SIZE
 from dragon.model.bdh import BDHConfig
 from dragon.checkpoint.retention import RetentionPolicy
 from dragon.diloco.outer import DiLoCoConfig
+from dragon.data.text import DataArguments
 from dragon.parallel.topology import island_size
 
 
@@ -400,3 +401,12 @@ class PipelineArguments:
     activation_checkpoint_interval: int = _help(
         "Recompute activations every k layers (0: off).", default=0
     )
+
+
+def parse_arguments(pipeline: bool = False) -> tuple:
+    """(ModelArguments, DataArguments, TrainingArguments, DiLoCoArguments, PipelineArguments or
+    None) from the command line; the pipeline recipe's only have the last."""
+    types = (ModelArguments, DataArguments, TrainingArguments, DiLoCoArguments)
+    parser = HfArgumentParser(types + ((PipelineArguments,) if pipeline else ()))
+    model_args, data_args, args, diloco, *rest = parser.parse_args_into_dataclasses()
+    return model_args, data_args, args, diloco, rest[0] if pipeline else None

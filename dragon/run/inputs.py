@@ -8,7 +8,7 @@ import torch
 
 from dragon.checkpoint.checkpointer import ResumeTarget
 from dragon.data.text import DataArguments
-from dragon.model.bdh import BDHForCausalLM
+from dragon.model.bdh import BDHConfig, BDHForCausalLM
 from dragon.run.args import DiLoCoArguments, ModelArguments, PipelineArguments, TrainingArguments
 
 
@@ -54,3 +54,19 @@ def initial_model(inputs: RecipeInputs) -> BDHForCausalLM:
             inputs.model.model_name_or_path, dtype=torch.float32, **inputs.model.attention_kwargs()
         )
     return BDHForCausalLM(inputs.model.config(inputs.tokenizer.vocab_size))
+
+
+def model_config(
+    model_args: ModelArguments, vocab_size: int, pipe_args: Optional[PipelineArguments]
+) -> BDHConfig:
+    """The config this run's model will have (the directory's, or the size flags'); raises on an
+    unknown attention form, sizes BDH cannot have, or an impossible pipeline."""
+    BDHConfig(**model_args.attention_kwargs())
+    if model_args.model_name_or_path:
+        return BDHConfig.from_pretrained(model_args.model_name_or_path)
+    config = model_args.config(vocab_size)
+    if pipe_args is not None:
+        from dragon.parallel.pipeline import check_pipeline  # imports DeepSpeed's pipeline module
+
+        check_pipeline(config, pipe_args.pipeline_stages, pipe_args.partition_method)
+    return config

@@ -3,9 +3,10 @@ process group, model or engine exists (dragon.run.preflight calls it and exits 0
 
 import json
 
+from dragon.errors import PlanShown
 from dragon.model.cost import model_profile
 from dragon.parallel.distributed import launcher_world_size
-from dragon.run.memory import estimate
+from dragon.run.memory import estimate, mark_baseline
 
 MIB = 2**20
 
@@ -86,3 +87,12 @@ def memory_lines(inputs, config, dp_world: int, stages: int) -> list[str]:
     lines += [f"  {name}: {value / MIB:,.1f} MiB" for name, value in parts.items()]
     lines.append(f"  total: {device / MIB:,.1f} MiB")
     return lines
+
+
+def show_plan_or_begin(inputs, config, dp_world: int) -> None:
+    """The end of the checks: with --dry_run print the plan and stop the run (PlanShown, exit
+    code 0); else memory_peak_mib counts from here (the model, the engine and training)."""
+    if inputs.train.dry_run:
+        print("\n".join(plan_lines(inputs, config, dp_world)))
+        raise PlanShown("--dry_run: the plan above; nothing was trained")
+    mark_baseline()

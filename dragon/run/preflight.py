@@ -5,22 +5,15 @@ the run (dragon.run.inputs.RecipeInputs)."""
 
 import os
 import warnings
-from typing import Optional
 
-from transformers import HfArgumentParser
-
-from dragon.data.text import DataArguments
-from dragon.errors import InputRefused, PlanShown
-from dragon.model.bdh import BDHConfig
-from dragon.parallel.distributed import launcher_world_size
+from dragon.errors import InputRefused
 from dragon.parallel.ds_config import load_ds_config, resolve_ds_config, zero_stage
-from dragon.parallel.topology import pipeline_data_parallel
 from dragon.run import resume_checks
-from dragon.run.args import DiLoCoArguments, ModelArguments, PipelineArguments, TrainingArguments
+from dragon.parallel.topology import data_parallel_world
+from dragon.run.args import parse_arguments
 from dragon.run.data import check_data_fits, load_data
-from dragon.run.inputs import RecipeInputs
-from dragon.run.memory import mark_baseline
-from dragon.run.plan import plan_lines
+from dragon.run.inputs import RecipeInputs, model_config
+from dragon.run.plan import show_plan_or_begin
 
 
 def preflight(pipeline: bool = False) -> RecipeInputs:
@@ -30,12 +23,9 @@ def preflight(pipeline: bool = False) -> RecipeInputs:
             "accelerate does not drive DeepSpeed's pipeline engine; launch with "
             "`deepspeed --num_gpus N recipes/pretrain_pipeline.py --pipeline_stages P ...` instead"
         )
-    types = (ModelArguments, DataArguments, TrainingArguments, DiLoCoArguments)
-    parser = HfArgumentParser(types + ((PipelineArguments,) if pipeline else ()))
     try:
-        model_args, data_args, args, diloco, *rest = parser.parse_args_into_dataclasses()
-        pipe_args = rest[0] if pipeline else None
-        dp_world, islands = _data_parallel_world(args, diloco, pipe_args)
+        model_args, data_args, args, diloco, pipe_args = parse_arguments(pipeline)
+        dp_world, islands = data_parallel_world(args, diloco, pipe_args)
         ds_config = resolve_ds_config(load_ds_config(args.deepspeed)[1], args, dp_world)
         if pipeline and zero_stage(ds_config) > 1:
             raise ValueError(
@@ -43,7 +33,7 @@ def preflight(pipeline: bool = False) -> RecipeInputs:
                 "pipeline's gradients; use stage 0 or 1 (ds_configs/pipeline_zero*.json)"
             )
         train_set, valid_set, tokenizer = load_data(data_args, args)
-        config = _model_config(model_args, tokenizer.vocab_size, pipe_args)
+        config = model_config(model_args, tokenizer.vocab_size, pipe_args)
         inputs = RecipeInputs(model_args, data_args, args, diloco, pipe_args, ds_config,
                               train_set, valid_set, tokenizer, resume={})
         check_data_fits(inputs, config, dp_world, islands)
@@ -52,14 +42,11 @@ def preflight(pipeline: bool = False) -> RecipeInputs:
         raise InputRefused(str(e)) from None
     if pipeline:
         _warn_about_the_bubble(ds_config["gradient_accumulation_steps"], pipe_args.pipeline_stages)
-    if args.dry_run:
-        print("\n".join(plan_lines(inputs, config, dp_world)))
-        raise PlanShown("--dry_run: the plan above; nothing was trained")
-    mark_baseline()  # memory_peak_mib counts from here: the model, engine and training
+    show_plan_or_begin(inputs, config, dp_world)
     return inputs
 
 
-def _check_resume(inputs: RecipeInputs, config: BDHConfig, dp_world: int) -> None:
+def _check_resume(inputs: RecipeInputs, config, dp_world: int) -> None:
     """Resolve --resume_from_checkpoint for every island of this launch into `inputs`; raise when
     it, or --output_dir, does not fit this run."""
     args, diloco = inputs.train, inputs.diloco
@@ -69,35 +56,6 @@ def _check_resume(inputs: RecipeInputs, config: BDHConfig, dp_world: int) -> Non
     stages = inputs.pipeline.pipeline_stages if inputs.pipeline else 0
     inputs.reshaped = resume_checks.check_reshape(inputs.resume, inputs.ds_config, dp_world,
                                                   stages, diloco)
-
-
-def _data_parallel_world(
-    args: TrainingArguments, diloco: DiLoCoArguments, pipe_args: Optional[PipelineArguments]
-) -> tuple[int, int]:
-    """(data-parallel ranks of one island, islands) for this launch."""
-    world, islands = launcher_world_size(), 1
-    if diloco.enabled:  # every island is a world of its own; data is split over all of them
-        diloco.check_training(args)
-        world, islands = diloco.island_world(world), diloco.diloco_islands
-    if pipe_args is None:
-        return world, islands
-    return pipeline_data_parallel(world, pipe_args.pipeline_stages, islands), islands
-
-
-def _model_config(
-    model_args: ModelArguments, vocab_size: int, pipe_args: Optional[PipelineArguments]
-) -> BDHConfig:
-    """The config this run's model will have (the directory's, or the size flags'); raises on an
-    unknown attention form, sizes BDH cannot have, or an impossible pipeline."""
-    BDHConfig(**model_args.attention_kwargs())
-    if model_args.model_name_or_path:
-        return BDHConfig.from_pretrained(model_args.model_name_or_path)
-    config = model_args.config(vocab_size)
-    if pipe_args is not None:
-        from dragon.parallel.pipeline import check_pipeline  # imports DeepSpeed's pipeline module
-
-        check_pipeline(config, pipe_args.pipeline_stages, pipe_args.partition_method)
-    return config
 
 
 def _warn_about_the_bubble(micro_batches: int, stages: int) -> None:

@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dragon.run.metrics import MetricHistory
+from dragon.history import MetricHistory
 from dragon.checkpoint.retention import RetentionPolicy, attach_retention, default_history_path
 
 EVAL_LOSSES = [
