@@ -538,6 +538,19 @@ def test_zero2_job_keeps_last_two_and_the_best_and_reloads_them(tmp_path):
         assert find_resume_checkpoint(str(nodes / "node1")) == (str(nodes / "node1"), "step3")
 
 
+def test_a_checkpointer_without_retention_saves_and_resumes(tmp_path):
+    """The retention hook is optional: without it a Checkpointer's save is DeepSpeed's own plus
+    the run's state (no completion marker), and a fresh engine resumed from it trains the next
+    step to the same weights, bit for bit."""
+    out = tmp_path / "plain"
+    proc = launch("torchrun", 2, "tests/scripts/retention_job.py", ["plain", str(out)], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "result_plain.json").read_text())
+    assert "rng_state_0.pt" in result["files"] and "rng_state_1.pt" in result["files"]
+    assert MARKER not in result["files"] and result["latest"] == "step2"
+    assert result["step"] == 2 and result["counter"] == 3 and result["step3_equal"]
+
+
 def test_accelerate_save_state_goes_through_retention(tmp_path):
     out = tmp_path / "proj"
     proc = launch(

@@ -5,8 +5,10 @@ zero2: 8 saves through attach_retention, reloads of the latest and the best into
 resumed run, a metric that is never recorded, and node-local storage (2 simulated 1-process nodes).
 accelerate: 5 accelerator.save_state() calls (automatic checkpoint naming), then load_state of the
 best.
+plain: a Checkpointer on an engine without the retention hook: a save at step 2, then a fresh
+engine resumed from it trains step 3 as the first one did.
 
-usage: retention_job.py zero2|accelerate OUT_DIR
+usage: retention_job.py zero2|accelerate|plain OUT_DIR
 """
 
 import json
@@ -130,6 +132,61 @@ def zero2(out: str) -> dict:
     return result
 
 
+class Counter:
+    """A piece of run state the checkpoint holds: the same on every rank."""
+
+    def __init__(self):
+        self.n = 0
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.n = state["n"]
+
+
+def train_step(engine, step: int) -> None:
+    x, y = batch(step)
+    engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+    engine.step()
+
+
+def plain(out: str) -> dict:
+    import deepspeed
+
+    from dragon.checkpoint.checkpointer import Checkpointer, ResumeTarget, RNGState
+
+    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=60))
+    torch.manual_seed(0)
+    net = model()
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=CONFIG)
+    counter = Counter()
+    saver = Checkpointer(engine, out, {"counter": counter}, {"rng_state": RNGState(0)})
+    for step in (1, 2, 3):
+        train_step(engine, step)
+        counter.n += step
+        if step == 2:
+            saver.save(step)
+    after = params(engine)
+    torch.manual_seed(1)  # other weights, which the resume must replace
+    fresh_net = model()
+    fresh, *_ = deepspeed.initialize(
+        model=fresh_net, model_parameters=fresh_net.parameters(), config=CONFIG
+    )
+    resumed = Counter()
+    step = Checkpointer(fresh, out, {"counter": resumed}, {"rng_state": RNGState(0)}).resume(
+        ResumeTarget(out, "step2")
+    )
+    train_step(fresh, 3)
+    return {
+        "files": sorted(os.listdir(os.path.join(out, "step2"))),
+        "latest": open(os.path.join(out, "latest")).read().strip(),
+        "step": step,
+        "counter": resumed.n,
+        "step3_equal": same(params(fresh), after),
+    }
+
+
 def accelerate_job(out: str) -> dict:
     from accelerate import Accelerator, DeepSpeedPlugin
     from accelerate.utils import DummyOptim, InitProcessGroupKwargs, ProjectConfiguration
@@ -166,7 +223,7 @@ def accelerate_job(out: str) -> dict:
 
 if __name__ == "__main__":
     mode, out = sys.argv[1], sys.argv[2]
-    result = zero2(out) if mode == "zero2" else accelerate_job(out)
+    result = {"zero2": zero2, "accelerate": accelerate_job, "plain": plain}[mode](out)
     if dist.get_rank() == 0:
         with open(os.path.join(out, "..", f"result_{mode}.json"), "w") as f:
             json.dump(result, f)
