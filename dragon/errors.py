@@ -2,6 +2,8 @@
 line for the user. Library code raises them and never ends the process itself; each recipe's
 main() catches RunStopped once and exits with `sys.exit(stop.exit_status())`."""
 
+import os
+
 
 class RunStopped(Exception):
     """The run stops here, for `reason` (one line); exit code 1 unless a subclass says 0."""
@@ -13,9 +15,20 @@ class RunStopped(Exception):
         self.reason = reason
 
     def exit_status(self):
-        """What sys.exit takes: "error: <reason>" (printed to stderr, exit code 1), or 0 for an
-        end that its raiser has already reported."""
-        return f"error: {self.reason}" if self.exit_code else 0
+        """What sys.exit takes: "error: <reason>" (printed to stderr, exit code 1) on the rank
+        that reports (rank 0 of the process group, or of the launch before there is one), 1
+        elsewhere, so a launch prints its error once; 0 for an end its raiser has reported."""
+        if not self.exit_code:
+            return 0
+        return f"error: {self.reason}" if _reporting_rank() else self.exit_code
+
+
+def _reporting_rank() -> bool:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 class InputRefused(RunStopped):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import HfArgumentParser
 
+from dragon.checkpoint.export import save_model
 from dragon.model.convert import model_from_reference
 from dragon.model.bdh import BDHConfig
 
@@ -56,7 +57,7 @@ def main() -> None:
         model = model_from_reference(state_dict, config)
     except ValueError as error:  # missing, unexpected or mis-shaped keys
         fail(error)
-    model.save_pretrained(args.output)
+    save_model(model, args.output)
     print(f"wrote {args.output} ({model.num_parameters():,} parameters, {config.n_layer} layers)")
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from transformers import HfArgumentParser
 
 from dragon.checkpoint.card import write_model_card
-from dragon.checkpoint.export import model_from_checkpoint, resolve_checkpoint
+from dragon.checkpoint.export import model_from_checkpoint, resolve_checkpoint, save_model
 from dragon.checkpoint.retention import list_checkpoints
 
 
@@ -40,7 +40,7 @@ def main():
         model = model_from_checkpoint(tag_dir)
     except ValueError as e:
         sys.exit(f"error: {e}")
-    model.save_pretrained(args.output)
+    save_model(model, args.output)
     save_dir, tag = os.path.split(os.path.normpath(tag_dir))
     step = list_checkpoints(save_dir).get(tag)
     write_model_card(args.output, model.config, save_dir, step, f"checkpoint {tag_dir}")

@@ -1,5 +1,6 @@
-"""Plot runs from their metrics.jsonl: losses against steps and tokens, the learning rate,
-tokens/s, and for DiLoCo the outer steps and the bytes sent between islands.
+"""Plot runs from their metrics.jsonl: training and validation loss against steps, training loss
+against tokens, the learning rate, tokens/s, and for DiLoCo runs the outer steps and the bytes
+sent between islands.
 
     python recipes/plot.py runs/dp runs/diloco --output curves.png
 
@@ -52,36 +53,45 @@ def _xy(history: dict[int, dict], y: str, x: str = "step"):
     return [p[0] for p in points], [p[1] for p in points]
 
 
+PANELS = (  # (title, x, y label); the last only for runs whose islands exchanged bytes
+    ("loss: training (line), validation (circles)", "step", "loss (nats per token)"),
+    ("training loss by tokens", "tokens", "loss (nats per token)"),
+    ("learning rate", "step", "learning rate"),
+    ("throughput", "step", "tokens/s"),
+    ("DiLoCo: sent to other islands, per rank", "step", "MB (cumulative)"),
+)
+
+
 def plot(runs: list[tuple[str, dict[int, dict]]], size: tuple[float, float], dpi: int):
-    """The figure: one colour per line, the same in every panel."""
-    fig, axes = plt.subplots(2, 3, figsize=size, dpi=dpi)
-    (by_step, by_tokens, lr), (speed, outer_bytes, evals) = axes
+    """The figure: one colour per run (or island), the same in every panel; a DiLoCo run's outer
+    steps are ticks on its training loss."""
+    diloco = any("outer_bytes_sent" in m for _, history in runs for m in history.values())
+    panels = PANELS if diloco else PANELS[:-1]
+    fig, grid = plt.subplots(2, 3 if diloco else 2, figsize=size, dpi=dpi)
+    axes = list(grid.flat)
+    for extra in axes[len(panels):]:
+        fig.delaxes(extra)
+    by_step, by_tokens, lr, speed = axes[:4]
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"] * 9
     for (name, history), colour in zip(runs, colours):
         style = {"color": colour, "label": name}
         by_step.plot(*_xy(history, "loss"), **style)
+        by_step.plot(*_xy(history, "eval_loss"), "o--", color=colour)
         outer = [s for s, m in history.items() if "outer_step" in m and "loss" in m]
         by_step.plot(outer, [history[s]["loss"] for s in outer], "|", color=colour, ms=8)
         by_tokens.plot(*_xy(history, "loss", "tokens"), **style)
-        evals.plot(*_xy(history, "eval_loss"), "o-", **style)
         lr.plot(*_xy(history, "lr"), **style)
         speed.plot(*_xy(history, "tokens_per_second"), **style)
         steps, sent = _xy(history, "outer_bytes_sent")
-        total = [sum(sent[: i + 1]) / 1e6 for i in range(len(sent))]
         if steps:
-            outer_bytes.plot(steps, total, "o-", **style)
-    for ax, title, xlabel in (
-        (by_step, "training loss (| outer steps)", "step"),
-        (by_tokens, "training loss", "tokens"),
-        (lr, "learning rate", "step"),
-        (speed, "tokens/s", "step"),
-        (outer_bytes, "cross-island MB sent per rank (cumulative)", "step"),
-        (evals, "validation loss", "step"),
-    ):
+            axes[4].plot(steps, [sum(sent[: i + 1]) / 1e6 for i in range(len(sent))], "o-",
+                         **style)
+    for ax, (title, xlabel, ylabel) in zip(axes, panels):
         ax.set_title(title)
         ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-        if ax.lines:
+        if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize="small")
     fig.tight_layout()
     return fig

@@ -56,21 +56,21 @@ def evaluate(engine, batches, cache: Optional[BDHCache] = None) -> float:
 
 def deepspeed_engine(model, inputs):
     """The model in a DeepSpeed engine, with torch's AdamW and transformers' schedule unless the
-    JSON names its own."""
-    optimizer, lr_scheduler = client_optimizer_and_scheduler(
+    JSON names its own; and that schedule (None when the JSON's)."""
+    optimizer, lr_schedule = client_optimizer_and_scheduler(
         model.parameters(), inputs.ds_config, inputs.train
     )
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
-        lr_scheduler=lr_scheduler,
+        lr_scheduler=lr_schedule,
         model_parameters=model.parameters(),
         config=inputs.ds_config,
     )
     skip_nonfinite_updates(engine)  # where DeepSpeed steps torch's optimizer as it is (ZeRO-0)
     if inputs.train.torch_compile:
         engine.compile()
-    return engine
+    return engine, lr_schedule
 
 
 def main():
@@ -81,7 +81,7 @@ def main():
     topology = enter_island(inputs.diloco, args.dist_timeout)
     init_distributed(args.dist_timeout)
     model = initial_model(inputs)
-    engine = deepspeed_engine(model, inputs)
+    engine, lr_schedule = deepspeed_engine(model, inputs)
     run_dir = inputs.run_dir(topology.island)  # <output_dir>, or <output_dir>/island<i>
     save_dir = os.path.join(run_dir, "checkpoints")
     # Optional: after every engine.save_checkpoint, a completion marker once every rank wrote its
@@ -94,6 +94,8 @@ def main():
     data = run_data(inputs, data_rank, data_world, rank(), world_size(), engine,
                     model.config.n_layer)
     shared, per_rank = data.checkpoint_pieces()
+    if lr_schedule:  # the steps it was planned for: a resume keeps them
+        shared["lr_schedule"] = lr_schedule
     torch.manual_seed(args.seed + topology.launch_rank)  # every rank its own dropout masks
     per_rank["rng_state"] = RNGState(args.seed + topology.launch_rank)
     if outer:

@@ -64,21 +64,21 @@ def evaluate(engine, batches, cache: Optional[BDHCache] = None) -> float:
 
 def deepspeed_engine(pipe, inputs):
     """The pipeline in a DeepSpeed engine, with torch's AdamW and transformers' schedule unless
-    the JSON names its own."""
-    optimizer, lr_scheduler = client_optimizer_and_scheduler(
+    the JSON names its own; and that schedule (None when the JSON's)."""
+    optimizer, lr_schedule = client_optimizer_and_scheduler(
         pipe.parameters(), inputs.ds_config, inputs.train
     )
     engine, _, _, _ = deepspeed.initialize(
         model=pipe,
         optimizer=optimizer,
-        lr_scheduler=lr_scheduler,
+        lr_scheduler=lr_schedule,
         model_parameters=pipe.parameters(),
         config=inputs.ds_config,
     )
     skip_nonfinite_updates(engine)  # where DeepSpeed steps torch's optimizer as it is (ZeRO-0)
     if inputs.train.torch_compile:
         engine.compile()  # each stage's layers, in place
-    return engine
+    return engine, lr_schedule
 
 
 def main():
@@ -91,7 +91,7 @@ def main():
     model = initial_model(inputs)
     pipe = bdh_pipeline(model, pipe_args.pipeline_stages, pipe_args.partition_method,
                         pipe_args.activation_checkpoint_interval)
-    engine = deepspeed_engine(pipe, inputs)
+    engine, lr_schedule = deepspeed_engine(pipe, inputs)
     run_dir = inputs.run_dir(topology.island)  # <output_dir>, or <output_dir>/island<i>
     save_dir = os.path.join(run_dir, "checkpoints")
     # Optional: after every engine.save_checkpoint, a completion marker once every rank wrote its
@@ -106,6 +106,8 @@ def main():
     data = run_data(inputs, data_rank, data_world, dp_rank, dp_world, engine,
                     stage_layer(pipe).layers_on_stage)
     shared, per_rank = data.checkpoint_pieces()
+    if lr_schedule:  # the steps it was planned for: a resume keeps them
+        shared["lr_schedule"] = lr_schedule
     torch.manual_seed(args.seed + topology.launch_rank)  # every rank its own dropout masks
     per_rank["rng_state"] = RNGState(args.seed + topology.launch_rank)
     if outer:

@@ -57,7 +57,7 @@ def main() -> None:
         near = source if is_hf_directory(source) else os.path.dirname(source)
         tokenizer = tokenizer_in(args.tokenizer_name or near, model.config.vocab_size)
     except (ValueError, OSError) as e:
-        sys.exit(f"error: {e}")
+        sys.exit(f"error: sample: {e}")
     ids = tokenizer.encode(args.prompt)
     if not ids:
         sys.exit("error: --prompt is empty; give at least one token to continue")

@@ -2,7 +2,9 @@
 
 import json
 import math
+import os
 import shutil
+import stat
 import subprocess
 
 import pytest
@@ -147,6 +149,48 @@ def test_a_copied_recipe_runs_from_anywhere(runs, text_file, tmp_path):
     _, reference, _ = runs("zero2")
     assert losses(read_jsonl(out / "metrics.jsonl")) == losses(reference)
     assert (out / "final" / "model.safetensors").exists()
+
+
+def test_an_extended_run_keeps_its_schedule_and_says_so(runs, tmp_path):
+    """Resumed from its last step with a larger --max_steps, a run says where it resumed and that
+    it keeps the schedule it was planned with: the rate stays at the schedule's final value
+    instead of stretching the schedule again."""
+    full_out, full, _ = runs("zero2")
+    out = tmp_path / "extended"
+    shutil.copytree(full_out / "checkpoints", out / "checkpoints")
+    extra = ["--resume_from_checkpoint", "latest", "--max_steps", str(STEPS + 4)]
+    _, metrics, proc = runs("extended", extra=extra, out=out)
+    final_lr = full[-1]["lr"]
+    assert final_lr == pytest.approx(3e-4)  # the cosine's floor: 0.1 of the peak
+    assert [m["step"] for m in metrics] == list(range(STEPS + 1, STEPS + 5))
+    assert [m["lr"] for m in metrics] == [final_lr] * 4
+    log = proc.stdout + proc.stderr
+    assert f"resumed from {out / 'checkpoints' / f'step{STEPS}'} at step {STEPS}" in log
+    assert (f"the LR schedule planned for {STEPS} steps is kept; from step {STEPS} to "
+            f"{STEPS + 4} the rate stays at its final 0.0003") in log
+
+
+def test_a_refusal_in_a_two_rank_launch_prints_one_line(text_file, tmp_path):
+    """Bad input under a 2-rank launcher: one `error:` line (rank 0's), naming the value given
+    and the flag the number comes from."""
+    args = [*bad_input_base("zero2.json", tmp_path / "x", text_file),
+            "--block_size", "8000", "--per_device_train_batch_size", "1"]
+    proc = launch("torchrun", 2, "recipes/pretrain.py", args)
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines()
+              if line.startswith("error:")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith("error: --block_size 8000: the validation set has"), errors
+    assert "(--per_device_eval_batch_size 8 x 2 ranks)" in errors[0]
+
+
+def test_an_export_is_readable_by_others(runs):
+    """The exported weights get the umask's permissions, like every other file (transformers
+    writes them owner-only)."""
+    out, _, _ = runs("zero2")
+    mask = os.umask(0)
+    os.umask(mask)
+    for name in ("model.safetensors", "config.json"):
+        assert stat.S_IMODE((out / "final" / name).stat().st_mode) == 0o666 & ~mask, name
 
 
 @pytest.mark.slow

@@ -146,6 +146,16 @@ def test_plots_of_one_run_and_of_two_overlaid(monkeypatch, capsys, made, tmp_pat
     assert legend == ["dl island0", "dl island1"]  # only DiLoCo sends between islands
 
 
+def test_a_run_without_islands_is_plotted_without_an_empty_panel(made):
+    """A run without DiLoCo has no cross-island panel; every panel has a y label and a line;
+    training and validation loss share the first."""
+    tool = runpy.run_path(str(REPO / "recipes/plot.py"))
+    fig = tool["plot"](tool["series"](str(made["pipeline"]), "dp"), (10, 8), 50)
+    assert len(fig.axes) == 4 and not any("DiLoCo" in ax.get_title() for ax in fig.axes)
+    assert all(ax.get_ylabel() and ax.lines for ax in fig.axes)
+    assert "validation" in fig.axes[0].get_title() and len(fig.axes[0].lines) == 3
+
+
 def greedy(monkeypatch, capsys, path, *extra) -> str:
     argv = [str(path), "--prompt", "def ", "--max_new_tokens", "12", *extra]
     return recipe_in_process(monkeypatch, capsys, "recipes/sample.py", argv)

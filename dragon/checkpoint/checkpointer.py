@@ -164,6 +164,8 @@ class Checkpointer:
             raise RuntimeError(f"no loadable DeepSpeed checkpoint in {target.load_dir} "
                                f"(tag {target.tag or 'from latest'})")
         step = client_state["step"]
+        if rank() == 0:
+            logger.info(f"resumed from {os.path.join(target.load_dir, target.tag)} at step {step}")
         another = bool(target.reshaped or target.regrouped)
         saved = Saved(os.path.join(target.load_dir, target.tag), step,
                       relaid=bool(target.reshaped), borrowed=target.new_island)

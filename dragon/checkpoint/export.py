@@ -10,6 +10,7 @@ their checkpoints.
 """
 
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,19 @@ def full_fp32_state_dict(engine) -> dict[str, torch.Tensor]:
     return state
 
 
+def save_model(model: BDHForCausalLM, out_dir: str) -> None:
+    """model.save_pretrained(out_dir), its files readable as the umask allows (transformers writes
+    the weights owner-only, which others on a shared machine then cannot load)."""
+    started = time.time() - 1  # file times may be whole seconds
+    model.save_pretrained(out_dir)
+    mask = os.umask(0)
+    os.umask(mask)
+    for name in os.listdir(out_dir):  # only the files it just wrote
+        path = os.path.join(out_dir, name)
+        if os.path.isfile(path) and os.path.getmtime(path) >= started:
+            os.chmod(path, 0o666 & ~mask)
+
+
 def export_engine(engine, config: BDHConfig, out_dir: str, tag_dir: str) -> None:
     """save_pretrained of a recipe's trained model into out_dir; every rank calls, rank 0 writes.
 
@@ -61,7 +75,7 @@ def export_engine(engine, config: BDHConfig, out_dir: str, tag_dir: str) -> None
         state = full_fp32_state_dict(engine)
         model = _model_from_state(state, config, "the engine") if rank() == 0 else None
     if model is not None:
-        model.save_pretrained(out_dir)
+        save_model(model, out_dir)
     if dist.is_initialized():
         dist.barrier()
 
@@ -116,7 +130,13 @@ def resolve_checkpoint(path: str, checkpoint: str = "best", metric: str = "eval_
         if not is_complete(tag_dir):
             raise ValueError(f"--checkpoint {checkpoint}: {tag_dir} is not a complete checkpoint")
         return tag_dir
-    latest = os.path.join(*find_resume_checkpoint(save_dir))
+    try:
+        latest = os.path.join(*find_resume_checkpoint(save_dir))
+    except ValueError:
+        raise ValueError(
+            f"{path}: no complete checkpoint in {save_dir} yet; pass a run that has saved one, "
+            "a checkpoint tag directory or a Hugging Face directory"
+        ) from None
     if checkpoint == "latest":
         return latest
     complete = {n: s for n, s in list_checkpoints(save_dir).items()

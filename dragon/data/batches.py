@@ -147,9 +147,9 @@ def _validation_count(
     n = len(dataset) if max_samples is None else min(len(dataset), max_samples)
     if n < micro_batch_size * dp_world:
         raise DataError(
-            f"validation set has {n} samples, fewer than one micro-batch per rank "
-            f"({micro_batch_size} x {dp_world}); lower the micro batch size or "
-            "--block_size, or raise --validation_split_percentage"
+            f"the validation set has {n} samples, fewer than one evaluation micro-batch per rank "
+            f"(--per_device_eval_batch_size {micro_batch_size} x {dp_world} ranks); lower "
+            "--per_device_eval_batch_size or --block_size, or raise --validation_split_percentage"
         )
     return n
 

@@ -10,6 +10,7 @@ from dragon.data.batches import ContiguousRowBatches, TrainBatches, eval_batches
 from dragon.data.mixture import source_names
 from dragon.data.streaming import STATE_FILE as STREAM_STATE
 from dragon.data.streaming import StreamingBatches, build_streams, check_stream
+from dragon.data.sources import DataError
 from dragon.data.text import build_datasets
 from dragon.run.carry import STATE_FILE as CARRIED_STATE
 from dragon.run.carry import CarriedState, check_state_fits
@@ -95,8 +96,11 @@ def check_data_fits(inputs, config, dp_world: int, islands: int) -> None:
     else:
         TrainBatches(inputs.train_set, micro, 0, dp_world * islands, accum)
     # (the validation streams of eval_loss_carried need exactly what these batches need)
-    eval_batches(inputs.valid_set, args.per_device_eval_batch_size, 0, dp_world,
-                 args.max_eval_samples)
+    try:
+        eval_batches(inputs.valid_set, args.per_device_eval_batch_size, 0, dp_world,
+                     args.max_eval_samples)
+    except DataError as e:  # samples are --block_size + 1 tokens: name the size given
+        raise DataError(f"--block_size {data_args.block_size}: {e}") from None
     if not args.carry_state:
         return
     pipe_args = inputs.pipeline

@@ -1,24 +1,69 @@
 """The optimizer and LR schedule a recipe hands to deepspeed.initialize when the JSON has none."""
 
+import logging
+from typing import Callable, Optional
+
 import torch
+from torch.optim.lr_scheduler import LambdaLR
 from transformers import get_scheduler
 
+from dragon.parallel.distributed import rank
 
-def client_optimizer_and_scheduler(params, cfg: dict, args):
-    """What to pass to deepspeed.initialize: the JSON's optimizer and scheduler win; without them,
-    torch's AdamW and transformers' schedule (warm-up, then cosine down to a floor of
-    --min_lr_ratio by default) from the arguments."""
+logger = logging.getLogger("dragon")
 
-    def schedule(opt):
+
+class LRSchedule:
+    """transformers' schedule (--lr_scheduler_type: warm-up, then cosine down to a floor of
+    --min_lr_ratio by default) planned for --max_steps, and a piece of the run's state.
+
+    A resume keeps the schedule the run was planned with: a run extended past its end (resumed
+    with a larger --max_steps) trains on at the schedule's final rate rather than stretching the
+    schedule again, which would send the rate back up."""
+
+    def __init__(self, args):
+        self.args = args
+        self.planned = args.max_steps
+        self._factor = self._plan(self.planned)
+
+    def _plan(self, steps: int) -> Callable[[int], float]:
+        """The schedule's factor of the peak rate at each step, for a run of `steps` steps."""
+        args = self.args
         with_floor = args.lr_scheduler_type == "cosine_with_min_lr"
+        dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
         return get_scheduler(
             args.lr_scheduler_type,
-            opt,
+            dummy,
             num_warmup_steps=args.warmup_steps,
-            num_training_steps=args.max_steps,
+            num_training_steps=steps,
             scheduler_specific_kwargs={"min_lr_rate": args.min_lr_ratio} if with_floor else None,
-        )
+        ).lr_lambdas[0]
 
+    def __call__(self, optimizer: torch.optim.Optimizer) -> LambdaLR:
+        """The scheduler DeepSpeed steps (deepspeed.initialize calls this with its optimizer)."""
+        return LambdaLR(optimizer, lambda step: self._factor(min(step, self.planned)))
+
+    def state_dict(self) -> dict:
+        return {"planned_steps": self.planned}
+
+    def load_state_dict(self, state: dict) -> None:
+        planned = int(state["planned_steps"])
+        if planned == self.planned:
+            return
+        if rank() == 0:
+            end = self.args.learning_rate * self._plan(planned)(planned)
+            beyond = (f"from step {planned} to {self.args.max_steps} the rate stays at its final "
+                      f"{end:.3g}" if self.args.max_steps > planned else
+                      f"the run now ends at step {self.args.max_steps}")
+            logger.info(f"resume: the LR schedule planned for {planned} steps is kept; {beyond} "
+                        "(a new schedule: start from an export with --model_name_or_path)")
+        self.planned, self._factor = planned, self._plan(planned)
+
+
+def client_optimizer_and_scheduler(
+    params, cfg: dict, args
+) -> tuple[Optional[torch.optim.Optimizer], Optional[LRSchedule]]:
+    """What to pass to deepspeed.initialize: the JSON's optimizer and scheduler win; without them,
+    torch's AdamW and an LRSchedule from the arguments."""
     optimizer = None
     if "optimizer" not in cfg:
         optimizer = torch.optim.AdamW(
@@ -28,4 +73,4 @@ def client_optimizer_and_scheduler(params, cfg: dict, args):
             betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_epsilon,
         )
-    return optimizer, (schedule if "scheduler" not in cfg else None)
+    return optimizer, (LRSchedule(args) if "scheduler" not in cfg else None)
