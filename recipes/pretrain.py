@@ -42,12 +42,16 @@ from dragon.run.preflight import preflight
 
 
 @torch.no_grad()
-def evaluate(engine, batches, cache: Optional[BDHCache] = None) -> float:
+def evaluate(engine, batches, cache: Optional[BDHCache] = None, signalled=None) -> Optional[float]:
     """Mean validation loss over every rank's fixed batches; with a cache each batch continues
-    the state the batches before it left (streams)."""
+    the state the batches before it left (streams). None when `signalled()` (a preemption signal
+    on any rank) stops it early."""
     engine.eval()
     losses = []
     for batch in batches:
+        if signalled is not None and signalled():
+            engine.train()
+            return None
         batch = batch.to(engine.device)
         losses.append(engine(input_ids=batch, labels=batch, cache=cache).loss.item())
     engine.train()
@@ -142,11 +146,13 @@ def train(engine, run, data, outer, checkpointer, args) -> None:
         record = outer.maybe_outer_step(step, final=run.done) if outer else {}
         if run.due(args.logging_steps):
             record.update(run.train_metrics(grad_norm))
-        if run.due(args.eval_steps):
-            record["eval_loss"] = evaluate(engine, data.valid)
-            if data.valid_streams:
-                streams = BDHCache(engine.module.config.n_layer)
-                record["eval_loss_carried"] = evaluate(engine, data.valid_streams, streams)
+        if run.due(args.eval_steps) and not verdict.stop:  # a stop saves at once
+            eval_loss = evaluate(engine, data.valid, signalled=run.signalled)
+            if eval_loss is not None:  # None: a preemption signal came during it
+                record["eval_loss"] = eval_loss
+                if data.valid_streams:
+                    streams = BDHCache(engine.module.config.n_layer)
+                    record["eval_loss_carried"] = evaluate(engine, data.valid_streams, streams)
         run.log(record)
         # With DiLoCo, save_steps is a multiple of H (an outer step); a preemption waits for one.
         if run.due(args.save_steps) or verdict.save:

@@ -150,7 +150,7 @@ def train(engine, pipe, run, data, outer, checkpointer, args) -> None:
         record = outer.maybe_outer_step(step, final=run.done) if outer else {}
         if run.due(args.logging_steps):
             record.update(run.train_metrics(grad_norm))
-        if run.due(args.eval_steps):
+        if run.due(args.eval_steps) and not verdict.stop:  # a stop saves at once
             record["eval_loss"] = evaluate(engine, data.valid)
             if data.valid_streams:
                 streams = BDHCache(stage_layer(pipe).layers_on_stage)

@@ -52,6 +52,10 @@ class StepGuard:
         for s, handler in self._previous.items():  # a second signal acts at once
             signal.signal(s, handler)
 
+    def signalled(self) -> bool:
+        """Whether any rank of this world got a preemption signal (a collective)."""
+        return _all_reduce_max([float(self.signal or 0)])[0] > 0
+
     def after_step(
         self, step: int, loss: float, grad_norm: Optional[float], boundary: bool = True
     ) -> Verdict:

@@ -117,6 +117,11 @@ class TrainingRun:
         boundary = self.diloco is None or self.diloco.is_boundary(self.step, self.done)
         return self.guard.after_step(self.step, self.losses[-1], grad_norm, boundary)
 
+    def signalled(self) -> bool:
+        """Whether a preemption signal reached any rank of this island (a collective): an
+        evaluation gives way to the save."""
+        return self.guard.signalled()
+
     def stop(self, verdict: Verdict) -> None:
         """End the run early (after its save, if any): Preempted, or TrainingFailed with the
         verdict's message."""
