@@ -156,6 +156,17 @@ def test_a_run_without_islands_is_plotted_without_an_empty_panel(made):
     assert "validation" in fig.axes[0].get_title() and len(fig.axes[0].lines) == 3
 
 
+def test_sampling_a_run_without_a_checkpoint_says_what_to_pass(monkeypatch, tmp_path):
+    """sample.py on a run that saved nothing yet: one line that names the tool and what to pass."""
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    monkeypatch.setattr(sys, "argv", ["sample.py", str(tmp_path / "run")])
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(str(REPO / "recipes/sample.py"), run_name="__main__")
+    message = str(stop.value)
+    assert message.startswith("error: sample: ") and "no complete checkpoint" in message
+    assert "a Hugging Face directory" in message and "\n" not in message
+
+
 def greedy(monkeypatch, capsys, path, *extra) -> str:
     argv = [str(path), "--prompt", "def ", "--max_new_tokens", "12", *extra]
     return recipe_in_process(monkeypatch, capsys, "recipes/sample.py", argv)
