@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import HfArgumentParser
 
-from dragon.checkpoint.export import save_model
+from dragon.checkpoint.export import check_export_dir, save_model
 from dragon.model.convert import model_from_reference
 from dragon.model.bdh import BDHConfig
 
@@ -30,6 +30,7 @@ class ConvertArguments:
     mlp_internal_dim_multiplier: int = 128
     vocab_size: int = 256
     dropout: float = 0.1
+    overwrite: bool = False  # replace a model's files in a non-empty --output (others stay)
 
 
 def fail(message: str) -> None:
@@ -42,7 +43,11 @@ def main() -> None:
     (args,) = HfArgumentParser(ConvertArguments).parse_args_into_dataclasses()
     if not os.path.isfile(args.input):
         fail(f"input file not found: {args.input}")
-    sizes = {k: v for k, v in vars(args).items() if k not in ("input", "output")}
+    try:
+        check_export_dir(args.output, args.overwrite)
+    except ValueError as error:
+        fail(error)
+    sizes = {k: v for k, v in vars(args).items() if k not in ("input", "output", "overwrite")}
     try:
         config = BDHConfig(**sizes)
     except ValueError as error:

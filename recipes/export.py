@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from transformers import HfArgumentParser
 
 from dragon.checkpoint.card import write_model_card
-from dragon.checkpoint.export import model_from_checkpoint, resolve_checkpoint, save_model
+from dragon.checkpoint.export import (check_export_dir, model_from_checkpoint,
+                                      resolve_checkpoint, save_model)
 from dragon.checkpoint.retention import list_checkpoints
 
 
@@ -31,11 +32,16 @@ class ExportArguments:
     )
     output: str = field(metadata={"help": "Directory to save_pretrained into."})
     metric: str = field(default="eval_loss", metadata={"help": "From a run: lowest is best."})
+    overwrite: bool = field(
+        default=False,
+        metadata={"help": "Replace an export's files in a non-empty --output (others stay)."},
+    )
 
 
 def main():
     (args,) = HfArgumentParser(ExportArguments).parse_args_into_dataclasses()
     try:
+        check_export_dir(args.output, args.overwrite)
         tag_dir = resolve_checkpoint(args.checkpoint, "best", args.metric)
         model = model_from_checkpoint(tag_dir)
     except ValueError as e:

@@ -243,6 +243,27 @@ def test_export_cli_turns_checkpoint_into_model(runs, tmp_path):
         torch.testing.assert_close(model(ids).logits, final_logits(out), atol=0, rtol=0)
 
 
+def test_export_never_replaces_a_users_files_silently(runs, tmp_path):
+    """recipes/export.py into a directory holding a user's files is refused in one line and
+    writes nothing; with --overwrite it writes the export's files and leaves the others."""
+    out, _, _ = runs("zero3")
+    target = tmp_path / "mine"
+    target.mkdir()
+    (target / "notes.txt").write_text("keep me")
+    (target / "config.json").write_text("{}")
+    argv = ["--checkpoint", str(out / "checkpoints" / "step8"), "--output", str(target)]
+    proc = launch("python", 1, "recipes/export.py", argv)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith(
+        f"error: --output {target}: holds files (config.json, notes.txt)"
+    ), proc.stderr[-2000:]
+    assert sorted(p.name for p in target.iterdir()) == ["config.json", "notes.txt"]
+    assert (target / "config.json").read_text() == "{}"
+    proc = launch("python", 1, "recipes/export.py", [*argv, "--overwrite"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (target / "notes.txt").read_text() == "keep me"
+    assert BDHForCausalLM.from_pretrained(target).config.n_layer == 2
+
+
 @pytest.mark.parametrize(
     "argv,env,expected",
     [

@@ -52,6 +52,18 @@ def full_fp32_state_dict(engine) -> dict[str, torch.Tensor]:
     return state
 
 
+def check_export_dir(out_dir: str, overwrite: bool) -> None:
+    """Raise ValueError unless `out_dir` is new or empty, or `overwrite` lets an export replace
+    its own files there (the others stay): a user's files are never replaced silently."""
+    found = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    if found and not overwrite:
+        shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+        raise ValueError(f"--output {out_dir}: holds files ({shown}); choose a new or empty "
+                         "directory, or pass --overwrite to replace an export's files there")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"--output {out_dir}: is a file, not a directory")
+
+
 def save_model(model: BDHForCausalLM, out_dir: str) -> None:
     """model.save_pretrained(out_dir), its files readable as the umask allows (transformers writes
     the weights owner-only, which others on a shared machine then cannot load)."""
