@@ -134,6 +134,11 @@ class TrainingArguments:
     sample_prompt: str = _help("Prompt for the sample printed at the end.", default="def ")
     sample_max_new_tokens: int = _help("Tokens in the final sample (0: none).", default=200)
     dist_timeout: float = _help("Seconds a collective may wait before failing.", default=600.0)
+    break_lock: bool = _help(
+        "Take over the output_dir's lock (dragon.lock) of a run that is gone, on another host; "
+        "a gone run's lock on this host is taken over by itself.",
+        default=False,
+    )
     overwrite_output_dir: bool = _help(
         "Train into an output_dir that already holds another run's checkpoints (they stay, and "
         "retention may delete them); without it such a directory is refused unless resuming.",

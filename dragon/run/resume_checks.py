@@ -13,6 +13,7 @@ from dragon.diloco.state import check_diloco_state
 from dragon.model.bdh import BDHConfig
 from dragon.parallel.ds_config import zero_stage
 from dragon.run.args import DiLoCoArguments, TrainingArguments
+from dragon.run.lock import take_run_lock
 
 
 def resume_targets(
@@ -82,8 +83,12 @@ def check_reshape(
 
 
 def check_output_dir(args: TrainingArguments, diloco: DiLoCoArguments) -> None:
-    """Raise when a new run would train into another run's checkpoints (retention would mix the
-    two), unless resuming it or --overwrite_output_dir."""
+    """Take each island directory's lock (the launch's first rank; not for --dry_run), then raise
+    when a new run would train into another run's checkpoints (retention would mix the two),
+    unless resuming it or --overwrite_output_dir."""
+    if int(os.environ.get("RANK", "0")) == 0 and not args.dry_run:
+        for island in diloco.local_islands():
+            take_run_lock(diloco.output_dir(args.output_dir, island), args.break_lock)
     if args.resume_from_checkpoint or args.overwrite_output_dir:
         return
     for island in diloco.local_islands():
