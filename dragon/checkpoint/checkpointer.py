@@ -26,7 +26,6 @@ import torch.distributed as dist
 from dragon.checkpoint.reshape import converted_tag
 from dragon.checkpoint.retention import (MARKER, all_or_nothing, find_resume_checkpoint,
                                          last_complete)
-from dragon.checkpoint.writes import SaveFailed
 from dragon.errors import TrainingFailed
 from dragon.parallel.distributed import all_reduce_values, rank
 
@@ -127,12 +126,6 @@ class Checkpointer:
         if not weights_finite(self.engine):
             raise TrainingFailed(f"step {step}: weights hold NaN or inf, not saved; last "
                                  f"complete checkpoint: {self.last_complete()}")
-        try:
-            return self._save(step)
-        except SaveFailed as failure:
-            raise SaveFailed(f"{failure}; last complete checkpoint: {self.last_complete()}")
-
-    def _save(self, step: int) -> str:
         tag = tag_for(step)
         tag_dir = os.path.join(self.save_dir, tag)
         with all_or_nothing(self.engine, self.save_dir, tag) as writes:
