@@ -1,12 +1,15 @@
-"""A real full disk: a run whose output directory is a small tmpfs (mounted here; CI runs as
-root) stops at the save that does not fit with one line that says so, loses nothing, and resumes
-exactly once there is room."""
+"""Real storage faults. A full disk: a run whose output directory is a small tmpfs (mounted here;
+CI runs as root) stops at the save that does not fit with one line that says so, loses nothing,
+and resumes exactly once there is room. Damaged files: a complete checkpoint whose files were cut
+later is never loaded; a resume falls back to the newest whole one, and the offline verifier finds
+it."""
 
 import shutil
 import subprocess
+import sys
 
 import pytest
-from conftest import REPO, STEPS, TINY, launch, losses, read_jsonl
+from conftest import REPO, STEPS, TINY, job_env, launch, losses, read_jsonl
 
 DISK = "1200k"  # a checkpoint of the tiny model is ~700 KB: step 4 fits, step 8 does not
 
@@ -52,3 +55,71 @@ def test_a_full_disk_stops_in_one_line_and_resumes_exactly(small_disk, runs, tmp
     _, reference, _ = runs("zero2")
     resumed = [m for m in read_jsonl(bigger / "metrics.jsonl") if m["step"] > 4][-(STEPS - 4):]
     assert losses(resumed) == losses(reference)[4:]
+
+
+def damaged_copy(runs, tmp_path, file: str):
+    """A copy of the shared 2-rank ZeRO-2 run (step4 and step8, both complete) whose step8 `file`
+    is cut to half its length, as a partial copy or a bad disk leaves it."""
+    out = tmp_path / "run"
+    shutil.copytree(runs("zero2")[0], out)
+    victim = out / "checkpoints" / f"step{STEPS}" / file
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) // 2])
+    return out
+
+
+def verify(run_dir, *extra) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "recipes/verify_checkpoints.py"), "--run",
+                           str(run_dir), *extra], capture_output=True, text=True, env=job_env())
+
+
+def test_a_truncated_model_states_file_falls_back_and_resumes_exactly(runs, tmp_path, text_file):
+    """`latest` names step8, whose model-states file lost its second half: the resume says so in
+    one line, takes step4, and from there the losses equal the uninterrupted run's."""
+    out = damaged_copy(runs, tmp_path, "mp_rank_00_model_states.pt")
+    proc = launch("torchrun", 2, "recipes/pretrain.py",
+                  recipe_args(out, text_file, ["--resume_from_checkpoint", "latest"]))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = proc.stdout + proc.stderr
+    assert "step8 is damaged (mp_rank_00_model_states.pt holds " in log, log[-3000:]
+    assert "falling back to the newest whole checkpoint step4" in log
+    _, reference, _ = runs("zero2")
+    resumed = [m for m in read_jsonl(out / "metrics.jsonl") if m["step"] > 4][-(STEPS - 4):]
+    assert [m["step"] for m in resumed] == list(range(5, STEPS + 1))
+    assert losses(resumed) == losses(reference)[4:]
+
+
+def test_a_truncated_optimizer_shard_is_refused_by_name_and_found_offline(runs, tmp_path,
+                                                                          text_file):
+    """Rank 1's optimizer shard of step8 is cut: naming step8 is refused in one line before any
+    work; the offline verifier finds it (exit 1) and says a resume takes step4."""
+    shard = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    out = damaged_copy(runs, tmp_path, shard)
+    proc = launch("torchrun", 2, "recipes/pretrain.py",
+                  recipe_args(out, text_file, ["--resume_from_checkpoint", f"step{STEPS}"]))
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines()
+              if line.startswith("error:")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
+    assert f"step{STEPS} is damaged ({shard} holds " in errors[0], errors
+    assert not any(m["step"] > STEPS for m in read_jsonl(out / "metrics.jsonl"))
+    checked = verify(out)
+    assert checked.returncode == 1, checked.stdout + checked.stderr
+    lines = checked.stdout.splitlines()
+    assert lines[0] == f"{out / 'checkpoints' / 'step4'}: whole"
+    assert lines[1].startswith(f"{out / 'checkpoints' / f'step{STEPS}'}: damaged: {shard} holds ")
+    assert lines[2] == f"a resume takes {out / 'checkpoints' / 'step4'}"
+
+
+def test_the_verifier_checks_every_byte(runs, tmp_path):
+    """A flipped byte keeps the size: only the CRC-32 finds it (sizes alone say whole)."""
+    out = tmp_path / "run"
+    shutil.copytree(runs("zero2")[0], out)
+    assert verify(out).returncode == 0  # every checksum a rank or the marker's writer recorded
+    victim = out / "checkpoints" / "step4" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    assert verify(out, "--no_checksums").returncode == 0
+    checked = verify(out)
+    assert checked.returncode == 1
+    assert f"step4: damaged: {victim.name} fails its CRC-32 check" in checked.stdout

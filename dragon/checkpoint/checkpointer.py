@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from dragon.checkpoint.reshape import converted_tag
-from dragon.checkpoint.retention import (MARKER, all_or_nothing, find_resume_checkpoint,
+from dragon.checkpoint.retention import (MARKER, all_or_nothing, damage_of, find_resume_checkpoint,
                                          last_complete)
 from dragon.errors import TrainingFailed
 from dragon.parallel.distributed import all_reduce_values, rank
@@ -206,15 +206,22 @@ def _loadable_form(engine) -> tuple[str, Optional[list[int]]]:
 
 
 def resolve_resume(resume: str, save_dir: str) -> tuple[str, str]:
-    """Map --resume_from_checkpoint (latest, a checkpoints dir or one tag dir) to (load_dir, tag).
+    """Map --resume_from_checkpoint (latest, a checkpoints dir, one tag dir or a tag of save_dir)
+    to (load_dir, tag).
 
-    A `latest` that is missing, corrupt or names a half-written tag falls back, with a warning,
-    to the newest complete checkpoint; only complete checkpoints are ever chosen.
+    A `latest` that is missing, corrupt or names a half-written or damaged tag falls back, with a
+    warning, to the newest whole checkpoint; a tag named outright must be whole.
     """
     path = save_dir if resume == "latest" else resume
+    if not os.path.isdir(path) and os.sep not in resume:  # a tag of this run's checkpoints
+        path = os.path.join(save_dir, resume)
     if not os.path.isdir(path):
         raise ValueError(f"--resume_from_checkpoint {resume}: no such directory ({path})")
     if os.path.isfile(os.path.join(path, MARKER)):  # one complete tag directory
+        problem = damage_of(path)
+        if problem:
+            raise ValueError(f"--resume_from_checkpoint {resume}: {path} is damaged ({problem}); "
+                             "name another checkpoint, or `latest` for the newest whole one")
         return os.path.dirname(os.path.abspath(path)), os.path.basename(os.path.normpath(path))
     try:
         return find_resume_checkpoint(path)

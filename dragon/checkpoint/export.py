@@ -23,6 +23,7 @@ from dragon.model.bdh import BDHConfig, BDHForCausalLM
 from dragon.parallel.pipeline import is_pipeline_checkpoint, model_from_pipeline_checkpoint
 from dragon.checkpoint.retention import (
     RetentionPolicy,
+    damage_of,
     find_resume_checkpoint,
     is_complete,
     list_checkpoints,
@@ -127,8 +128,10 @@ def resolve_checkpoint(path: str, checkpoint: str = "best", metric: str = "eval_
     path = os.path.normpath(path)
     if not os.path.isdir(path):
         raise ValueError(f"{path}: no such directory")
-    if is_hf_directory(path) or _is_tag_dir(path):
+    if is_hf_directory(path):
         return path
+    if _is_tag_dir(path):
+        return _whole(path)
     if os.path.isdir(os.path.join(path, "island0")):
         path = os.path.join(path, "island0")
     save_dir = os.path.join(path, "checkpoints")
@@ -141,7 +144,7 @@ def resolve_checkpoint(path: str, checkpoint: str = "best", metric: str = "eval_
         tag_dir = os.path.join(save_dir, checkpoint)
         if not is_complete(tag_dir):
             raise ValueError(f"--checkpoint {checkpoint}: {tag_dir} is not a complete checkpoint")
-        return tag_dir
+        return _whole(tag_dir)
     try:
         latest = os.path.join(*find_resume_checkpoint(save_dir))
     except ValueError:
@@ -152,10 +155,18 @@ def resolve_checkpoint(path: str, checkpoint: str = "best", metric: str = "eval_
     if checkpoint == "latest":
         return latest
     complete = {n: s for n, s in list_checkpoints(save_dir).items()
-                if is_complete(os.path.join(save_dir, n))}
+                if is_complete(os.path.join(save_dir, n))
+                and damage_of(os.path.join(save_dir, n)) is None}
     history = MetricHistory(metrics_path(path)).load()
     best = RetentionPolicy(metric_for_best_model=metric).best(complete, history)
     return os.path.join(save_dir, best) if best else latest
+
+
+def _whole(tag_dir: str) -> str:
+    problem = damage_of(tag_dir)
+    if problem:
+        raise ValueError(f"{tag_dir} is damaged ({problem}); name another checkpoint")
+    return tag_dir
 
 
 def _is_tag_dir(path: str) -> bool:

@@ -17,6 +17,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch.distributed as dist
 
 from dragon.parallel.distributed import rank
+from dragon.checkpoint.verify import damage, manifest
 from dragon.checkpoint.writes import GuardedWrites, SaveFailed
 from dragon.history import MetricHistory
 
@@ -147,13 +148,26 @@ def _inner_tag(path: str) -> Optional[str]:
     return None
 
 
+def _marked_dir(path: str) -> str:
+    """The directory whose marker tells about `path`: a tag dir itself, or the tag a save dir's
+    `latest` names (accelerate)."""
+    if os.path.isfile(os.path.join(path, MARKER)):
+        return path
+    inner = _inner_tag(path)
+    return os.path.join(path, inner) if inner else path
+
+
 def _marker(path: str) -> Optional[dict]:
     """The marker of a tag dir, or of the tag a save dir's `latest` names (accelerate); None if
     none.
     """
-    marker = _read_json(os.path.join(path, MARKER))
-    inner = _inner_tag(path) if marker is None else None
-    return _read_json(os.path.join(path, inner, MARKER)) if inner else marker
+    return _read_json(os.path.join(_marked_dir(path), MARKER))
+
+
+def damage_of(path: str, checksums: bool = False) -> Optional[str]:
+    """Why a complete checkpoint's files no longer match its marker (dragon.checkpoint.verify), or
+    None when they do."""
+    return damage(_marked_dir(path), (_marker(path) or {}).get("files"), checksums)
 
 
 def is_complete(tag_dir: str) -> bool:
@@ -257,35 +271,51 @@ def last_complete(save_dir: str) -> str:
 
 
 def find_resume_checkpoint(save_dir: str) -> tuple[str, str]:
-    """(load_dir, tag) to resume from: the tag `latest` names if complete, else the newest complete
-    one.
-    """
+    """(load_dir, tag) to resume from: the tag `latest` names if complete and whole, else the
+    newest one that is, saying why in one warning."""
     if not os.path.isdir(save_dir):
         raise ValueError(f"resume: {save_dir} is not a directory")
     latest = _read_latest(save_dir)
     plain = bool(latest) and os.sep not in latest and latest not in (".", "..")
-    if plain and is_complete(os.path.join(save_dir, latest)):
-        return save_dir, latest
     complete = {
         n: s
         for n, s in list_checkpoints(save_dir).items()
         if is_complete(os.path.join(save_dir, n))
     }
-    if not complete:
+    first = [latest] if plain and is_complete(os.path.join(save_dir, latest)) else []
+    if not complete and not first:
         raise ValueError(f"resume: {save_dir} holds no complete checkpoint")
-    name = max(complete, key=lambda n: (complete[n], _parse(n)[1], n))
-    if ACCEL_RE.match(name):  # accelerate: load_state(path) loads the tag its `latest` names
-        path = os.path.join(save_dir, name)
-        return path, _inner_tag(path)
-    if latest is None:
+    others = sorted(set(complete) - set(first), key=lambda n: (complete[n], _parse(n)[1], n))
+    order = first + others[::-1]
+    damaged = []
+    for name in order:
+        problem = damage_of(os.path.join(save_dir, name))
+        if problem is None:
+            break
+        damaged.append(f"{name} is damaged ({problem})")
+    else:
+        raise ValueError(f"resume: {save_dir} holds no whole checkpoint: {'; '.join(damaged)}")
+    accelerate = ACCEL_RE.match(name) is not None  # no `latest` of its own at this level
+    if name == latest or (accelerate and not damaged):
+        return _load_dir_and_tag(save_dir, name)
+    if damaged:
+        problem = "; ".join(damaged)
+    elif latest is None:
         problem = "no 'latest' file"
     elif not plain or not os.path.isdir(os.path.join(save_dir, latest)):
         problem = f"'latest' names {latest[:80]!r}, which is not a checkpoint here"
     else:
         problem = f"'latest' names {latest!r}, which is incomplete (no {MARKER})"
     warnings.warn(
-        f"resume: {save_dir}: {problem}; falling back to the newest complete checkpoint {name}"
+        f"resume: {save_dir}: {problem}; falling back to the newest whole checkpoint {name}"
     )
+    return _load_dir_and_tag(save_dir, name)
+
+
+def _load_dir_and_tag(save_dir: str, name: str) -> tuple[str, str]:
+    if ACCEL_RE.match(name):  # accelerate: load_state(path) loads the tag its `latest` names
+        path = os.path.join(save_dir, name)
+        return path, _inner_tag(path)
     return save_dir, name
 
 
@@ -302,7 +332,7 @@ def all_or_nothing(engine, save_dir: str, tag: str) -> Iterator[GuardedWrites]:
     with GuardedWrites(engine) as writes:
         yield writes
     try:
-        writes.agree(f"{tag} in {save_dir}")
+        writes.checksums = writes.agree(f"{tag} in {save_dir}")  # every rank's
     except SaveFailed:
         if _is_deleter(engine) and _read_latest(save_dir) != tag:
             _delete(save_dir, tag)
@@ -380,7 +410,9 @@ def attach_retention(
         history = _history_everywhere(hist_file)
         try:
             if deleter:
-                _write_marker(tag_dir, {"step": step, "tag": tag, "time": time.time()})
+                files = manifest(tag_dir, writes.checksums, skip=(MARKER,))
+                _write_marker(tag_dir, {"step": step, "tag": tag, "time": time.time(),
+                                        "files": files})
                 if save_latest and rank() == 0:
                     _write_atomically(os.path.join(save_dir, "latest"), tag)
                 prune(root, policy, history, current_tag=base if accelerate else tag)

@@ -5,7 +5,8 @@ writer) must not leave the other ranks waiting at a barrier of the save. Guarded
 for the engine's DeepSpeed CheckpointEngine during one save (DeepSpeed writes every file of a
 checkpoint through that interface): the first failed write is kept, the writes after it on that
 rank are skipped, and the rank carries on through DeepSpeed's collectives. agree() then raises
-SaveFailed on every rank if any rank failed.
+SaveFailed on every rank if any rank failed, or returns the CRC-32 of every file written
+(dragon.checkpoint.verify).
 """
 
 import errno
@@ -16,6 +17,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from dragon.checkpoint.verify import crc32_of
 
 WRITE_ERRORS = (OSError, RuntimeError)
 NEARLY_FULL = 2**20  # bytes: torch's writer reports a full disk as a bare RuntimeError
@@ -31,9 +33,14 @@ class GuardedWrites:
     def __init__(self, engine):
         self.engine, self.error = engine, None
         self.inner = getattr(engine, "checkpoint_engine", None)
+        self.checksums: dict[str, int] = {}  # absolute path -> CRC-32 of what this rank wrote
 
     def save(self, state_dict, path: str) -> None:
         self.run(self.inner.save, state_dict, path)
+        self.run(self._checksum, path)  # read back while the bytes are in the page cache
+
+    def _checksum(self, path: str) -> None:
+        self.checksums[os.path.abspath(path)] = crc32_of(path)
 
     def run(self, write, *args) -> None:
         """write(*args) unless a write of this save already failed; keep what failed and why (the
@@ -59,9 +66,18 @@ class GuardedWrites:
         if self.inner is not None:
             self.engine.checkpoint_engine = self.inner
 
-    def agree(self, what: str) -> None:
-        """Raise SaveFailed on every rank if any rank's writes failed (a collective)."""
-        agree_on_write_errors(self.error, what)
+    def agree(self, what: str) -> dict[str, int]:
+        """Raise SaveFailed on every rank if any rank's writes failed, naming the ranks and the
+        first one's cause; else every rank's checksums, by absolute path (a collective)."""
+        reports = [(self.error, self.checksums)]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            reports = [None] * dist.get_world_size()
+            dist.all_gather_object(reports, (self.error, self.checksums))
+        failed = [r for r, (error, _) in enumerate(reports) if error is not None]
+        if failed:
+            raise SaveFailed(f"saving {what} failed on rank {', '.join(map(str, failed))} "
+                             f"({reports[failed[0]][0]})")
+        return {path: crc for _, checksums in reports for path, crc in checksums.items()}
 
 
 def write_error(error: BaseException, path: Optional[str], state: Any = None) -> str:
@@ -98,16 +114,3 @@ def _bytes_of(state: Any) -> int:
     if isinstance(state, (list, tuple)):
         return sum(_bytes_of(v) for v in state)
     return 0
-
-
-def agree_on_write_errors(error: Optional[str], what: str) -> None:
-    """Raise SaveFailed on every rank naming the ranks whose `error` was not None and the first
-    one's cause (a collective)."""
-    errors = [error]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-    failed = [r for r, e in enumerate(errors) if e is not None]
-    if failed:
-        raise SaveFailed(f"saving {what} failed on rank {', '.join(map(str, failed))} "
-                         f"({errors[failed[0]]})")
