@@ -22,7 +22,7 @@ from transformers import HfArgumentParser
 from dragon.checkpoint.card import write_model_card
 from dragon.checkpoint.export import (check_export_dir, model_from_checkpoint,
                                       resolve_checkpoint, save_model)
-from dragon.checkpoint.retention import list_checkpoints
+from dragon.checkpoint.catalog import list_checkpoints
 
 
 @dataclass

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 from transformers import HfArgumentParser
 
-from dragon.checkpoint.retention import (damage_of, find_resume_checkpoint, is_complete,
-                                         list_checkpoints)
+from dragon.checkpoint.catalog import (damage_of, find_resume_checkpoint, is_complete,
+                                       list_checkpoints)
 
 
 @dataclass

@@ -11,7 +11,7 @@ import time
 import pytest
 from conftest import CARRY, REPO, TINY, job_env, launch_command, losses, read_jsonl
 
-from dragon.checkpoint.retention import is_complete
+from dragon.checkpoint.catalog import is_complete
 
 RECIPES = {
     "zero2": ("recipes/pretrain.py", ["--deepspeed", str(REPO / "ds_configs/zero2.json")]),

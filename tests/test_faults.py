@@ -27,7 +27,7 @@ from test_checkpoints import (
 )
 
 from dragon.checkpoint.export import model_from_checkpoint
-from dragon.checkpoint.retention import is_complete
+from dragon.checkpoint.catalog import is_complete
 
 # Every job here ends well inside this (measured: a few seconds after the fault).
 EXIT_BOUND_S = 60

@@ -328,7 +328,7 @@ def test_bad_deepspeed_json_is_refused(monkeypatch, text_file, tmp_path, text, e
 def fake_checkpoint(save_dir, tag="step4", **sizes):
     """A complete-looking checkpoint of a model with `sizes`, as the recipes leave one."""
     from dragon.model.bdh import BDHConfig
-    from dragon.checkpoint.retention import MARKER
+    from dragon.checkpoint.catalog import MARKER
 
     BDHConfig(**{"n_layer": 2, "n_embd": 32, "n_head": 2, **sizes}).save_pretrained(save_dir)
     (save_dir / tag).mkdir()

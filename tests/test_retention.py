@@ -12,14 +12,11 @@ import pytest
 
 from conftest import launch
 from dragon.history import MetricHistory
+from dragon.checkpoint.catalog import MARKER, find_resume_checkpoint, is_complete, list_checkpoints
 from dragon.checkpoint.retention import (
-    MARKER,
     RetentionPolicy,
     attach_retention,
     default_history_path,
-    find_resume_checkpoint,
-    is_complete,
-    list_checkpoints,
     prune,
 )
 

@@ -1,8 +1,11 @@
 """Checkpoints: what a save holds, which saves are kept, and how they are read back.
 
 - checkpointer: save and resume through engine.save_checkpoint / load_checkpoint, RNG state
-- retention: the hook around engine.save_checkpoint (attach_retention): completion markers,
-  keep the last K plus the best, find_resume_checkpoint
+- retention: the hook around engine.save_checkpoint (attach_retention): a save completes on
+  every rank or on none (writes: GuardedWrites, SaveFailed), then its marker; keep the last K
+  plus the best
+- catalog: which checkpoints a directory holds, complete and whole (verify: the marker's file
+  sizes and CRC-32s), find_resume_checkpoint
 - reshape, universal, pipeline: resume on another layout (data-parallel size, ZeRO stage,
   pipeline or plain model)
 - export, card: a Hugging Face directory and its model card from an engine or a checkpoint

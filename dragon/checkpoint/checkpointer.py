@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from dragon.checkpoint.reshape import converted_tag
-from dragon.checkpoint.retention import (MARKER, all_or_nothing, damage_of, find_resume_checkpoint,
-                                         last_complete)
+from dragon.checkpoint.catalog import MARKER, damage_of, find_resume_checkpoint, last_complete
+from dragon.checkpoint.retention import all_or_nothing
 from dragon.errors import TrainingFailed
 from dragon.parallel.distributed import all_reduce_values, rank
 

@@ -21,14 +21,9 @@ from dragon.parallel.distributed import rank
 from dragon.history import MetricHistory, metrics_path
 from dragon.model.bdh import BDHConfig, BDHForCausalLM
 from dragon.parallel.pipeline import is_pipeline_checkpoint, model_from_pipeline_checkpoint
-from dragon.checkpoint.retention import (
-    RetentionPolicy,
-    damage_of,
-    find_resume_checkpoint,
-    is_complete,
-    list_checkpoints,
-    looks_like_tag_dir,
-)
+from dragon.checkpoint.catalog import (damage_of, find_resume_checkpoint, is_complete,
+                                       list_checkpoints, looks_like_tag_dir)
+from dragon.checkpoint.retention import RetentionPolicy
 
 ROPE_KEY = "layer.attn.freqs"  # recomputed by the model, so a checkpoint may lack it
 

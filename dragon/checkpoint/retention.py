@@ -1,44 +1,33 @@
-"""Checkpoint retention for DeepSpeed: keep the last K plus the best, completion markers, safe
-resume.
+"""Checkpoint retention for DeepSpeed: a save completes once every rank wrote it (then its
+completion marker and `latest`), and keeps the last K plus the best. Which checkpoints a directory
+holds and where a resume starts: dragon.checkpoint.catalog.
 """
 
 import json
 import logging
 import math
 import os
-import re
 import shutil
 import time
-import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional
 
 import torch.distributed as dist
 
+from dragon.checkpoint.catalog import (ACCEL_RE, MARKER, TAG_RE, is_complete, list_checkpoints,
+                                       list_dir, parse_name, read_latest)
+from dragon.checkpoint.verify import manifest
 from dragon.parallel.distributed import rank
-from dragon.checkpoint.verify import damage, manifest
 from dragon.checkpoint.writes import GuardedWrites, SaveFailed
 from dragon.history import MetricHistory
 
 logger = logging.getLogger(__name__)
 
-MARKER = "dragon_complete.json"
 HISTORY = "metric_history.jsonl"
 DELETING = ".deleting-"
 # dragon.checkpoint.reshape's forms of a checkpoint for a launch of another layout, next to it
 CONVERSIONS = ("_universal", "_zero0", "_pipeline")
-# Layout (a): tag dirs in one save_dir (dragon's `step<N>`, DeepSpeed's default `global_step<N>`);
-# layout (b): accelerate's `checkpoint_<i>` dirs, each a DeepSpeed save_dir of its own.
-TAG_RE = re.compile(r"^(step|global_step)(\d+)$")
-ACCEL_RE = re.compile(r"^(checkpoint_)(\d+)$")
-# Files only DeepSpeed (or dragon.checkpoint.checkpointer, which writes its RNG file first) puts
-# in a tag dir.
-DS_FILE_RE = re.compile(
-    r"^(.*mp_rank_\d+.*\.pt|layer_\d+-.*model_states\.pt|rng_state_\d+\.pt|"
-    + re.escape(MARKER)
-    + r")$"
-)
 
 
 @dataclass
@@ -99,107 +88,6 @@ def default_history_path(root: str) -> str:
     return os.path.join(root, HISTORY)
 
 
-def _read_json(path: str) -> Optional[dict]:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-        return data if isinstance(data, dict) else None
-    except (OSError, ValueError):
-        return None
-
-
-def _read_latest(save_dir: str) -> Optional[str]:
-    try:  # garbage bytes are read as text, so the warning can show them
-        with open(os.path.join(save_dir, "latest"), errors="replace") as f:
-            return f.read().strip()
-    except OSError:
-        return None
-
-
-def _listdir(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except OSError:  # gone already, or not a directory
-        return []
-
-
-def _parse(name: str) -> Optional[tuple[str, int]]:
-    """(naming family, number) of a checkpoint name: ('step', 7), ('checkpoint_', 3); None if
-    foreign.
-    """
-    match = TAG_RE.match(name) or ACCEL_RE.match(name)
-    return (match.group(1), int(match.group(2))) if match else None
-
-
-def looks_like_tag_dir(path: str) -> bool:
-    return any(DS_FILE_RE.match(name) for name in _listdir(path))
-
-
-def _inner_tag(path: str) -> Optional[str]:
-    """The tag a DeepSpeed save_dir's `latest` names, if it is a plain name of a sub-directory."""
-    tag = _read_latest(path)
-    if (
-        tag
-        and os.sep not in tag
-        and tag not in (".", "..")
-        and os.path.isdir(os.path.join(path, tag))
-    ):
-        return tag
-    return None
-
-
-def _marked_dir(path: str) -> str:
-    """The directory whose marker tells about `path`: a tag dir itself, or the tag a save dir's
-    `latest` names (accelerate)."""
-    if os.path.isfile(os.path.join(path, MARKER)):
-        return path
-    inner = _inner_tag(path)
-    return os.path.join(path, inner) if inner else path
-
-
-def _marker(path: str) -> Optional[dict]:
-    """The marker of a tag dir, or of the tag a save dir's `latest` names (accelerate); None if
-    none.
-    """
-    return _read_json(os.path.join(_marked_dir(path), MARKER))
-
-
-def damage_of(path: str, checksums: bool = False) -> Optional[str]:
-    """Why a complete checkpoint's files no longer match its marker (dragon.checkpoint.verify), or
-    None when they do."""
-    return damage(_marked_dir(path), (_marker(path) or {}).get("files"), checksums)
-
-
-def is_complete(tag_dir: str) -> bool:
-    """True if the save finished: a tag dir with our marker, or a save dir whose `latest` tag has
-    one.
-    """
-    return _marker(tag_dir) is not None
-
-
-def list_checkpoints(save_dir: str) -> dict[str, int]:
-    """{name: step} of the checkpoint dirs under save_dir, complete or not, in either layout."""
-    found: dict[str, int] = {}
-    for name in _listdir(save_dir):
-        path, parsed = os.path.join(save_dir, name), _parse(name)
-        if parsed and parsed[0] != "checkpoint_" and looks_like_tag_dir(path):
-            found[name] = parsed[1]
-        elif (
-            parsed
-            and parsed[0] == "checkpoint_"
-            and (
-                os.path.isfile(os.path.join(path, "latest"))
-                or any(looks_like_tag_dir(os.path.join(path, d)) for d in _listdir(path))
-            )
-        ):
-            # accelerate's index counts saves, not steps: the marker holds the training step
-            step = (_marker(path) or {}).get("step")
-            found[name] = (
-                step if isinstance(step, int) and not isinstance(step, bool) else parsed[1]
-            )
-    return found
-
-
 def _ignore_missing(func, path, exc_info) -> None:
     if not issubclass(exc_info[0], FileNotFoundError):  # another deleter got there first: fine
         raise exc_info[1]
@@ -232,23 +120,23 @@ def prune(
     """Delete the checkpoints under save_dir that the policy does not keep; returns the names
     deleted.
     """
-    for name in _listdir(save_dir):  # leftovers of a delete that crashed
-        if name.startswith(DELETING) and _parse(name[len(DELETING) :]):
+    for name in list_dir(save_dir):  # leftovers of a delete that crashed
+        if name.startswith(DELETING) and parse_name(name[len(DELETING) :]):
             shutil.rmtree(os.path.join(save_dir, name), onerror=_ignore_missing)
     found = list_checkpoints(save_dir)
-    family = _parse(current_tag) if current_tag else None
+    family = parse_name(current_tag) if current_tag else None
     if family:  # a run saving `step<N>` never touches `global_step<N>` or `checkpoint_<i>`
-        found = {n: s for n, s in found.items() if _parse(n)[0] == family[0]}
+        found = {n: s for n, s in found.items() if parse_name(n)[0] == family[0]}
     complete = {n: s for n, s in found.items() if is_complete(os.path.join(save_dir, n))}
     # Unmarked dirs older than every marked one predate retention (or another tool wrote them): not
     # ours.
     # Compared by the number in the name, since accelerate's markers hold steps and its names save
     # counts.
-    oldest = min((_parse(n)[1] for n in complete), default=None)
+    oldest = min((parse_name(n)[1] for n in complete), default=None)
     half_written = {
-        n for n in found if n not in complete and oldest is not None and _parse(n)[1] > oldest
+        n for n in found if n not in complete and oldest is not None and parse_name(n)[1] > oldest
     }
-    protected = {current_tag, _read_latest(save_dir)}
+    protected = {current_tag, read_latest(save_dir)}
     doomed = (set(complete) - policy.select(complete, history)) | half_written
     deleted = []
     for name in sorted(doomed - protected, key=lambda n: (found[n], n)):
@@ -260,63 +148,6 @@ def prune(
     if deleted:
         logger.info("retention: deleted %s from %s", ", ".join(deleted), save_dir)
     return deleted
-
-
-def last_complete(save_dir: str) -> str:
-    """The checkpoint a resume from `save_dir` would take now, or "none" (for messages)."""
-    try:
-        return os.path.join(*find_resume_checkpoint(save_dir))
-    except ValueError:
-        return "none"
-
-
-def find_resume_checkpoint(save_dir: str) -> tuple[str, str]:
-    """(load_dir, tag) to resume from: the tag `latest` names if complete and whole, else the
-    newest one that is, saying why in one warning."""
-    if not os.path.isdir(save_dir):
-        raise ValueError(f"resume: {save_dir} is not a directory")
-    latest = _read_latest(save_dir)
-    plain = bool(latest) and os.sep not in latest and latest not in (".", "..")
-    complete = {
-        n: s
-        for n, s in list_checkpoints(save_dir).items()
-        if is_complete(os.path.join(save_dir, n))
-    }
-    first = [latest] if plain and is_complete(os.path.join(save_dir, latest)) else []
-    if not complete and not first:
-        raise ValueError(f"resume: {save_dir} holds no complete checkpoint")
-    others = sorted(set(complete) - set(first), key=lambda n: (complete[n], _parse(n)[1], n))
-    order = first + others[::-1]
-    damaged = []
-    for name in order:
-        problem = damage_of(os.path.join(save_dir, name))
-        if problem is None:
-            break
-        damaged.append(f"{name} is damaged ({problem})")
-    else:
-        raise ValueError(f"resume: {save_dir} holds no whole checkpoint: {'; '.join(damaged)}")
-    accelerate = ACCEL_RE.match(name) is not None  # no `latest` of its own at this level
-    if name == latest or (accelerate and not damaged):
-        return _load_dir_and_tag(save_dir, name)
-    if damaged:
-        problem = "; ".join(damaged)
-    elif latest is None:
-        problem = "no 'latest' file"
-    elif not plain or not os.path.isdir(os.path.join(save_dir, latest)):
-        problem = f"'latest' names {latest[:80]!r}, which is not a checkpoint here"
-    else:
-        problem = f"'latest' names {latest!r}, which is incomplete (no {MARKER})"
-    warnings.warn(
-        f"resume: {save_dir}: {problem}; falling back to the newest whole checkpoint {name}"
-    )
-    return _load_dir_and_tag(save_dir, name)
-
-
-def _load_dir_and_tag(save_dir: str, name: str) -> tuple[str, str]:
-    if ACCEL_RE.match(name):  # accelerate: load_state(path) loads the tag its `latest` names
-        path = os.path.join(save_dir, name)
-        return path, _inner_tag(path)
-    return save_dir, name
 
 
 def _is_deleter(engine) -> bool:
@@ -334,7 +165,7 @@ def all_or_nothing(engine, save_dir: str, tag: str) -> Iterator[GuardedWrites]:
     try:
         writes.checksums = writes.agree(f"{tag} in {save_dir}")  # every rank's
     except SaveFailed:
-        if _is_deleter(engine) and _read_latest(save_dir) != tag:
+        if _is_deleter(engine) and read_latest(save_dir) != tag:
             _delete(save_dir, tag)
         raise
 

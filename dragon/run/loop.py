@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from dragon.checkpoint.retention import last_complete
+from dragon.checkpoint.catalog import last_complete
 from dragon.errors import Preempted, TrainingFailed
 from dragon.model.cost import model_profile
 from dragon.parallel.distributed import all_reduce_mean, all_reduce_values, rank, world_size

@@ -8,7 +8,7 @@ from typing import Optional
 from dragon.checkpoint.checkpointer import resolve_resume
 from dragon.checkpoint.reshape import (Layout, regroup_message, reshape_message, saved_islands,
                                        saved_layout)
-from dragon.checkpoint.retention import list_checkpoints
+from dragon.checkpoint.catalog import list_checkpoints
 from dragon.diloco.state import check_diloco_state
 from dragon.model.bdh import BDHConfig
 from dragon.parallel.ds_config import zero_stage
