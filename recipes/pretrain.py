@@ -32,6 +32,7 @@ from dragon.model.attention import BDHCache
 from dragon.parallel.distributed import all_reduce_mean, init_distributed, rank, world_size
 from dragon.parallel.topology import enter_island
 from dragon.run.data import run_data
+from dragon.run.lock import check_every_rank_sees
 from dragon.run.faults import skip_nonfinite_updates
 from dragon.run.loop import TrainingRun
 from dragon.history import metrics_path
@@ -84,9 +85,10 @@ def main():
     # With DiLoCo each island is a torch.distributed world of its own, entered before DeepSpeed.
     topology = enter_island(inputs.diloco, args.dist_timeout)
     init_distributed(args.dist_timeout)
+    run_dir = inputs.run_dir(topology.island)  # <output_dir>, or <output_dir>/island<i>
+    check_every_rank_sees(run_dir)  # node-local disks would split the checkpoints: refused
     model = initial_model(inputs)
     engine, lr_schedule = deepspeed_engine(model, inputs)
-    run_dir = inputs.run_dir(topology.island)  # <output_dir>, or <output_dir>/island<i>
     save_dir = os.path.join(run_dir, "checkpoints")
     # Optional: after every engine.save_checkpoint, a completion marker once every rank wrote its
     # files, and pruning to the last --save_total_limit plus the best by --metric_for_best_model.

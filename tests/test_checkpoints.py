@@ -208,6 +208,30 @@ def test_sigkill_then_resume_matches_uninterrupted(kind, tmp_path, tmp_path_fact
     assert [m["loss"] for m in resumed] == expected[4:]
 
 
+@pytest.mark.slow
+def test_auto_is_one_command_line_for_a_first_start_and_a_restart(tmp_path, tmp_path_factory,
+                                                                   text_file):
+    """--resume_from_checkpoint auto: in an empty directory it says it starts fresh and trains;
+    the same command after a SIGKILL resumes from the last complete checkpoint, and the losses
+    are the uninterrupted run's (bit-equal)."""
+    expected = uninterrupted("zero2", tmp_path_factory, text_file)
+    out = tmp_path / "run"
+    metrics = out / "metrics.jsonl"
+    command = [*RESUMABLE, "--resume_from_checkpoint", "auto"]
+    proc = start("zero2", out, text_file, STEPS, command)
+    kill_when(proc, lambda: max(logged_steps(metrics), default=0) >= 6)
+    assert "--resume_from_checkpoint auto: no complete checkpoint under" in proc.stdout.read() + (
+        proc.stderr.read())
+    assert max(logged_steps(metrics)) < STEPS, "killed too late"
+    first = [m["loss"] for m in read_jsonl(metrics)]
+    assert first == expected[: len(first)]
+    stdout, stderr = finish(start("zero2", out, text_file, STEPS, command))
+    assert f"resumed from {out / 'checkpoints' / 'step4'} at step 4" in stdout + stderr
+    resumed = [m for m in read_jsonl(metrics) if m["step"] > 4][-(STEPS - 4):]
+    assert [m["step"] for m in resumed] == list(range(5, STEPS + 1))
+    assert [m["loss"] for m in resumed] == expected[4:]
+
+
 def test_crash_during_a_save_leaves_previous_checkpoint(tmp_path, text_file):
     """Killed while DeepSpeed writes the step-8 checkpoint: step 4 stays the one to resume from,
     and the half-written step 8 is removed by the next successful prune."""

@@ -7,9 +7,12 @@ it."""
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
-from conftest import REPO, STEPS, TINY, job_env, launch, losses, read_jsonl
+from conftest import REPO, STEPS, TINY, job_env, launch, launch_command, losses, read_jsonl
+
+from dragon.checkpoint.catalog import MARKER
 
 DISK = "1200k"  # a checkpoint of the tiny model is ~700 KB: step 4 fits, step 8 does not
 
@@ -123,3 +126,43 @@ def test_the_verifier_checks_every_byte(runs, tmp_path):
     checked = verify(out)
     assert checked.returncode == 1
     assert f"step4: damaged: {victim.name} fails its CRC-32 check" in checked.stdout
+
+
+def fill(mount) -> None:
+    """Take every free byte of the disk at `mount`."""
+    with open(mount / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(bytes(2**16))
+                f.flush()
+        except OSError:
+            pass
+
+
+@pytest.mark.parametrize("when", ["metrics", "export"])
+def test_a_disk_that_fills_mid_run_stops_in_one_line(when, small_disk, text_file):
+    """Another process takes the disk's last byte once the run has written its run files (before
+    its first metrics line) or once its last checkpoint is complete: the first metrics append, or
+    the final export, fails on rank 0, and every rank stops with one line naming the path, the
+    cause and the bytes free; the checkpoint saved before stays the one a resume takes."""
+    out = small_disk / "run"
+    extra = ["--save_steps", str(STEPS)] if when == "export" else []
+    proc = subprocess.Popen(launch_command("torchrun", 2, "recipes/pretrain.py",
+                                           recipe_args(out, text_file, extra)),
+                            cwd=REPO, env=job_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    ready = out / "checkpoints" / (f"step{STEPS}/{MARKER}" if when == "export" else "run.json")
+    while proc.poll() is None and not ready.exists():
+        time.sleep(0.005)
+    fill(small_disk)
+    stdout, stderr = proc.communicate(timeout=600)
+    errors = [line for line in (stdout + stderr).splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and len(errors) == 1, stderr[-3000:]
+    if when == "metrics":
+        assert errors[0].startswith("error: step 1: saving step 1's metrics failed on rank 0")
+        assert f"writing {out / 'metrics.jsonl'}" in errors[0], errors
+        assert errors[0].endswith("last complete checkpoint: none"), errors
+    else:
+        assert f"saving the export to {out / 'final'} failed on rank 0" in errors[0], errors
+        assert f"the trained weights are in {out / 'checkpoints' / f'step{STEPS}'}" in errors[0]
+    assert "No space left on device" in errors[0] and "bytes free" in errors[0], errors

@@ -144,7 +144,8 @@ def test_a_killed_island_leaves_the_other_training_then_rejoins(
 ):
     """ZeRO-2 islands in sync mode, pipeline islands in delayed mode. Island 1 (one of its
     ranks) is killed after its step 5 (mid-window): island 0 waits out the quorum timeout at
-    step 8 and trains on alone (quorum 1). Island 1 started again with --diloco_join takes
+    step 8 and trains on alone (quorum 1). Island 1 started again with --diloco_join (and
+    --resume_from_checkpoint auto, which finds no checkpoint of its own: a fresh joiner) takes
     theta_outer, the outer optimizer's state and the step at island 0's next outer step and ends
     that step on island 0's weights (bit-identical checksums). Sync: both islands stay
     bit-identical to the end. Delayed: each island's own fresh share makes them differ in
@@ -162,7 +163,8 @@ def test_a_killed_island_leaves_the_other_training_then_rejoins(
     signal_after(procs[1], metrics, "rank", signal.SIGKILL, ranks=2 if kind == "pipeline" else 1)
     procs[1].wait(timeout=60)
     joiner = start_joiner_after_step_8(procs[0], out, store, lambda: start(
-        1, 2, out, text_file, store, extra=[*steps, "--diloco_join"], kind=kind))
+        1, 2, out, text_file, store, kind=kind,
+        extra=[*steps, "--diloco_join", "--resume_from_checkpoint", "auto"]))
     for proc in (procs[0], joiner):
         stdout, stderr = proc.communicate(timeout=600)
         assert proc.returncode == 0, stderr[-3000:]

@@ -4,7 +4,7 @@ import json
 import socket
 import subprocess
 
-from conftest import REPO, STEPS, TINY, job_env, launch_command, read_jsonl
+from conftest import REPO, STEPS, TINY, free_port, job_env, launch_command, read_jsonl
 
 
 def job(out, text_file) -> subprocess.Popen:
@@ -48,3 +48,39 @@ def test_a_stale_lock_is_taken_over(tmp_path, text_file):
     assert code == 0, log[-2000:]
     assert f"taking over the lock of pid {gone.pid}" in log and "its process is gone" in log
     assert not (out / "dragon.lock").exists()
+
+
+def test_nodes_that_do_not_share_the_output_dir_are_refused(tmp_path, text_file):
+    """Two torchrun "nodes" (--nnodes 2, one rank each); node 1 runs in a mount namespace of its
+    own where the output directory's parent is another, empty directory, as a node-local disk
+    would be. Both nodes stop before the model is built, with one line naming the rank that cannot
+    see what rank 0 writes."""
+    shared, local = tmp_path / "shared", tmp_path / "node1_disk"
+    shared.mkdir()
+    local.mkdir()
+    out = shared / "run"
+    args = ["--deepspeed", str(REPO / "ds_configs/zero2.json"), "--output_dir", str(out),
+            "--train_file", str(text_file), "--max_steps", str(STEPS),
+            "--per_device_train_batch_size", "4", *TINY]
+    port = str(free_port())
+
+    def node(i):
+        torchrun = ["torchrun", "--nnodes", "2", "--node_rank", str(i), "--nproc_per_node", "1",
+                    "--master_addr", "127.0.0.1", "--master_port", port,
+                    "recipes/pretrain.py", *args]
+        if i == 1:  # `unshare -m` makes the mount private to this node's processes
+            script = f'mount --bind "{local}" "{shared}" && exec "$@"'
+            torchrun = ["unshare", "-m", "sh", "-c", script, "node1", *torchrun]
+        return subprocess.Popen(torchrun, cwd=REPO, env=job_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    nodes = [node(0), node(1)]
+    logs = [p.communicate(timeout=300) for p in nodes]
+    assert all(p.returncode != 0 for p in nodes), [err[-2000:] for _, err in logs]
+    errors = [line for line in logs[0][0].splitlines() + logs[0][1].splitlines()
+              if line.startswith("error:")]
+    assert len(errors) == 1, logs[0][1][-3000:]
+    assert errors[0].startswith(f"error: --output_dir {out}: rank 1 on ")
+    assert "does not see the files rank 0 writes there" in errors[0]
+    assert not (local / "run" / "metrics.jsonl").exists()
+    assert not (out / "metrics.jsonl").exists()

@@ -103,6 +103,11 @@ def is_complete(tag_dir: str) -> bool:
     return _marker(tag_dir) is not None
 
 
+def has_complete(save_dir: str) -> bool:
+    """Whether save_dir holds a complete checkpoint."""
+    return any(is_complete(os.path.join(save_dir, n)) for n in list_checkpoints(save_dir))
+
+
 def list_checkpoints(save_dir: str) -> dict[str, int]:
     """{name: step} of the checkpoint dirs under save_dir, complete or not, in either layout."""
     found: dict[str, int] = {}

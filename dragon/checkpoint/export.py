@@ -13,10 +13,11 @@ import os
 import time
 
 import torch
-import torch.distributed as dist
 
 from dragon.checkpoint.card import write_model_card
 from dragon.checkpoint.checkpointer import tag_for
+from dragon.checkpoint.writes import GuardedWrites, SaveFailed
+from dragon.errors import TrainingFailed
 from dragon.parallel.distributed import rank
 from dragon.history import MetricHistory, metrics_path
 from dragon.model.bdh import BDHConfig, BDHForCausalLM
@@ -82,10 +83,10 @@ def export_engine(engine, config: BDHConfig, out_dir: str, tag_dir: str) -> None
     else:
         state = full_fp32_state_dict(engine)
         model = _model_from_state(state, config, "the engine") if rank() == 0 else None
+    writes = GuardedWrites()
     if model is not None:
-        save_model(model, out_dir)
-    if dist.is_initialized():
-        dist.barrier()
+        writes.run(save_model, model, out_dir)
+    writes.agree(f"the export to {out_dir}")  # SaveFailed on every rank if rank 0 failed
 
 
 def model_from_checkpoint(tag_dir: str) -> BDHForCausalLM:
@@ -196,7 +197,14 @@ def export_run(engine, inputs, config: BDHConfig, save_dir: str, step: int) -> s
     back from the checkpoint of the last step), tokenizer and model card; returns the directory
     (inputs: dragon.run.preflight.RecipeInputs)."""
     final_dir = os.path.join(inputs.train.output_dir, "final")
-    export_engine(engine, config, final_dir, os.path.join(save_dir, tag_for(step)))
-    if rank() == 0:
-        complete_export(final_dir, inputs.tokenizer, config, save_dir, step)
+    tag_dir = os.path.join(save_dir, tag_for(step))
+    try:
+        export_engine(engine, config, final_dir, tag_dir)
+        writes = GuardedWrites()
+        if rank() == 0:
+            writes.run(complete_export, final_dir, inputs.tokenizer, config, save_dir, step)
+        writes.agree(f"the model card in {final_dir}")
+    except SaveFailed as failure:  # the weights are safe in the last checkpoint
+        raise TrainingFailed(f"step {step}: {failure}; the trained weights are in {tag_dir} "
+                             "(recipes/export.py exports them)") from None
     return final_dir

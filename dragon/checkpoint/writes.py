@@ -16,11 +16,13 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 
 from dragon.checkpoint.verify import crc32_of
 
-WRITE_ERRORS = (OSError, RuntimeError)
-NEARLY_FULL = 2**20  # bytes: torch's writer reports a full disk as a bare RuntimeError
+# torch's writer and safetensors report a full disk as errors of their own, not OSError
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
+NEARLY_FULL = 2**20  # bytes free under which such an error is taken for a full disk
 
 
 class SaveFailed(RuntimeError):
@@ -28,9 +30,10 @@ class SaveFailed(RuntimeError):
 
 
 class GuardedWrites:
-    """`with GuardedWrites(engine) as writes:` engine.checkpoint_engine is this, for one save."""
+    """`with GuardedWrites(engine) as writes:` engine.checkpoint_engine is this, for one save.
+    Without an engine, the writes a caller makes through run() (an export, a metrics line)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine=None):
         self.engine, self.error = engine, None
         self.inner = getattr(engine, "checkpoint_engine", None)
         self.checksums: dict[str, int] = {}  # absolute path -> CRC-32 of what this rank wrote
@@ -42,15 +45,15 @@ class GuardedWrites:
     def _checksum(self, path: str) -> None:
         self.checksums[os.path.abspath(path)] = crc32_of(path)
 
-    def run(self, write, *args) -> None:
+    def run(self, write, *args, path: Optional[str] = None) -> None:
         """write(*args) unless a write of this save already failed; keep what failed and why (the
-        path is the first str argument, the state the first other one)."""
+        path is `path` or the first str argument, the state the first other one)."""
         if self.error is not None:
             return
         try:
             write(*args)
         except WRITE_ERRORS as e:
-            path = next((a for a in args if isinstance(a, str)), None)
+            path = path or next((a for a in args if isinstance(a, str)), None)
             state = next((a for a in args if not isinstance(a, str)), None)
             self.error = write_error(e, path, state)
 
@@ -81,13 +84,13 @@ class GuardedWrites:
 
 
 def write_error(error: BaseException, path: Optional[str], state: Any = None) -> str:
-    """One line on a failed write: the cause (a full disk said so, also when torch's writer
-    reports it as a bare RuntimeError), the path, and the bytes free there and needed."""
+    """One line on a failed write: the cause (a full disk said so, also when torch's writer or
+    safetensors reports it in its own words), the path, and the bytes free there and needed."""
     free = _free_bytes(path)
     cause = str(error).splitlines()[0] if str(error) else type(error).__name__
     full = getattr(error, "errno", None) == errno.ENOSPC
     if not isinstance(error, OSError) and free is not None and free < NEARLY_FULL:
-        cause, full = f"{os.strerror(errno.ENOSPC)} (torch: {cause})", True
+        cause, full = f"{os.strerror(errno.ENOSPC)} ({type(error).__name__}: {cause})", True
     where = f"writing {path}" if path else "writing"
     if full and free is not None:
         need = _bytes_of(state)
@@ -109,6 +112,8 @@ def _bytes_of(state: Any) -> int:
     """The tensor bytes in a (nested) state dict: about what torch.save writes for it."""
     if isinstance(state, torch.Tensor):
         return state.numel() * state.element_size()
+    if isinstance(state, torch.nn.Module):
+        return _bytes_of(state.state_dict())
     if isinstance(state, dict):
         return sum(_bytes_of(v) for v in state.values())
     if isinstance(state, (list, tuple)):

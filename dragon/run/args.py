@@ -105,7 +105,9 @@ class TrainingArguments:
         "The best checkpoint has the highest metric, not the lowest.", default=False
     )
     resume_from_checkpoint: Optional[str] = _help(
-        "'latest' (output_dir/checkpoints) or a path to a checkpoint directory or tag.",
+        "'latest' (output_dir/checkpoints), a tag of it, a path to a checkpoint directory or "
+        "tag, or 'auto': 'latest' when a complete checkpoint exists, else a fresh start (one "
+        "command line for a first start, a restart and, with --diloco_join, a rejoin).",
         default=None,
     )
     carry_state: bool = _help(

@@ -6,7 +6,8 @@ start time, and removes it when the process ends. A second run is refused in one
 first. A lock whose process is gone (same host, pid not alive: a crash or SIGKILL) is stale and
 taken over with a warning; one from another host is only broken by --break_lock. On storage that
 every node shares, that one lock covers every node; each DiLoCo island has its own directory and
-lock.
+lock. Nodes that do not share the directory (node-local disks) are found at start, by a rank that
+cannot read the lock, and refused: a checkpoint split over the nodes' disks could not be resumed.
 """
 
 import atexit
@@ -15,6 +16,10 @@ import logging
 import os
 import socket
 import time
+
+import torch.distributed as dist
+
+from dragon.errors import InputRefused
 
 logger = logging.getLogger("dragon")
 LOCK_FILE = "dragon.lock"
@@ -92,3 +97,20 @@ def _remove(path: str) -> None:
 def _release(path: str, pid: int) -> None:
     if _read(path).get("pid") == pid:
         _remove(path)
+
+
+def check_every_rank_sees(run_dir: str) -> None:
+    """Every rank of this world reads the lock the launch's first rank wrote into run_dir (a
+    collective); InputRefused on every rank when some rank's node does not share the directory."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    views = [None] * dist.get_world_size()
+    dist.all_gather_object(views, (socket.gethostname(), _read(os.path.join(run_dir, LOCK_FILE))))
+    blind = [(r, host) for r, (host, seen) in enumerate(views) if seen != views[0][1]]
+    if blind:
+        ranks = ", ".join(f"{r} on {host}" for r, host in blind)
+        raise InputRefused(
+            f"--output_dir {run_dir}: rank {ranks} does not see the files rank 0 writes there "
+            f"({LOCK_FILE}): the nodes do not share this directory. Pass a directory every node "
+            "shares (NFS, Lustre, a cloud mount), or run one DiLoCo island per node "
+            "(--diloco_island_index), each writing its own island<i>/")

@@ -167,9 +167,14 @@ class TrainingRun:
 
     def log(self, record: dict) -> None:
         """One metrics.jsonl line for this step (rank 0), when there is anything to log."""
-        if record:
+        if not record:
+            return
+        try:
             self._logger.log({"step": self.step, "epoch": self.data.train.epoch,
                               "time": time.time(), **record})
+        except TrainingFailed as failed:  # the append failed, on every rank at once
+            raise TrainingFailed(f"{failed.reason}; last complete checkpoint: "
+                                 f"{last_complete(self.save_dir)}") from None
 
     def close(self) -> None:
         """The progress bar ends its line."""

@@ -9,6 +9,8 @@ from typing import Optional
 import torch
 from tqdm.auto import tqdm
 
+from dragon.checkpoint.writes import GuardedWrites, SaveFailed
+from dragon.errors import TrainingFailed
 from dragon.history import MetricHistory, metrics_path
 
 logger = logging.getLogger(__name__)
@@ -115,9 +117,18 @@ class MetricsLogger:
                 )
 
     def log(self, record: dict) -> None:
+        """Every rank calls: rank 0 appends and feeds the monitor; an append that fails (a full
+        disk) raises TrainingFailed on every rank."""
+        writes = GuardedWrites()
+        if self.enabled:
+            fields = {k: v for k, v in record.items() if k != "step"}
+            writes.run(self.history.record, record["step"], fields, path=self.history.path)
+        try:
+            writes.agree(f"step {record['step']}'s metrics")
+        except SaveFailed as failure:
+            raise TrainingFailed(f"step {record['step']}: {failure}") from None
         if not self.enabled:
             return
-        self.history.record(record["step"], {k: v for k, v in record.items() if k != "step"})
         if self.monitor is not None:
             step = record["step"]
             self.monitor.write_events(

@@ -1,6 +1,7 @@
 """The checks of --resume_from_checkpoint and --output_dir before a run starts: which checkpoint
 each island resumes, on which layout, and whether it fits the model this run builds."""
 
+import logging
 import os
 import warnings
 from typing import Optional
@@ -8,12 +9,14 @@ from typing import Optional
 from dragon.checkpoint.checkpointer import resolve_resume
 from dragon.checkpoint.reshape import (Layout, regroup_message, reshape_message, saved_islands,
                                        saved_layout)
-from dragon.checkpoint.catalog import list_checkpoints
+from dragon.checkpoint.catalog import has_complete, list_checkpoints
 from dragon.diloco.state import check_diloco_state
 from dragon.model.bdh import BDHConfig
 from dragon.parallel.ds_config import zero_stage
 from dragon.run.args import DiLoCoArguments, TrainingArguments
 from dragon.run.lock import take_run_lock
+
+logger = logging.getLogger(__name__)
 
 
 def resume_targets(
@@ -26,6 +29,11 @@ def resume_targets(
     step). Islands launched apart see only their own directory: one without checkpoints takes
     island 0's."""
     resume, root = args.resume_from_checkpoint, args.output_dir
+    if resume == "auto":  # one command line for a first start, a restart and a rejoin
+        resume = "latest" if _anything_to_resume(root, diloco) else None
+        if resume is None and int(os.environ.get("RANK", "0")) == 0:
+            logger.info(f"--resume_from_checkpoint auto: no complete checkpoint under {root}; "
+                        "starting fresh")
     if not resume:
         return {}, {}
     launch = diloco.diloco_islands if diloco.enabled else 1
@@ -41,6 +49,14 @@ def resume_targets(
             regrouped[island] = (regroup_message(saved, launch, island, not own), not own)
         targets[island] = resolve_resume(diloco.resume_path(resume, save_dir), save_dir)
     return targets, regrouped
+
+
+def _anything_to_resume(root: str, diloco: DiLoCoArguments) -> bool:
+    """Whether a complete checkpoint of this run exists for any island this launch runs (its own,
+    or the run's saved by another number of islands)."""
+    dirs = [os.path.join(diloco.output_dir(root, i), "checkpoints") for i in diloco.local_islands()]
+    dirs += [os.path.join(root, "checkpoints"), os.path.join(root, "island0", "checkpoints")]
+    return any(has_complete(d) for d in dirs)
 
 
 def _with_checkpoints(root: str, island: int, launch_dir: str) -> Optional[str]:
