@@ -476,6 +476,27 @@ def test_zero3_bf16_int8_islands_stay_identical_and_learn(runs):
     ]
 
 
+@pytest.mark.slow
+def test_zero2_int4_delayed_islands_agree_and_learn(runs):
+    """4-bit pseudo-gradients through the all-to-all / all-gather exchange (its all-gather under
+    the next inner steps: delayed mode), islands of two ZeRO-2 ranks, each exchanging its own
+    partition's share: the islands end bit-identical, learn, and send about 4.5 bits a value."""
+    extra = [*DILOCO, "--diloco_compress", "int4", "--diloco_int8_block", "256",
+             "--diloco_mode", "delayed", "--diloco_outer_lr", "1.0", "--diloco_outer_momentum",
+             "0.3"]
+    out = islands_run(runs, "diloco_zero2_int4", nproc=4, micro=2, extra=extra)
+    outer = [[m for m in island_metrics(out, i) if "outer_step" in m] for i in (0, 1)]
+    assert [m["step"] for m in outer[0]] == [2, 4, 6, 8] == [m["step"] for m in outer[1]]
+    for key in ("weights_sum", "weights_sumsq", "outer_sum", "outer_sumsq"):
+        assert outer[0][-1][key] == outer[1][-1][key], key
+    metrics = island_metrics(out, 0)
+    assert losses(metrics)[-1] < losses(metrics)[0] - 0.3
+    assert all(0 < m["outer_compress_error"] < 0.2 for m in outer[0])
+    fp32_bytes = 4 * sum(p.numel() for p in BDHForCausalLM.from_pretrained(out / "final")
+                         .parameters()) / 2  # each of an island's two ranks ships half
+    assert all(m["outer_payload_bytes"] <= fp32_bytes / 7 for m in outer[0])
+
+
 PIPE_ISLANDS = ["--bf16", "--pipeline_stages", "2", "--gradient_accumulation_steps", "2", *DILOCO]
 
 

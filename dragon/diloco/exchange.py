@@ -1,6 +1,7 @@
-"""One exchange of a flat fp32 tensor among islands (rank r of each): all-reduce in fp32 or bf16, or
-an all-gather of int8 codes with absmax scales; asynchronous, with the bytes it sends (measured or
-modelled) and its times recorded."""
+"""One exchange of a flat fp32 tensor among islands (rank r of each): all-reduce in fp32 or bf16, an
+all-gather of int8 codes with absmax scales, or a 4-bit all-to-all and all-gather whose bytes do
+not grow with the islands (dragon.diloco.quantized); asynchronous (int4: its all-gather), with the
+bytes it sends (measured or modelled) and its times recorded."""
 
 import io
 import time
@@ -9,6 +10,7 @@ from typing import Any, Optional
 
 import torch
 
+from dragon.diloco.quantized import gathered_sum, scatter_reduce
 
 def flatten(tensors) -> torch.Tensor:
     """One contiguous fp32 CPU vector (gloo exchanges CPU tensors)."""
@@ -40,6 +42,8 @@ def ring_bytes(op: str, payload_bytes: int, members: int) -> int:
         return 2 * (members - 1) * payload_bytes // members
     if op == "allgather":
         return (members - 1) * payload_bytes
+    if op == "scatter":  # an all-to-all, then an all-gather, of 1/members of the payload each
+        return 2 * (members - 1) * payload_bytes // members
     raise ValueError(op)
 
 
@@ -106,44 +110,49 @@ class Exchange:
         )
         self.contributors = contributors  # what the sum is divided by (default: islands)
         self.error_sq, self.norm_sq = 0.0, float(torch.dot(flat, flat))
-        if compress == "none":
-            payload, op = flat, "allreduce"
-        elif compress == "bf16":
-            payload, op = flat.bfloat16(), "allreduce"
-            self.error_sq = float((payload.float() - flat).pow(2).sum())
-        else:
-            q, scale = _int8_encode(flat, block, numels)
-            self.error_sq = float(
-                (_int8_decode(q, scale, block, numels, self.n) - flat).pow(2).sum()
-            )
-            payload, op = torch.cat([scale.view(torch.int8), q]), "allgather"
-            self.scale_bytes = scale.numel() * 4
-        self.payload, self.op = payload, op
-        self.payload_bytes = payload.numel() * payload.element_size()
-        self.bytes_sent = ring_bytes(
-            op, self.payload_bytes, islands
-        )  # a model; replaced when measured
-        self.done_at: list[float] = []
-        self._result: Optional[torch.Tensor] = None
         before = cpu_bytes_written() if measure_bytes else None
         self.started = time.perf_counter()
+        payload, op, self.payload_bytes = self._encode(flat, group)
+        self.payload, self.op = payload, op
+        self.bytes_sent = ring_bytes(op, self.payload_bytes, islands)  # a model, unless measured
+        self.done_at: list[float] = []
+        self._result: Optional[torch.Tensor] = None
         if group is None or islands == 1:
             self.work, self.gathered = None, [payload]
             self.done_at.append(self.started)
         else:
             if op == "allreduce":
                 self.work = group.allreduce([payload])
-            else:
+            else:  # int8: every island's codes; int4: every island's summed chunk
                 self.gathered = [torch.empty_like(payload) for _ in range(islands)]
                 self.work = group.allgather([self.gathered], [payload])
             self.work.get_future().then(lambda _: self.done_at.append(time.perf_counter()))
-        if (
-            measure_bytes
-        ):  # blocking: nothing else writes meanwhile, so the count is this exchange's
+        if measure_bytes:  # blocking: nothing else writes meanwhile, so the count is this one's
             self.result()
             after = cpu_bytes_written()
             if before is not None and after is not None:
                 self.bytes_sent = after - before
+
+    def _encode(self, flat: torch.Tensor, group) -> tuple[torch.Tensor, str, int]:
+        """(what the collective sends, which collective, the bytes of this island's whole
+        payload); records this island's encoding error. int4 runs its all-to-all here (blocking)
+        and sends the code of its summed chunk (dragon.diloco.quantized)."""
+        if self.compress == "none":
+            return flat, "allreduce", flat.numel() * 4
+        if self.compress == "bf16":
+            payload = flat.bfloat16()
+            self.error_sq = float((payload.float() - flat).pow(2).sum())
+            return payload, "allreduce", payload.numel() * 2
+        if self.compress == "int4":
+            payload, self.error_sq = scatter_reduce(flat, group, self.islands, self.block)
+            return payload, "scatter", payload.numel() * self.islands
+        q, scale = _int8_encode(flat, self.block, self.numels)
+        self.error_sq = float(
+            (_int8_decode(q, scale, self.block, self.numels, self.n) - flat).pow(2).sum()
+        )
+        self.scale_bytes = scale.numel() * 4
+        payload = torch.cat([scale.view(torch.int8), q])
+        return payload, "allgather", payload.numel()
 
     def result(self) -> torch.Tensor:
         """The islands' average pseudo-gradient (waits for it the first time)."""
@@ -154,6 +163,8 @@ class Exchange:
             self.finished = time.perf_counter()
             if self.op == "allreduce":
                 total = self.payload.float()
+            elif self.op == "scatter":
+                total = gathered_sum(self.gathered, self.n, self.block)
             else:
                 total = torch.zeros(self.n, dtype=torch.float32)
                 cut = self.scale_bytes

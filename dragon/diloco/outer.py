@@ -76,8 +76,8 @@ class DiLoCoConfig:
 
     inner_steps: int  # H
     mode: str = "sync"  # or "delayed"
-    compress: str = "none"  # the pseudo-gradient on the wire: none (fp32), bf16, int8
-    int8_block: int = 1024  # values per int8 scale (0: one per tensor)
+    compress: str = "none"  # the pseudo-gradient on the wire: none (fp32), bf16, int8, int4
+    int8_block: int = 1024  # values per int8 or int4 scale (0: one per tensor, int8 only)
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     nesterov: bool = True

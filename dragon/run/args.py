@@ -216,7 +216,7 @@ class TrainingArguments:
 
 
 MODES = ("sync", "delayed")
-COMPRESSIONS = ("none", "bf16", "int8")
+COMPRESSIONS = ("none", "bf16", "int8", "int4")
 DELAYED_MOMENTUM = 0.3  # delayed mode's steadiest outer momentum at lr 1 (benchmarks/README.md)
 
 
@@ -238,9 +238,12 @@ class DiLoCoArguments:
         default="sync",
     )
     diloco_compress: str = _help(
-        "Pseudo-gradient on the wire: none (fp32), bf16 or int8.", default="none"
+        "Pseudo-gradient on the wire: none (fp32), bf16, int8 (all-gathered) or int4 (an "
+        "all-to-all and an all-gather: bytes that do not grow with the islands).", default="none"
     )
-    diloco_int8_block: int = _help("Values per int8 scale (0: one scale per tensor).", default=1024)
+    diloco_int8_block: int = _help(
+        "Values per int8 or int4 scale (0: one scale per tensor, int8 only).", default=1024
+    )
     diloco_outer_on_cpu: bool = _help(
         "Keep theta_outer and the outer optimizer state on CPU.", default=False
     )
@@ -294,6 +297,9 @@ class DiLoCoArguments:
             )
         if self.diloco_int8_block < 0:
             raise ValueError(f"--diloco_int8_block {self.diloco_int8_block}: must be >= 0")
+        if self.diloco_compress == "int4" and self.diloco_int8_block == 0:
+            raise ValueError("--diloco_int8_block 0 (one scale per tensor) is for int8; int4 "
+                             "needs values per scale (the default 1024)")
         if not self.diloco_outer_lr > 0:
             raise ValueError(f"--diloco_outer_lr {self.diloco_outer_lr}: must be > 0")
         if not 0 <= self.diloco_outer_momentum < 1:

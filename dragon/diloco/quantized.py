@@ -1,0 +1,80 @@
+"""A 4-bit all-reduce whose bytes per island do not grow with the number of islands.
+
+The code: per block of `block` values one fp32 scale, absmax / 7, and each value rounded to the
+nearest of -7..7 (symmetric int4, the per-block absmax scheme of QLoRA's and zeroband's quantised
+exchanges without a lookup table: a pseudo-gradient has no fixed distribution for a 4-bit float to
+fit), two values per byte. A block is 4 bits a value plus 32 bits a block.
+
+The exchange (as INTELLECT-1's ring all-reduce, in two collectives): the padded vector is cut
+into one chunk per island; an all-to-all sends chunk j of every island to island j, which decodes
+them, sums them in fp32 in island order and encodes the sum once; an all-gather then gives every
+island every summed chunk. Each island sends (n-1)/n of the payload in each collective, 2(n-1)/n
+in all, the bytes of a ring all-reduce; every island decodes the same gathered codes, so the
+averages are identical bit for bit.
+"""
+
+import torch
+
+LEVELS = 7  # codes -7..7; stored as 1..15 in a nibble
+
+
+def int4_encode(x: torch.Tensor, block: int) -> torch.Tensor:
+    """The packed code of x (whose length is a multiple of 2 * block): per block its fp32 scale,
+    then its values two to a byte, as one uint8 tensor."""
+    xb = x.view(-1, block)
+    scale = xb.abs().amax(dim=1) / LEVELS
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    q = (xb * inverse[:, None]).round_().clamp_(-LEVELS, LEVELS).to(torch.int16) + 8
+    q = q.view(-1, 2)
+    packed = (q[:, 0] | (q[:, 1] << 4)).to(torch.uint8)
+    return torch.cat([scale.float().view(torch.uint8), packed])
+
+
+def int4_decode(code: torch.Tensor, n: int, block: int) -> torch.Tensor:
+    """The n fp32 values of a packed code (n a multiple of 2 * block)."""
+    blocks = n // block
+    scale = code[: 4 * blocks].view(torch.float32)
+    packed = code[4 * blocks :].to(torch.int16)
+    q = torch.stack([packed & 0xF, packed >> 4], dim=1).view(-1, block) - 8
+    return (q.float() * scale[:, None]).view(-1)
+
+
+def padded_length(n: int, islands: int, block: int) -> int:
+    """The length a vector of n values is padded to: whole blocks, two per byte, per island."""
+    unit = islands * 2 * block
+    return -(-n // unit) * unit
+
+
+def code_bytes(n: int, block: int) -> int:
+    """Bytes of the code of n values (n a multiple of 2 * block)."""
+    return n // 2 + 4 * (n // block)
+
+
+def scatter_reduce(flat: torch.Tensor, group, islands: int, block: int) -> tuple[torch.Tensor,
+                                                                                float]:
+    """Phase one (blocking): chunk j of every island reaches island j (this island's index in
+    `group`), which encodes their fp32 sum once: (that code, this island's share of phase two;
+    the squared error of encoding this island's own vector)."""
+    length = padded_length(flat.numel(), islands, block)
+    padded = torch.nn.functional.pad(flat, (0, length - flat.numel()))
+    chunks = padded.view(islands, -1)
+    codes = [int4_encode(chunk, block) for chunk in chunks]
+    error_sq = sum(float((int4_decode(c, chunks.shape[1], block) - chunk).pow(2).sum())
+                   for c, chunk in zip(codes, chunks))
+    sent = torch.cat(codes)
+    received = torch.empty_like(sent)
+    if group is None or islands == 1:
+        received = sent
+    else:
+        group.alltoall_base(received, sent, [], []).wait()
+    chunk = chunks.shape[1]
+    total = torch.zeros(chunk, dtype=torch.float32)
+    for code in received.view(islands, -1):  # island order: the same sum wherever it is made
+        total += int4_decode(code, chunk, block)
+    return int4_encode(total, block), error_sq
+
+
+def gathered_sum(gathered: list[torch.Tensor], n: int, block: int) -> torch.Tensor:
+    """Phase two's result: the first n values of every island's summed chunk, decoded."""
+    chunk = len(gathered[0]) * 2 * block // (block + 8)
+    return torch.cat([int4_decode(code, chunk, block) for code in gathered])[:n]

@@ -1,0 +1,39 @@
+"""One island of an int4 exchange among N islands, for tests/test_quantized.py.
+
+    python quantized_exchange.py ISLAND N PORT OUT_PT
+
+Each island (one process) joins a real ProcessGroupGloo of N members and exchanges its own
+pseudo-gradient (random, seeded by the island) through dragon.diloco.exchange.Exchange with
+--diloco_compress int4; it saves the average, the bytes it measured on the wire and the payload.
+"""
+
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from dragon.diloco.exchange import Exchange
+
+LENGTH, BLOCK = 100_000, 64
+
+
+def pseudo_gradient(island: int) -> torch.Tensor:
+    return torch.randn(LENGTH, generator=torch.Generator().manual_seed(island)) * (island + 1)
+
+
+def main() -> None:
+    island, n, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    store = dist.TCPStore("127.0.0.1", port, n, island == 0, timedelta(seconds=60))
+    group = dist.ProcessGroupGloo(store, island, n, timedelta(seconds=60))
+    group.barrier().wait()  # connections made before the bytes are counted
+    exchange = Exchange(pseudo_gradient(island), group, n, "int4", BLOCK, [LENGTH],
+                        measure_bytes=True)
+    torch.save({"average": exchange.result(), "bytes_sent": exchange.bytes_sent,
+                "payload_bytes": exchange.payload_bytes,
+                "error": (exchange.error_sq / exchange.norm_sq) ** 0.5}, out)
+    group.barrier().wait()
+
+
+if __name__ == "__main__":
+    main()
