@@ -1,0 +1,91 @@
+"""Bytes each island sends in one DiLoCo exchange, by codec and island count, side by side.
+
+    python benchmarks/exchange_bytes.py [--values 3300000] [--islands 2,4]   (CPU: ~1 minute)
+
+N processes (one rank per island) join a real gloo group and exchange a random vector of
+--values fp32 values (3.3M: the model of the wan and memory benchmarks) through
+dragon.diloco.exchange.Exchange, once per codec; each counts the bytes it wrote to the wire
+(/proc/self/io) and the slowest island's wall time is kept. Data parallel's gradient all-reduce
+moves the fp32 row's bytes every step; DiLoCo moves them once per H steps.
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+CODECS = [("fp32", "none", 0), ("bf16", "bf16", 0), ("int8", "int8", 1024), ("int4", "int4", 1024)]
+
+
+def island(rank: int, n: int, port: int, values: int, out: str) -> None:
+    """One island: every codec's exchange, its bytes and seconds, saved to `out`."""
+    import torch.distributed as dist
+
+    from dragon.diloco.exchange import Exchange
+
+    store = dist.TCPStore("127.0.0.1", port, n, rank == 0, timedelta(seconds=120))
+    group = dist.ProcessGroupGloo(store, rank, n, timedelta(seconds=120))
+    flat = torch.randn(values, generator=torch.Generator().manual_seed(rank))
+    rows = {}
+    for name, compress, block in CODECS:
+        group.barrier().wait()
+        began = time.perf_counter()
+        x = Exchange(flat, group, n, compress, block, [values], measure_bytes=True)
+        rows[name] = (x.bytes_sent, x.payload_bytes, time.perf_counter() - began,
+                      (x.error_sq / x.norm_sq) ** 0.5)
+    torch.save(rows, out)
+    group.barrier().wait()
+
+
+def measure(n: int, values: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        port = 29000 + os.getpid() % 1000
+        outs = [os.path.join(tmp, f"{r}.pt") for r in range(n)]
+        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+        procs = [subprocess.Popen([sys.executable, __file__, "--island", str(r), "--n", str(n),
+                                   "--port", str(port), "--values", str(values), "--out",
+                                   outs[r]], env=env) for r in range(n)]
+        if any(p.wait() for p in procs):
+            sys.exit("an island failed")
+        rows = [torch.load(o) for o in outs]
+    return {name: (max(r[name][0] for r in rows), rows[0][name][1], max(r[name][2] for r in rows),
+                   rows[0][name][3]) for name, _, _ in CODECS}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--values", type=int, default=3_300_000)
+    parser.add_argument("--islands", default="2,4")
+    parser.add_argument("--island", type=int)
+    parser.add_argument("--n", type=int)
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    if args.island is not None:
+        return island(args.island, args.n, args.port, args.values, args.out)
+    counts = [int(n) for n in args.islands.split(",")]
+    results = {n: measure(n, args.values) for n in counts}
+    fp32 = {n: results[n]["fp32"][0] for n in counts}
+    head = " | ".join(f"{n} islands: bytes sent / fp32's" for n in counts)
+    last_n, first_n = counts[-1], counts[0]
+    print(f"| codec | payload bytes ({last_n} islands) | {head} | {last_n} vs {first_n} islands "
+          f"| relative error | seconds ({last_n} islands) |")
+    print("|---" * (5 + len(counts)) + "|")
+    for name, _, _ in CODECS:
+        cells = " | ".join(f"{results[n][name][0]:,} / {results[n][name][0] / fp32[n]:.3f}"
+                           for n in counts)
+        growth = results[counts[-1]][name][0] / results[counts[0]][name][0]
+        last = results[counts[-1]][name]
+        print(f"| {name} | {last[1]:,} | {cells} | {growth:.2f}x | {last[3]:.4f} | "
+              f"{last[2]:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
