@@ -45,7 +45,8 @@ def namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -78,7 +79,7 @@ def _delete(ns: str) -> None:
 def remove_leftovers() -> list[str]:
     """Delete namespaces of this harness whose owning process is gone (a killed test run).
     A live owner's (a parallel session's) are left alone. Returns the names removed."""
-    gone = [ns for ns in namespaces() if (m := _NAME.match(ns)) and not _alive(int(m[1]))]
+    gone = [ns for ns in namespaces() if (m := _NAME.match(ns)) and not alive(int(m[1]))]
     for ns in gone:
         _delete(ns)
     return gone
