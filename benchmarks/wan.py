@@ -8,8 +8,9 @@ same model, data and global batch (2 x micro-batch 4 x 256 tokens).
         [--configs dp,diloco-fp32,diloco-bf16,diloco-int8] [--steps 40] [--dp_shaped_steps 10]
 
 Needs root. Prints, per config and rate, global training tokens/s (tokens of steps 2..N over
-the time between step 1's record and step N's, so start-up and the final export are left
-out; DiLoCo's outer steps are inside), the fraction of the config's own unshaped figure, and
+the time between step 1's record and step N's; the run goes on to step N + 1, whose record
+also holds the final evaluation and checkpoint, so start-up and the end are left out and
+DiLoCo's outer steps at H and 2H are inside), the fraction of the config's own unshaped figure, and
 the bytes each node sent per step (its interface's tx_bytes over the whole launch / steps).
 Data parallel on a shaped link runs --dp_shaped_steps steps: every step costs the same there
 (the gradient exchange dominates), and 40 steps at 10 Mbit/s would take ~10 minutes.
@@ -55,7 +56,9 @@ def env(cluster: Cluster, node: int) -> dict:
 
 def commands(config: str, cluster: Cluster, out: Path, data: Path, steps: int, h: int
              ) -> list[list]:
-    args = ["--output_dir", out, "--train_file", data, "--max_steps", steps, *MODEL]
+    # one step more than measured: the last step's record also holds the run's final evaluation
+    # and checkpoint (~9 s here), which are no part of training speed
+    args = ["--output_dir", out, "--train_file", data, "--max_steps", steps + 1, *MODEL]
     recipe = REPO / "recipes/pretrain.py"
     if CONFIGS[config] is None:  # one job over both nodes
         hostfile = out.parent / "hostfile"
@@ -97,7 +100,7 @@ def measure(config: str, rate: str | None, root: Path, data: Path, steps: int, h
     span = times[steps] - times[1]
     return dict(config=config, rate=rate or "unshaped", steps=steps, wall=wall,
                 tokens_per_s=TOKENS_PER_STEP * (steps - 1) / span,
-                mb_per_step=[s / steps / 1e6 for s in sent],
+                mb_per_step=[s / (steps + 1) / 1e6 for s in sent],
                 loss=[m["loss"] for m in records if "loss" in m][-1])
 
 
