@@ -5,7 +5,7 @@ node, a torchrun launch each, H inner steps, sync; fp32, bf16 or int8 pseudo-gra
 same model, data and global batch (2 x micro-batch 4 x 256 tokens).
 
     flock /tmp/dragon-cpu.lock python benchmarks/wan.py [--rates none,100mbit,50mbit,10mbit]
-        [--configs dp,diloco-fp32,diloco-bf16,diloco-int8] [--steps 40] [--dp_shaped_steps 10]
+        [--configs dp,dp-1node,diloco-int4,...] [--steps 40] [--dp_shaped_steps 10]
 
 Needs root. Prints, per config and rate, global training tokens/s (tokens of steps 2..N over
 the time between step 1's record and step N's; the run goes on to step N + 1, whose record
@@ -34,7 +34,12 @@ MODEL = ("--n_layer 2 --n_embd 256 --n_head 4 --mlp_internal_dim_multiplier 16 -
          " --logging_steps 1 --eval_steps 100000 --save_steps 100000 --sample_max_new_tokens 0"
          " --disable_tqdm").split()
 TOKENS_PER_STEP = 2 * 4 * 256  # global: 2 nodes (ranks or islands) x micro-batch x block
-CONFIGS = {"dp": None, "diloco-fp32": "none", "diloco-bf16": "bf16", "diloco-int8": "int8"}
+# config -> (--diloco_compress, --diloco_mode); None: data parallel across the two nodes, and
+# "dp-1node" the same job as 2 ranks on node 0 alone (what two nodes are compared with)
+CONFIGS = {"dp": None, "dp-1node": None, "diloco-fp32": ("none", "sync"),
+           "diloco-bf16": ("bf16", "sync"), "diloco-int8": ("int8", "sync"),
+           "diloco-int4": ("int4", "sync"), "diloco-fp32-delayed": ("none", "delayed"),
+           "diloco-int4-delayed": ("int4", "delayed")}
 
 
 def corpus(root: Path) -> Path:
@@ -60,6 +65,9 @@ def commands(config: str, cluster: Cluster, out: Path, data: Path, steps: int, h
     # and checkpoint (~9 s here), which are no part of training speed
     args = ["--output_dir", out, "--train_file", data, "--max_steps", steps + 1, *MODEL]
     recipe = REPO / "recipes/pretrain.py"
+    if config == "dp-1node":  # node 1 idles
+        return [["torchrun", "--nproc_per_node", 2, "--master_port", 29500, recipe,
+                 "--deepspeed", REPO / "ds_configs/zero2.json", *args], ["true"]]
     if CONFIGS[config] is None:  # one job over both nodes
         hostfile = out.parent / "hostfile"
         hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
@@ -67,7 +75,8 @@ def commands(config: str, cluster: Cluster, out: Path, data: Path, steps: int, h
                  "--master_addr", cluster.address(0), "--master_port", 29500, recipe,
                  "--deepspeed", REPO / "ds_configs/zero2.json", *args] for node in (0, 1)]
     diloco = ["--deepspeed", REPO / "ds_configs/zero2.json", "--diloco_islands", 2,
-              "--diloco_inner_steps", h, "--diloco_compress", CONFIGS[config],
+              "--diloco_inner_steps", h, "--diloco_compress", CONFIGS[config][0],
+              "--diloco_mode", CONFIGS[config][1],
               "--diloco_store", f"{cluster.address(0)}:29600"]
     return [["torchrun", "--nproc_per_node", 1, "--master_port", 29500, recipe, *args, *diloco,
              "--diloco_island_index", node] for node in (0, 1)]
