@@ -29,7 +29,13 @@ from dragon.checkpoint.writes import SaveFailed
 from dragon.diloco.outer import DiLoCo
 from dragon.errors import RunStopped
 from dragon.model.attention import BDHCache
-from dragon.parallel.distributed import all_reduce_mean, init_distributed, rank, world_size
+from dragon.parallel.distributed import (
+    all_reduce_mean,
+    end_distributed,
+    init_distributed,
+    rank,
+    world_size,
+)
 from dragon.parallel.topology import enter_island
 from dragon.run.data import run_data
 from dragon.run.lock import check_every_rank_sees
@@ -170,4 +176,6 @@ if __name__ == "__main__":
     try:
         main()
     except RunStopped as stop:  # every early end: one line, and its exit code
+        end_distributed()  # every rank agreed to stop: nothing is in flight
         sys.exit(stop.exit_status())
+    end_distributed()

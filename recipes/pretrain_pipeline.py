@@ -32,7 +32,7 @@ from dragon.checkpoint.writes import SaveFailed
 from dragon.diloco.outer import DiLoCo
 from dragon.errors import RunStopped
 from dragon.model.attention import BDHCache
-from dragon.parallel.distributed import init_distributed, rank
+from dragon.parallel.distributed import end_distributed, init_distributed, rank
 from dragon.parallel.pipeline import bdh_pipeline, carrying, stage_layer
 from dragon.parallel.topology import enter_island
 from dragon.run.data import run_data
@@ -172,4 +172,6 @@ if __name__ == "__main__":
     try:
         main()
     except RunStopped as stop:  # every early end: one line, and its exit code
+        end_distributed()  # every rank agreed to stop: nothing is in flight
         sys.exit(stop.exit_status())
+    end_distributed()

@@ -14,6 +14,7 @@ import deepspeed
 import torch
 
 from dragon import BDHForCausalLM
+from dragon.parallel.distributed import end_distributed
 from dragon.parallel.pipeline import EmbedStage, HeadStage, bdh_pipeline
 from dragon.model.bdh import BDHLayer
 
@@ -60,3 +61,4 @@ if rank == 0:
         json.dump(
             {"before": loss_before, "train": loss_train, "parts": [int(p) for p in pipe.parts]}, f
         )
+end_distributed()

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from dragon.history import MetricHistory
+from dragon.parallel.distributed import end_distributed
 from dragon.checkpoint.retention import RetentionPolicy, attach_retention, default_history_path
 
 EVAL_LOSSES = [
@@ -228,3 +229,4 @@ if __name__ == "__main__":
         with open(os.path.join(out, "..", f"result_{mode}.json"), "w") as f:
             json.dump(result, f)
     dist.barrier()
+    end_distributed()
