@@ -57,3 +57,12 @@ class IslandLost(RunStopped):
 
 class JoinRefused(RunStopped):
     """--diloco_join found no outer step to join, or live islands of another shape."""
+
+
+class PeerLost(RunStopped):
+    """A collective failed: a rank of this world is gone (its node lost, its processes killed) or
+    the link to it broke. Nothing was agreed, so every surviving node reports it once (its local
+    rank 0), whichever rank is gone."""
+
+    def exit_status(self):
+        return f"error: {self.reason}" if os.environ.get("LOCAL_RANK", "0") == "0" else 1

@@ -33,6 +33,8 @@ from dragon.parallel.distributed import (
     all_reduce_mean,
     end_distributed,
     init_distributed,
+    peer_failed,
+    peer_lost,
     rank,
     world_size,
 )
@@ -178,4 +180,8 @@ if __name__ == "__main__":
     except RunStopped as stop:  # every early end: one line, and its exit code
         end_distributed()  # every rank agreed to stop: nothing is in flight
         sys.exit(stop.exit_status())
+    except RuntimeError as error:
+        if not peer_failed(error):  # a fault of this process: its traceback
+            raise
+        sys.exit(peer_lost(error).exit_status())  # a rank on another node died, or its link broke
     end_distributed()

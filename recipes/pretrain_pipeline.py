@@ -32,7 +32,13 @@ from dragon.checkpoint.writes import SaveFailed
 from dragon.diloco.outer import DiLoCo
 from dragon.errors import RunStopped
 from dragon.model.attention import BDHCache
-from dragon.parallel.distributed import end_distributed, init_distributed, rank
+from dragon.parallel.distributed import (
+    end_distributed,
+    init_distributed,
+    peer_failed,
+    peer_lost,
+    rank,
+)
 from dragon.parallel.pipeline import bdh_pipeline, carrying, stage_layer
 from dragon.parallel.topology import enter_island
 from dragon.run.data import run_data
@@ -174,4 +180,8 @@ if __name__ == "__main__":
     except RunStopped as stop:  # every early end: one line, and its exit code
         end_distributed()  # every rank agreed to stop: nothing is in flight
         sys.exit(stop.exit_status())
+    except RuntimeError as error:
+        if not peer_failed(error):  # a fault of this process: its traceback
+            raise
+        sys.exit(peer_lost(error).exit_status())  # a rank on another node died, or its link broke
     end_distributed()

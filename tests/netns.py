@@ -221,6 +221,11 @@ class Cluster:
         return subprocess.run(["ip", "netns", "exec", self.names[node], *map(str, cmd)],
                               timeout=timeout, **kwargs)
 
+    def lose(self, node: int) -> None:
+        """Lose `node` as a crashed machine is lost: every process inside it SIGKILLed (their
+        connections close as the kernel reaps them)."""
+        _kill_inside(self.names[node])
+
     def tx_bytes(self, node: int) -> int:
         """Bytes `node` has sent on its link (the interface's counter, read inside the node:
         /sys shows the namespace's own interfaces only to a process inside it)."""

@@ -190,11 +190,13 @@ def test_a_killed_island_leaves_the_other_training_then_rejoins(
         resume_after_the_join(out, tmp_path / "again", text_file, steps, saved)
 
 
-def start_joiner_after_step_8(live, out, store, start_joiner):
+def start_joiner_after_step_8(live, out, store, start_joiner, wait_for_keys=None):
     """The joiner, started once `live` (island 0) has ended step 8 alone: a joiner that started
     up within the quorum timeout would be a member of step 8, as if island 1 had never left.
     Island 0's ranks stay stopped until the joiner has announced itself for one of its next two
-    outer steps, so it joins a few steps on on any machine (island 0 alone outruns a start-up)."""
+    outer steps, so it joins a few steps on on any machine (island 0 alone outruns a start-up).
+    `wait_for_keys(store, keys, joiner)` waits until one of the keys is in the store (default:
+    a client of the store in this process)."""
     metrics = out / "island0" / "metrics.jsonl"
     while 8 not in logged_steps(metrics, having="outer_step"):
         assert live.poll() is None, live.stderr.read()[-3000:]
@@ -206,17 +208,22 @@ def start_joiner_after_step_8(live, out, store, start_joiner):
         # The joiner announces for the outer step after the last one island 0 published, which
         # is the last one it logged, or the one after when it stopped in between.
         last = max(logged_steps(metrics, having="outer_step")) // 4
-        host, port = store.rsplit(":", 1)
-        client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
         keys = [f"{step_key(last + k)}/joining/1" for k in (1, 2)]
         joiner = start_joiner()
-        while not any(client.check([key]) for key in keys):
-            assert joiner.poll() is None, joiner.stderr.read()[-3000:]
-            time.sleep(0.05)
+        (wait_for_keys or wait_in_store)(store, keys, joiner)
     finally:
         for pid in ranks:
             os.kill(pid, signal.SIGCONT)
     return joiner
+
+
+def wait_in_store(store, keys, joiner):
+    """Until one of `keys` is in the store at HOST:PORT, while `joiner` runs."""
+    host, port = store.rsplit(":", 1)
+    client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
+    while not any(client.check([key]) for key in keys):
+        assert joiner.poll() is None, joiner.stderr.read()[-3000:]
+        time.sleep(0.05)
 
 
 def resume_after_the_join(out, again, text_file, steps, saved):

@@ -8,19 +8,26 @@ these tests fail, they do not skip.
 """
 
 import itertools
+import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from conftest import DILOCO_ZERO3, LOSS_ATOL, REPO, STEPS, TINY, job_env, losses, read_jsonl
+from conftest import (DILOCO_ZERO3, LOSS_ATOL, PIPE_X2, REPO, STEPS, TINY, job_env, losses,
+                      read_jsonl)
 from netns import Cluster, alive, namespaces, remove_leftovers, wait_all
-from test_diloco import assert_islands_identical, island_metrics
+from test_checkpoints import logged_steps
+from test_diloco import DILOCO, assert_islands_identical, island_metrics, islands_run
+from test_elastic import ELASTIC, outer, start_joiner_after_step_8
+from test_faults import ranks_of
 
 # The tiny model's fp32 weights (BDH: 40,960 parameters): a data-parallel step has each rank
 # send at least half of them (its reduce-scatter share); an outer step all of them.
 WEIGHT_BYTES = 40_960 * 4
+WEIGHT_KEYS = ("weights_sum", "weights_sumsq", "outer_sum", "outer_sumsq")
 JOB_TIMEOUT = 240  # s; a 2-node job of the tiny model takes ~15 s on 2 cores
 _ports = itertools.count(29400)  # fresh namespaces: any port is free in them
 
@@ -90,14 +97,27 @@ def test_deepspeed_launcher_on_two_nodes_equals_one_node(cluster, runs, text_fil
 
 
 @pytest.mark.slow
-def test_torchrun_on_two_nodes_equals_one_node(cluster, runs, text_file, tmp_path):
-    """torchrun's static multi-node rendezvous: `--nnodes 2 --node_rank i --master_addr
-    <node 0> --master_port P` on each node."""
+@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
+def test_torchrun_on_two_nodes_equals_one_node(cluster, runs, text_file, tmp_path, rendezvous):
+    """torchrun's static multi-node rendezvous (`--nnodes 2 --node_rank i --master_addr <node 0>
+    --master_port P` on each node) and its c10d rendezvous (`--rdzv_backend c10d
+    --rdzv_endpoint <node 0>:P`, ranks in the order the nodes arrive). torchrun hosts the c10d
+    store where the endpoint names this machine, which it judges by hostname, and tells the
+    ranks to meet at the first node's hostname: where that resolves elsewhere (here, and on a
+    second NIC) each node needs `--local_addr <its address>` and node 0 `--rdzv_conf
+    is_host=1`."""
     _, ref, _ = runs("zero2")
     out, port = tmp_path / "run", next(_ports)
     args = recipe_args(out, text_file, "zero2.json")
-    commands = [["torchrun", "--nnodes", 2, "--nproc_per_node", 1, "--node_rank", node,
-                 "--master_addr", cluster.address(0), "--master_port", port,
+    if rendezvous == "static":
+        how = [["--node_rank", node, "--master_addr", cluster.address(0), "--master_port", port]
+               for node in (0, 1)]
+    else:
+        how = [["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{cluster.address(0)}:{port}",
+                "--rdzv_id", "dragon", "--rdzv_conf", f"is_host={int(node == 0)}",
+                "--local_addr", cluster.address(node)]
+               for node in (0, 1)]
+    commands = [["torchrun", "--nnodes", 2, "--nproc_per_node", 1, *how[node],
                  REPO / "recipes/pretrain.py", *args] for node in (0, 1)]
     sent = run_on_nodes(cluster, commands, tmp_path / "logs")
     assert_same_training(read_jsonl(out / "metrics.jsonl"), ref)
@@ -105,21 +125,58 @@ def test_torchrun_on_two_nodes_equals_one_node(cluster, runs, text_file, tmp_pat
 
 
 @pytest.mark.slow
-def test_diloco_islands_one_per_node_equal_one_launch(cluster, runs, text_file, tmp_path):
-    """Two DiLoCo islands (one ZeRO-3 rank each, H 4, sync), a launch per node: each island is
-    a one-node torchrun world of its own, and they meet at the store that island 0's rank
-    hosts on node 0's address (--diloco_store). Every island trains as the same islands do in
-    one launch on one host, and both islands hold bit-identical weights after each outer
-    step."""
-    ref = runs("diloco_zero3", **DILOCO_ZERO3)[0]
+def test_pipeline_one_stage_per_node_equals_one_node(cluster, runs, text_file, tmp_path):
+    """The pipeline recipe, 2 stages, one per node (deepspeed launcher, --no_ssh): the
+    activations and their gradients cross the link, and it trains as the 2-stage pipeline on
+    one node does."""
+    _, ref, _ = runs("pipe_x2", **PIPE_X2)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
+    out, port = tmp_path / "run", next(_ports)
+    args = recipe_args(out, text_file, PIPE_X2["config"], PIPE_X2["extra"])
+    commands = [["deepspeed", "--hostfile", hostfile, "--no_ssh", "--node_rank", node,
+                 "--master_addr", cluster.address(0), "--master_port", port,
+                 REPO / PIPE_X2["script"], *args] for node in (0, 1)]
+    sent = run_on_nodes(cluster, commands, tmp_path / "logs")
+    assert_same_training(read_jsonl(out / "metrics.jsonl"), ref)
+    print("bytes sent per node:", sent)
+    # each node sends every micro-batch's activations (4 x 64 x 32 fp32) or their gradients
+    assert min(sent) > STEPS * 2 * 4 * 64 * 32 * 4, sent
+    assert (out / "final" / "model.safetensors").exists()
+
+
+# The shared one-launch DiLoCo runs a launch per node repeats: 2 islands of one rank each, sync
+# (ZeRO-3, H 4) and delayed (ZeRO-0 with dropout, H 2); each a (config, arguments, outer steps).
+ONE_LAUNCH = {
+    "sync": ("diloco_zero3", DILOCO_ZERO3["config"], DILOCO_ZERO3["extra"], (4, 8)),
+    "delayed": ("diloco_delayed", "zero0.json",
+                ["--dropout", "0.2", *DILOCO, "--diloco_mode", "delayed"], (2, 4, 6, 8)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "delayed"])
+def test_diloco_islands_one_per_node_equal_one_launch(cluster, runs, text_file, tmp_path, mode):
+    """Two DiLoCo islands, a launch per node: each island is a one-node torchrun world of its
+    own, and they meet at the store that island 0's rank hosts on node 0's address
+    (--diloco_store). Every island trains as the same islands do in one launch on one host
+    (sync: bit-identical weights after each outer step; delayed: each island's own fresh share
+    in between, identical after the last)."""
+    name, config, extra, outer_steps = ONE_LAUNCH[mode]
+    ref = islands_run(runs, name, config=config, extra=extra)
     out, store = tmp_path / "run", f"{cluster.address(0)}:{next(_ports)}"
-    args = recipe_args(out, text_file, "zero3.json", DILOCO_ZERO3["extra"])
+    args = recipe_args(out, text_file, config, extra)
     commands = [["torchrun", "--nproc_per_node", 1, "--master_port", next(_ports),
                  REPO / "recipes/pretrain.py", *args, "--diloco_island_index", node,
                  "--diloco_store", store] for node in (0, 1)]
     sent = run_on_nodes(cluster, commands, tmp_path / "logs")
-    assert min(sent) > 2 * WEIGHT_BYTES, sent  # two outer steps' pseudo-gradients
-    assert_islands_identical(out, steps=(4, 8))
+    assert min(sent) > len(outer_steps) * WEIGHT_BYTES / 2, sent  # the pseudo-gradients
+    if mode == "sync":
+        assert_islands_identical(out, steps=outer_steps)
+    else:
+        rows = [[m for m in island_metrics(out, i) if "outer_step" in m] for i in (0, 1)]
+        assert rows[0][0]["outer_sum"] != rows[1][0]["outer_sum"]  # each island's own share
+        assert [rows[0][-1][k] for k in WEIGHT_KEYS] == [rows[1][-1][k] for k in WEIGHT_KEYS]
     for island in (0, 1):
         metrics, want = island_metrics(out, island), island_metrics(ref, island)
         assert losses(metrics) == pytest.approx(losses(want), abs=LOSS_ATOL)
@@ -127,6 +184,125 @@ def test_diloco_islands_one_per_node_equal_one_launch(cluster, runs, text_file, 
         assert got == pytest.approx([m["weights_sum"] for m in want if "outer_step" in m],
                                     rel=1e-5)
     assert (out / "final" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_a_lost_node_ends_the_other_in_bounded_time_and_the_same_command_resumes(
+        cluster, runs, text_file, tmp_path):
+    """Node 1 lost after step 5 (every process in it SIGKILLed, while node 0's rank is held
+    stopped so it cannot have finished): node 0's job ends within seconds, not at a timeout, and
+    its one error line names node 1's address. The same command on both nodes
+    (--resume_from_checkpoint auto) resumes from step 4: step 5 again bit for bit, and every
+    step as 1 node x 2 ranks trains it."""
+    _, ref, _ = runs("zero2")
+    out, port = tmp_path / "run", next(_ports)
+    args = recipe_args(out, text_file, "zero2.json", ["--resume_from_checkpoint", "auto"])
+
+    def launch(node):
+        cmd = ["torchrun", "--nnodes", 2, "--nproc_per_node", 1, "--node_rank", node,
+               "--master_addr", cluster.address(0), "--master_port", port,
+               REPO / "recipes/pretrain.py", *args]
+        return cluster.popen(node, cmd, cwd=REPO, env=cluster.env(node, job_env()),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    procs = [launch(node) for node in (0, 1)]
+    while 5 not in logged_steps(out / "metrics.jsonl"):
+        assert procs[0].poll() is None, procs[0].stderr.read()[-3000:]
+        time.sleep(0.005)
+    held = ranks_of(procs[0].pid)
+    for pid in held:
+        os.kill(pid, signal.SIGSTOP)
+    cluster.lose(1)
+    lost = time.time()
+    for pid in held:
+        os.kill(pid, signal.SIGCONT)
+    _, stderr = procs[0].communicate(timeout=120)
+    ended = time.time() - lost
+    print(f"node 0 ended {ended:.1f} s after node 1 was lost")
+    assert procs[0].returncode != 0 and ended < 60
+    told = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(told) == 1, stderr[-3000:]
+    assert f"the rank(s) at {cluster.address(1)} are gone" in told[0], told[0]
+    first = {m["step"]: m["loss"] for m in read_jsonl(out / "metrics.jsonl") if "loss" in m}
+
+    port = next(_ports)
+    procs = [launch(node) for node in (0, 1)]
+    codes = wait_all(procs, JOB_TIMEOUT)
+    assert codes == [0, 0], [p.stderr.read()[-3000:] for p in procs]
+    rows = read_jsonl(out / "metrics.jsonl")
+    again = [m for m in rows[rows.index(next(m for m in rows if m.get("step") == 5)) + 1:]
+             if "loss" in m]
+    assert again[0]["step"] == 5 and again[0]["loss"] == first[5]  # from step 4's checkpoint
+    assert [m["step"] for m in again] == [5, 6, 7, 8]
+    whole = [first[step] for step in range(1, 5)] + [m["loss"] for m in again]
+    assert whole == pytest.approx(losses(ref), abs=LOSS_ATOL)
+
+
+# Run inside a node: python -c WAIT_FOR_KEYS HOST:PORT KEY... returns once one key is in the store.
+WAIT_FOR_KEYS = """import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+host, port = sys.argv[1].rsplit(":", 1)
+store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
+while not any(store.check([key]) for key in sys.argv[2:]):
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.slow
+def test_elastic_islands_train_on_when_a_node_is_lost_and_it_rejoins(cluster, text_file,
+                                                                    tmp_path):
+    """Elastic DiLoCo, an island per node, the store on node 0 (its own process). Node 1 lost
+    after its step 5: island 0 waits out the quorum timeout at step 8 and trains on alone. Node
+    1 restarted with --diloco_join --resume_from_checkpoint auto takes the live island's weights
+    at an outer step, and both end on bit-identical weights (sync)."""
+    last, port = 64, next(_ports)
+    store = f"{cluster.address(0)}:{port}"
+    server = cluster.popen(0, [sys.executable, "-m", "dragon.diloco.island_store", "--host",
+                               cluster.address(0), "--port", port], cwd=REPO,
+                           env=cluster.env(0, job_env()), stdout=subprocess.PIPE, text=True)
+    assert "listening" in server.stdout.readline()
+    out = tmp_path / "run"
+    steps = ["--max_steps", str(last), "--eval_steps", str(last // 2), "--save_steps", "16",
+             "--lr_scheduler_type", "constant_with_warmup", "--diloco_outer_momentum", "0.3"]
+    args = recipe_args(out, text_file, "zero2.json",
+                       [*ELASTIC, *steps, "--diloco_islands", "2", "--diloco_store", store])
+
+    def island(node, *extra):
+        cmd = ["torchrun", "--nproc_per_node", 1, "--master_port", next(_ports),
+               REPO / "recipes/pretrain.py", *args, "--diloco_island_index", node, *extra]
+        return cluster.popen(node, cmd, cwd=REPO, env=cluster.env(node, job_env()),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    procs = [island(node) for node in (0, 1)]
+    while 5 not in logged_steps(out / "island1" / "metrics.jsonl"):
+        assert procs[1].poll() is None, procs[1].stderr.read()[-3000:]
+        time.sleep(0.005)
+    cluster.lose(1)
+    assert alive(server.pid)  # the store lives on node 0
+    def wait_in_node_0(store, keys, joiner):  # the store is reachable from the nodes only
+        watcher = cluster.popen(0, [sys.executable, "-c", WAIT_FOR_KEYS, store, *keys], cwd=REPO,
+                                env=cluster.env(0, job_env()))
+        while watcher.poll() is None:
+            assert joiner.poll() is None, joiner.stderr.read()[-3000:]
+            time.sleep(0.05)
+        assert watcher.returncode == 0
+
+    joiner = start_joiner_after_step_8(procs[0], out, store, lambda: island(
+        1, "--diloco_join", "--resume_from_checkpoint", "auto"), wait_in_node_0)
+    for proc in (procs[0], joiner):
+        stdout, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, stderr[-3000:]
+        if proc is procs[0]:
+            assert "island [1] did not arrive; training on with islands [0]" in stdout + stderr
+    assert "joined the run at step" in stdout + stderr
+    mine, theirs = outer(out, 0), {m["step"]: m for m in outer(out, 1) if m["step"] > 4}
+    assert [m["outer_quorum"] for m in mine[:2]] == [2, 1] and max(theirs) == last
+    for m in mine:
+        if m["step"] in theirs:
+            assert m["outer_quorum"] == 2
+            for key in WEIGHT_KEYS:
+                assert m[key] == theirs[m["step"]][key], (m["step"], key)
 
 
 # -- the harness itself: the link is the only way between nodes, and nothing is left behind --

@@ -3,11 +3,14 @@
 import atexit
 import gc
 import os
+import re
 import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from dragon.errors import PeerLost
 
 
 def launcher_world_size() -> int:
@@ -54,6 +57,33 @@ def end_distributed() -> None:
     (SIGABRT, "terminate called without an active exception") after the run succeeded."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# What gloo, NCCL and the TCPStore say when a peer process is gone or its link broke (torch
+# raises some of these as a plain RuntimeError, through DeepSpeed's comm wrappers too).
+_PEER_FAILURE = re.compile(
+    r"gloo|Connection (reset|closed|refused)|Broken pipe|Failed to recv|[Tt]imed out|NCCL"
+)
+
+
+def peer_failed(error: Exception) -> bool:
+    """Whether `error` is a collective's (or the store's) failure to reach another rank."""
+    return isinstance(error, dist.DistError) or bool(_PEER_FAILURE.search(str(error)))
+
+
+def peer_lost(error: Exception) -> PeerLost:
+    """The one line for a collective that could not reach another rank: the peer's address and
+    gloo's reason ("Read error [10.0.0.2]:4567: Connection reset by peer"), or the timeout
+    after which a peer that vanished without closing its connections (a machine powered off)
+    counts as lost (--dist_timeout)."""
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    cause = re.sub(r"^\[[^\]]*\] ", "", text).split(". ")[0][:200]  # gloo's "[file.cc:1] "
+    peer = re.search(r"\[([0-9A-Fa-f.:]+)\]:\d+", cause)
+    who = f"the rank(s) at {peer.group(1)} are" if peer else "a rank of another process is"
+    return PeerLost(
+        f"a collective failed: {who} gone or unreachable ({cause}); restart every node with "
+        "--resume_from_checkpoint auto"
+    )
 
 
 def rank() -> int:
