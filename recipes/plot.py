@@ -1,6 +1,6 @@
 """Plot runs from their metrics.jsonl: training and validation loss against steps, training loss
-against tokens, the learning rate, tokens/s, and for DiLoCo runs the outer steps and the bytes
-sent between islands.
+against tokens, the learning rate, tokens/s, for DiLoCo runs the outer steps and the bytes sent
+between islands, and the validation bits per byte of text.
 
     python recipes/plot.py runs/dp runs/diloco --output curves.png
 
@@ -58,20 +58,24 @@ PANELS = (  # (title, x, y label); the last only for runs whose islands exchange
     ("training loss by tokens", "tokens", "loss (nats per token)"),
     ("learning rate", "step", "learning rate"),
     ("throughput", "step", "tokens/s"),
-    ("DiLoCo: sent to other islands, per rank", "step", "MB (cumulative)"),
 )
+SENT = ("DiLoCo: sent to other islands, per rank", "step", "MB (cumulative)")
+BPB = ("validation bits per byte of text", "step", "bits per byte")
 
 
 def plot(runs: list[tuple[str, dict[int, dict]]], size: tuple[float, float], dpi: int):
     """The figure: one colour per run (or island), the same in every panel; a DiLoCo run's outer
     steps are ticks on its training loss."""
-    diloco = any("outer_bytes_sent" in m for _, history in runs for m in history.values())
-    panels = PANELS if diloco else PANELS[:-1]
-    fig, grid = plt.subplots(2, 3 if diloco else 2, figsize=size, dpi=dpi)
+    logged = {key for _, history in runs for m in history.values() for key in m}
+    panels = [*PANELS, *[p for key, p in (("outer_bytes_sent", SENT), ("eval_bpb", BPB))
+                         if key in logged]]
+    fig, grid = plt.subplots(2, -(-len(panels) // 2), figsize=size, dpi=dpi)
     axes = list(grid.flat)
     for extra in axes[len(panels):]:
         fig.delaxes(extra)
     by_step, by_tokens, lr, speed = axes[:4]
+    sent_ax = axes[panels.index(SENT)] if SENT in panels else None
+    bpb_ax = axes[panels.index(BPB)] if BPB in panels else None
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"] * 9
     for (name, history), colour in zip(runs, colours):
         style = {"color": colour, "label": name}
@@ -84,8 +88,10 @@ def plot(runs: list[tuple[str, dict[int, dict]]], size: tuple[float, float], dpi
         speed.plot(*_xy(history, "tokens_per_second"), **style)
         steps, sent = _xy(history, "outer_bytes_sent")
         if steps:
-            axes[4].plot(steps, [sum(sent[: i + 1]) / 1e6 for i in range(len(sent))], "o-",
+            sent_ax.plot(steps, [sum(sent[: i + 1]) / 1e6 for i in range(len(sent))], "o-",
                          **style)
+        if bpb_ax is not None:
+            bpb_ax.plot(*_xy(history, "eval_bpb"), "o--", **style)
     for ax, (title, xlabel, ylabel) in zip(axes, panels):
         ax.set_title(title)
         ax.set_xlabel(xlabel)

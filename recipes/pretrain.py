@@ -160,6 +160,7 @@ def train(engine, run, data, outer, checkpointer, args) -> None:
             eval_loss = evaluate(engine, data.valid, signalled=run.signalled)
             if eval_loss is not None:  # None: a preemption signal came during it
                 record["eval_loss"] = eval_loss
+                record["eval_bpb"] = eval_loss * data.bpb_factor  # bits per byte of the text
                 if data.valid_streams:
                     streams = BDHCache(engine.module.config.n_layer)
                     record["eval_loss_carried"] = evaluate(engine, data.valid_streams, streams)

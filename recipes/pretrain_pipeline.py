@@ -160,6 +160,7 @@ def train(engine, pipe, run, data, outer, checkpointer, args) -> None:
             record.update(run.train_metrics(grad_norm))
         if run.due(args.eval_steps) and not verdict.stop:  # a stop saves at once
             record["eval_loss"] = evaluate(engine, data.valid)
+            record["eval_bpb"] = record["eval_loss"] * data.bpb_factor  # bits per byte of the text
             if data.valid_streams:
                 streams = BDHCache(stage_layer(pipe).layers_on_stage)
                 record["eval_loss_carried"] = evaluate(engine, data.valid_streams, streams)

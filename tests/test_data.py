@@ -1,6 +1,7 @@
 """Tests for dragon.data.text on real files and the real `datasets` library (nothing mocked)."""
 
 import json
+import math
 import os
 import sysconfig
 from pathlib import Path
@@ -434,3 +435,24 @@ def test_error_bad_tokenizer_path(tmp_path):
         ),
         "missing_tok",
     )
+
+
+def test_bits_per_byte_factor_against_a_count_by_hand(tmp_path):
+    """eval_bpb = eval_loss x bits_per_byte_factor: predicted tokens / (their UTF-8 bytes x ln 2).
+    Bytes: every token is one byte, multi-byte characters included (exactly 1 / ln 2). A BPE
+    tokenizer: rows that each encode a whole document; a row predicts all but its first token,
+    so its bytes are the document's less the first token's."""
+    from dragon.run.data import bits_per_byte_factor
+
+    text = "".join(DOCS).encode("utf-8")
+    rows = torch.tensor(list(text[: 6 * 16])).view(3, 2, 16)  # 3 batches of 2 rows of 16
+    assert bits_per_byte_factor(list(rows), ByteTokenizer()) == pytest.approx(1 / math.log(2))
+
+    tok = load_tokenizer(DataArguments(tokenizer_name=make_hf_tokenizer(tmp_path / "tok")))
+    docs = [DOCS[1], DOCS[4], DOCS[5]]
+    batches = [torch.tensor([tok.encode(doc)]) for doc in docs]
+    tokens = sum(len(tok.encode(doc)) - 1 for doc in docs)
+    first = [len(tok.tokenizer.convert_ids_to_tokens(int(b[0, 0]))) for b in batches]
+    text_bytes = sum(len(doc.encode("utf-8")) - n for doc, n in zip(docs, first))
+    assert tokens < text_bytes  # BPE: fewer tokens than bytes
+    assert bits_per_byte_factor(batches, tok) == pytest.approx(tokens / (text_bytes * math.log(2)))

@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import (
     LOSS_ATOL,
+    PIPE_X2,
     REPO,
     STEPS,
     TINY,
@@ -361,3 +362,13 @@ def test_cpu_offload_configs_train_like_zero2(runs, config):
     _, metrics, _ = runs(config.removesuffix(".json"), config=config)
     _, ref, _ = runs("zero2")
     assert losses(metrics) == pytest.approx(losses(ref), abs=1e-4)
+
+
+def test_every_evaluation_logs_bits_per_byte(runs):
+    """eval_bpb beside every eval_loss; with the byte tokenizer each predicted token is one byte
+    of text, so it is eval_loss / ln 2 (the ZeRO and the pipeline recipe)."""
+    for metrics in (runs("zero2")[1], runs("pipe_x2", **PIPE_X2)[1]):
+        evaluated = [m for m in metrics if "eval_loss" in m]
+        assert len(evaluated) == 2
+        for m in evaluated:
+            assert m["eval_bpb"] == pytest.approx(m["eval_loss"] / math.log(2), rel=1e-12)

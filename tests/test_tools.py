@@ -148,12 +148,13 @@ def test_plots_of_one_run_and_of_two_overlaid(monkeypatch, capsys, made, tmp_pat
 
 def test_a_run_without_islands_is_plotted_without_an_empty_panel(made):
     """A run without DiLoCo has no cross-island panel; every panel has a y label and a line;
-    training and validation loss share the first."""
+    training and validation loss share the first; validation bits per byte has its own."""
     tool = runpy.run_path(str(REPO / "recipes/plot.py"))
     fig = tool["plot"](tool["series"](str(made["pipeline"]), "dp"), (10, 8), 50)
-    assert len(fig.axes) == 4 and not any("DiLoCo" in ax.get_title() for ax in fig.axes)
+    assert len(fig.axes) == 5 and not any("DiLoCo" in ax.get_title() for ax in fig.axes)
     assert all(ax.get_ylabel() and ax.lines for ax in fig.axes)
     assert "validation" in fig.axes[0].get_title() and len(fig.axes[0].lines) == 3
+    assert "bits per byte" in fig.axes[4].get_title()  # eval_bpb at each evaluation
 
 
 def test_sampling_a_run_without_a_checkpoint_says_what_to_pass(monkeypatch, tmp_path):

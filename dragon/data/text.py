@@ -111,6 +111,10 @@ class ByteTokenizer:
         ids = ids.tolist() if hasattr(ids, "tolist") else ids
         return bytes(ids).decode("utf-8", errors="replace")
 
+    def byte_count(self, ids: Union[Sequence[int], torch.Tensor]) -> int:
+        """UTF-8 bytes of the text `ids` stand for: one per id."""
+        return len(ids)
+
     __call__ = encode
 
 
@@ -136,6 +140,12 @@ class HFTokenizer:
     def decode(self, ids: Union[Sequence[int], torch.Tensor]) -> str:
         ids = ids.tolist() if hasattr(ids, "tolist") else ids
         return self.tokenizer.decode(ids)
+
+    def byte_count(self, ids: Union[Sequence[int], torch.Tensor]) -> int:
+        """UTF-8 bytes of the text `ids` stand for (special tokens stand for none). A byte-level
+        BPE token cut from its character at either end decodes to U+FFFD (3 bytes)."""
+        ids = ids.tolist() if hasattr(ids, "tolist") else ids
+        return len(self.tokenizer.decode(ids, skip_special_tokens=True).encode("utf-8"))
 
     __call__ = encode
 

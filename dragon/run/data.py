@@ -1,6 +1,7 @@
 """A run's data: loaded and checked before the run starts (load_data, check_data_fits), then the
 batches one rank trains and evaluates on (run_data) and the pieces of them a checkpoint holds."""
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -12,6 +13,7 @@ from dragon.data.streaming import STATE_FILE as STREAM_STATE
 from dragon.data.streaming import StreamingBatches, build_streams, check_stream
 from dragon.data.sources import DataError
 from dragon.data.text import build_datasets
+from dragon.parallel.distributed import all_reduce_values
 from dragon.run.carry import STATE_FILE as CARRIED_STATE
 from dragon.run.carry import CarriedState, check_state_fits
 
@@ -27,6 +29,7 @@ class RunData:
     carried: Optional[CarriedState] = None
     sources: list[str] = field(default_factory=list)  # a mixture's, whose tokens metrics count
     streamed: bool = False
+    bpb_factor: float = float("nan")  # eval_loss x this = eval_bpb (bits_per_byte_factor)
 
     def checkpoint_pieces(self) -> tuple[dict, dict]:
         """(pieces the same on every rank, pieces of this rank) for a Checkpointer: the position
@@ -65,14 +68,27 @@ def run_data(
     if args.carry_state:
         carried = CarriedState(accum, state_layers, train.steps_per_epoch,
                                args.state_reset_steps, torch.device(engine.device))
+    valid_batches = eval_batches(*valid)
     return RunData(
         train,
-        eval_batches(*valid),
+        valid_batches,
         eval_streams(*valid) if args.eval_carried else [],  # the same blocks read as streams
         carried,
         source_names(data_args),
         data_args.streaming,
+        bits_per_byte_factor(valid_batches, inputs.tokenizer),
     )
+
+
+def bits_per_byte_factor(batches: list[torch.Tensor], tokenizer) -> float:
+    """What turns the mean validation loss (nats per predicted token) into bits per byte of the
+    text the predicted tokens stand for, over every rank's `batches` (a collective). Each row
+    predicts all but its first token; every rank holds as many rows of one length (eval_batches),
+    so the mean loss is the mean over all of these tokens and the product is exact."""
+    tokens = sum(rows[:, 1:].numel() for rows in batches)
+    text_bytes = sum(tokenizer.byte_count(row[1:]) for rows in batches for row in rows)
+    tokens, text_bytes = all_reduce_values([float(tokens), float(text_bytes)])
+    return tokens / (text_bytes * math.log(2)) if text_bytes else float("nan")
 
 
 def load_data(data_args, args) -> tuple[Any, Any, Any]:

@@ -35,11 +35,12 @@ def setup_logging(level: int = logging.INFO) -> None:
     root.setLevel(level)
 
 
-# What the recipes write to metrics.jsonl (eval_loss on evaluation steps); any can pick the best
-# checkpoint.
+# What the recipes write to metrics.jsonl (eval_loss and eval_bpb, bits per byte of the
+# validation text, on evaluation steps); any can pick the best checkpoint.
 RECORDED_METRICS = (
     "loss",
     "eval_loss",
+    "eval_bpb",
     "eval_loss_carried",
     "lr",
     "grad_norm",
