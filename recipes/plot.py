@@ -1,6 +1,7 @@
 """Plot runs from their metrics.jsonl: training and validation loss against steps, training loss
 against tokens, the learning rate, tokens/s, for DiLoCo runs the outer steps and the bytes sent
-between islands, and the validation bits per byte of text.
+between islands, the validation bits per byte of text, and the fraction of BDH's sparse
+activations above zero.
 
     python recipes/plot.py runs/dp runs/diloco --output curves.png
 
@@ -53,6 +54,16 @@ def _xy(history: dict[int, dict], y: str, x: str = "step"):
     return [p[0] for p in points], [p[1] for p in points]
 
 
+def _layer_mean(history: dict[int, dict], kind: str):
+    """(steps, the mean over layers of sparsity/layer<i>/<kind>) where it was logged."""
+    points = []
+    for step, m in sorted(history.items()):
+        values = [v for k, v in m.items() if k.startswith("sparsity/") and k.endswith(f"/{kind}")]
+        if values:
+            points.append((step, sum(values) / len(values)))
+    return [p[0] for p in points], [p[1] for p in points]
+
+
 PANELS = (  # (title, x, y label); the last only for runs whose islands exchanged bytes
     ("loss: training (line), validation (circles)", "step", "loss (nats per token)"),
     ("training loss by tokens", "tokens", "loss (nats per token)"),
@@ -61,14 +72,16 @@ PANELS = (  # (title, x, y label); the last only for runs whose islands exchange
 )
 SENT = ("DiLoCo: sent to other islands, per rank", "step", "MB (cumulative)")
 BPB = ("validation bits per byte of text", "step", "bits per byte")
+SPARSITY = ("active on validation: x (o), y (s), x*y (^), mean of layers", "step",
+            "fraction > 0")
 
 
 def plot(runs: list[tuple[str, dict[int, dict]]], size: tuple[float, float], dpi: int):
     """The figure: one colour per run (or island), the same in every panel; a DiLoCo run's outer
     steps are ticks on its training loss."""
     logged = {key for _, history in runs for m in history.values() for key in m}
-    panels = [*PANELS, *[p for key, p in (("outer_bytes_sent", SENT), ("eval_bpb", BPB))
-                         if key in logged]]
+    panels = [*PANELS, *[p for key, p in (("outer_bytes_sent", SENT), ("eval_bpb", BPB),
+                                          ("sparsity/layer0/xy", SPARSITY)) if key in logged]]
     fig, grid = plt.subplots(2, -(-len(panels) // 2), figsize=size, dpi=dpi)
     axes = list(grid.flat)
     for extra in axes[len(panels):]:
@@ -76,6 +89,7 @@ def plot(runs: list[tuple[str, dict[int, dict]]], size: tuple[float, float], dpi
     by_step, by_tokens, lr, speed = axes[:4]
     sent_ax = axes[panels.index(SENT)] if SENT in panels else None
     bpb_ax = axes[panels.index(BPB)] if BPB in panels else None
+    sparsity_ax = axes[panels.index(SPARSITY)] if SPARSITY in panels else None
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"] * 9
     for (name, history), colour in zip(runs, colours):
         style = {"color": colour, "label": name}
@@ -92,6 +106,11 @@ def plot(runs: list[tuple[str, dict[int, dict]]], size: tuple[float, float], dpi
                          **style)
         if bpb_ax is not None:
             bpb_ax.plot(*_xy(history, "eval_bpb"), "o--", **style)
+        if sparsity_ax is not None:
+            for kind, marker in (("x", "o-"), ("y", "s-"), ("xy", "^-")):
+                steps, active = _layer_mean(history, kind)
+                sparsity_ax.plot(steps, active, marker, color=colour,
+                                 label=name if kind == "x" else None)
     for ax, (title, xlabel, ylabel) in zip(axes, panels):
         ax.set_title(title)
         ax.set_xlabel(xlabel)

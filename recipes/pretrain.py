@@ -29,6 +29,7 @@ from dragon.checkpoint.writes import SaveFailed
 from dragon.diloco.outer import DiLoCo
 from dragon.errors import RunStopped
 from dragon.model.attention import BDHCache
+from dragon.model.sparsity import SparsityProbe
 from dragon.parallel.distributed import (
     all_reduce_mean,
     end_distributed,
@@ -157,10 +158,13 @@ def train(engine, run, data, outer, checkpointer, args) -> None:
         if run.due(args.logging_steps):
             record.update(run.train_metrics(grad_norm))
         if run.due(args.eval_steps) and not verdict.stop:  # a stop saves at once
-            eval_loss = evaluate(engine, data.valid, signalled=run.signalled)
+            with SparsityProbe(engine.module, engine.module.config.n_layer) as probe:
+                eval_loss = evaluate(engine, data.valid, signalled=run.signalled)
             if eval_loss is not None:  # None: a preemption signal came during it
                 record["eval_loss"] = eval_loss
                 record["eval_bpb"] = eval_loss * data.bpb_factor  # bits per byte of the text
+                sparsity = probe.fractions()  # per layer, the fraction of x, y, x*y above 0
+                record.update(zip(sparsity, all_reduce_mean(list(sparsity.values()))))
                 if data.valid_streams:
                     streams = BDHCache(engine.module.config.n_layer)
                     record["eval_loss_carried"] = evaluate(engine, data.valid_streams, streams)

@@ -482,3 +482,39 @@ def test_model_from_reference_compiled_prefix_and_errors(weights, ids):
 
     with pytest.raises(ValueError, match="attn.freqs"):
         model_from_reference({**weights, "attn.freqs": weights["attn.freqs"] * 2}, config)
+
+
+def test_the_sparsity_probe_counts_what_fires():
+    """SparsityProbe's per-layer fractions of positive x, y and x * y against the layer's math
+    redone by hand (two batches averaged); the hooks leave with the `with`."""
+    from dragon.model.bdh import embed_tokens, layer_norm
+    from dragon.model.sparsity import SparsityProbe
+
+    torch.manual_seed(0)
+    config = BDHConfig(n_layer=3, n_embd=32, n_head=2, mlp_internal_dim_multiplier=8,
+                       vocab_size=256, dropout=0.1)
+    model = BDHForCausalLM(config).eval()
+    batches = [torch.randint(0, 256, (2, 24)) for _ in range(2)]
+    with torch.no_grad(), SparsityProbe(model, config.n_layer) as probe:
+        for batch in batches:
+            model(batch)
+    model(batches[0])  # after the `with`: not counted
+    got = probe.fractions()
+
+    want, layer = {}, model.layer
+    with torch.no_grad():
+        for batch in batches:
+            x = embed_tokens(model.embed, batch)
+            rotation = layer.attn.rotation(0, batch.size(1))
+            for i in range(config.n_layer):
+                xs = F.relu(x @ layer.encoder)
+                ys = F.relu(layer_norm(layer.attn(xs, x, None, 0, False, rotation))
+                            @ layer.encoder_v)
+                for kind, t in (("x", xs), ("y", ys), ("xy", xs * ys)):
+                    key = f"sparsity/layer{i}/{kind}"
+                    want[key] = want.get(key, 0.0) + float((t > 0).float().mean()) / 2
+                x = layer_norm(x + layer_norm(layer.decode(xs * ys)))
+    assert sorted(got) == sorted(want) and len(got) == 9
+    for key in want:
+        assert got[key] == pytest.approx(want[key], abs=1e-6), key
+    assert 0 < got["sparsity/layer0/xy"] < got["sparsity/layer0/x"] < 1

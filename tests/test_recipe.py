@@ -372,3 +372,15 @@ def test_every_evaluation_logs_bits_per_byte(runs):
         assert len(evaluated) == 2
         for m in evaluated:
             assert m["eval_bpb"] == pytest.approx(m["eval_loss"] / math.log(2), rel=1e-12)
+
+
+def test_every_evaluation_logs_how_sparse_the_activations_are(runs):
+    """Per layer, the fraction of positive x, y and x * y over the validation batches and ranks
+    (the ZeRO recipe); x * y fires only where both do."""
+    evaluated = [m for m in runs("zero2")[1] if "eval_loss" in m]
+    for m in evaluated:
+        sparsity = {k: v for k, v in m.items() if k.startswith("sparsity/")}
+        assert len(sparsity) == 3 * 2  # TINY: 2 layers
+        for i in range(2):
+            x, y, xy = (m[f"sparsity/layer{i}/{kind}"] for kind in ("x", "y", "xy"))
+            assert 0 < xy <= min(x, y) < 1

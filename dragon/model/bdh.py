@@ -143,6 +143,7 @@ class BDHLayer(nn.Module):
         self.encoder_v = nn.Parameter(torch.zeros(nh, D, N))
         self.decoder = nn.Parameter(torch.zeros(nh * N, D))
         self.attn = Attention(config)
+        self.sparse = nn.ReLU()  # a module, so a hook can count what fires (model.sparsity)
         self.drop = nn.Dropout(config.dropout)
 
     def forward(
@@ -157,11 +158,11 @@ class BDHLayer(nn.Module):
         `rotation` (self.attn.rotation(position, T)) is computed once for all layers by callers
         that run several."""
         B, _, T, D = x.shape
-        x_sparse = F.relu(x @ self.encoder)  # (B, nh, T, N)
+        x_sparse = self.sparse(x @ self.encoder)  # (B, nh, T, N)
         attn = self.attn(x_sparse, x, state, position, return_state, rotation)
         attn, state = attn if return_state else (attn, None)
         y_kv = layer_norm(attn)  # (B, nh, T, D)
-        y_sparse = F.relu(y_kv @ self.encoder_v)
+        y_sparse = self.sparse(y_kv @ self.encoder_v)
         xy_sparse = self.drop(x_sparse * y_sparse)
         x = layer_norm(x + layer_norm(self.decode(xy_sparse)))
         return (x, state) if return_state else x
