@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from transformers import HfArgumentParser
 
 from dragon.checkpoint.card import write_model_card
+from dragon.data.sources import DataError
+from dragon.data.text import tokenizer_in
 from dragon.checkpoint.export import (check_export_dir, model_from_checkpoint,
                                       resolve_checkpoint, save_model)
 from dragon.checkpoint.catalog import list_checkpoints
@@ -48,6 +50,10 @@ def main():
         sys.exit(f"error: {e}")
     save_model(model, args.output)
     save_dir, tag = os.path.split(os.path.normpath(tag_dir))
+    try:  # the run's tokenizer, saved beside its checkpoints (bytes when it saved none)
+        tokenizer_in(save_dir, model.config.vocab_size).save_pretrained(args.output)
+    except DataError as e:
+        print(f"warning: {e}; the export has no tokenizer")
     step = list_checkpoints(save_dir).get(tag)
     write_model_card(args.output, model.config, save_dir, step, f"checkpoint {tag_dir}")
     print(f"wrote {args.output} from {tag_dir}")

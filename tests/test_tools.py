@@ -1,5 +1,7 @@
 """Operator tools: the dry run (plan and memory estimate), plots, sampling, export with a card."""
 
+import json
+import os
 import re
 import runpy
 import subprocess
@@ -263,3 +265,52 @@ def test_a_diloco_checkpoint_holds_theta_outer(made):
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
     for ours, theirs in ((weights.sum(), outer.sum()), (weights.pow(2).sum(), outer.pow(2).sum())):
         assert abs(float(ours) / float(theirs) - 1) < 1e-9
+
+
+# Run where dragon cannot be imported: python -c WITHOUT_DRAGON EXPORT_DIR PROMPT prints the
+# prompt's ids and the greedy continuation that transformers alone gives.
+WITHOUT_DRAGON = """import json, sys
+try:
+    import dragon
+    sys.exit("dragon is importable")
+except ImportError:
+    pass
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=True)
+ids = tokenizer(sys.argv[2], return_tensors="pt", add_special_tokens=False).input_ids
+out = model.generate(ids, max_new_tokens=12, do_sample=False)
+print(json.dumps({"prompt": ids[0].tolist(), "ids": out[0].tolist(),
+                  "text": tokenizer.decode(out[0]), "class": type(model).__module__}))
+"""
+
+
+def test_an_export_loads_and_generates_without_dragon(monkeypatch, capsys, made, tmp_path):
+    """recipes/export.py of a pipeline checkpoint and a run's own final/ (ZeRO-3 islands): with
+    the model's code beside the weights (auto_map) and the byte tokenizer saved as transformers
+    reads it, AutoModelForCausalLM (trust_remote_code) and AutoTokenizer load them in a process
+    where `import dragon` fails, and generate() gives dragon's own greedy ids."""
+    from dragon.model.bdh import BDHForCausalLM
+
+    recipe_in_process(monkeypatch, capsys, "recipes/export.py",
+                      ["--checkpoint", str(made["pipeline"] / "checkpoints" / "step8"),
+                       "--output", str(tmp_path / "hf")])
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / "dragon.py").write_text("raise ImportError('dragon is not installed here')\n")
+    env = dict(os.environ, PYTHONPATH=str(blocked), HF_MODULES_CACHE=str(tmp_path / "modules"))
+    prompt = "def héllo"
+    for export in (tmp_path / "hf", made["diloco"] / "final"):
+        assert (export / "modeling_bdh.py").exists() and (export / "tokenizer.json").exists()
+        job = subprocess.run([sys.executable, "-c", WITHOUT_DRAGON, str(export), prompt],
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+                             stdin=subprocess.DEVNULL)
+        assert job.returncode == 0, job.stderr[-3000:]
+        got = json.loads(job.stdout.strip().splitlines()[-1])
+        assert got["prompt"] == list(prompt.encode("utf-8"))
+        assert "transformers_modules" in got["class"]  # the code beside the weights
+        with torch.no_grad():
+            ours = BDHForCausalLM.from_pretrained(export).eval().generate(
+                torch.tensor([got["prompt"]]), max_new_tokens=12, do_sample=False)
+        assert got["ids"] == ours[0].tolist()
+        assert got["text"].startswith(prompt)

@@ -87,9 +87,13 @@ def model_card(config: BDHConfig, save_dir: str, step: Optional[int], source: st
     lines += [f"| {name} | {value} |" for name, value in rows if value is not None]
     lines += [
         "", "## Load", "", "```python",
-        "import dragon  # registers BDH with transformers' Auto classes",
-        "from transformers import AutoModelForCausalLM", "",
-        'model = AutoModelForCausalLM.from_pretrained("path/to/this/directory")', "```", "",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+        "# the model's code lies beside its weights (modeling_bdh.py); with dragon installed,",
+        "# `import dragon` instead of trust_remote_code=True (AutoTokenizer reads the config too)",
+        'model = AutoModelForCausalLM.from_pretrained("path/to/this/directory", '
+        "trust_remote_code=True)",
+        'tokenizer = AutoTokenizer.from_pretrained("path/to/this/directory", '
+        "trust_remote_code=True)", "```", "",
     ]
     return "\n".join(lines)
 

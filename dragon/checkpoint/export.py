@@ -21,6 +21,7 @@ from dragon.errors import TrainingFailed
 from dragon.parallel.distributed import rank
 from dragon.history import MetricHistory, metrics_path
 from dragon.model.bdh import BDHConfig, BDHForCausalLM
+from dragon.model.remote_code import write_remote_code
 from dragon.parallel.pipeline import is_pipeline_checkpoint, model_from_pipeline_checkpoint
 from dragon.checkpoint.catalog import (damage_of, find_resume_checkpoint, is_complete,
                                        list_checkpoints, looks_like_tag_dir)
@@ -62,10 +63,12 @@ def check_export_dir(out_dir: str, overwrite: bool) -> None:
 
 
 def save_model(model: BDHForCausalLM, out_dir: str) -> None:
-    """model.save_pretrained(out_dir), its files readable as the umask allows (transformers writes
-    the weights owner-only, which others on a shared machine then cannot load)."""
+    """model.save_pretrained(out_dir) with the model's code beside it, its files readable as the
+    umask allows (transformers writes the weights owner-only, which others on a shared machine
+    then cannot load)."""
     started = time.time() - 1  # file times may be whole seconds
     model.save_pretrained(out_dir)
+    write_remote_code(out_dir)  # loadable with trust_remote_code where dragon is not installed
     mask = os.umask(0)
     os.umask(mask)
     for name in os.listdir(out_dir):  # only the files it just wrote

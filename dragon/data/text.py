@@ -115,6 +115,19 @@ class ByteTokenizer:
         """UTF-8 bytes of the text `ids` stand for: one per id."""
         return len(ids)
 
+    def save_pretrained(self, path: str) -> None:
+        """The same tokenizer as transformers loads it (AutoTokenizer.from_pretrained): byte-level
+        BPE with the 256 bytes as its vocabulary, id = byte value, and no merges."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        as_char = bytes_to_unicode()  # byte-level BPE's printable stand-in for each byte
+        bpe = Tokenizer(models.BPE(vocab={as_char[b]: b for b in range(256)}, merges=[]))
+        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        bpe.decoder = decoders.ByteLevel()
+        PreTrainedTokenizerFast(tokenizer_object=bpe).save_pretrained(path)
+
     __call__ = encode
 
 
