@@ -21,7 +21,9 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-CODECS = [("fp32", "none", 0), ("bf16", "bf16", 0), ("int8", "int8", 1024), ("int4", "int4", 1024)]
+# (name, --diloco_compress, values per scale or the top-k fraction)
+CODECS = [("fp32", "none", 0), ("bf16", "bf16", 0), ("int8", "int8", 1024), ("int4", "int4", 1024),
+          ("top-k 2 %", "topk", 0.02)]
 
 
 def island(rank: int, n: int, port: int, values: int, out: str) -> None:
@@ -34,10 +36,11 @@ def island(rank: int, n: int, port: int, values: int, out: str) -> None:
     group = dist.ProcessGroupGloo(store, rank, n, timedelta(seconds=120))
     flat = torch.randn(values, generator=torch.Generator().manual_seed(rank))
     rows = {}
-    for name, compress, block in CODECS:
+    for name, compress, setting in CODECS:
         group.barrier().wait()
         began = time.perf_counter()
-        x = Exchange(flat, group, n, compress, block, [values], measure_bytes=True)
+        block, topk = (0, setting) if compress == "topk" else (setting, 0.0)
+        x = Exchange(flat, group, n, compress, block, [values], measure_bytes=True, topk=topk)
         rows[name] = (x.bytes_sent, x.payload_bytes, time.perf_counter() - began,
                       (x.error_sq / x.norm_sq) ** 0.5)
     torch.save(rows, out)

@@ -566,6 +566,17 @@ def test_delayed_mode_resumes_exactly(runs, tmp_path):
         assert full[0][-1][key] == full[1][-1][key]
     hidden = [m["outer_comm_hidden_seconds"] for m in full[0] if "outer_comm_hidden_seconds" in m]
     assert len(hidden) == 3 and all(h >= 0 for h in hidden)
+    resumed = resume_islands_at_step_4(runs, "diloco_delayed_resumed", full_out, tmp_path,
+                                       "zero0.json", extra)
+    for i in (0, 1):
+        assert [m["step"] for m in resumed[i]] == [5, 6, 7, 8]
+        assert losses(resumed[i]) == losses(full[i])[4:]
+        assert [m.get("outer_sum") for m in resumed[i]] == [m.get("outer_sum") for m in full[i][4:]]
+
+
+def resume_islands_at_step_4(runs, name, full_out, tmp_path, config, extra) -> list[list]:
+    """Both islands of `full_out` restarted from their step-4 checkpoints (alone in a new
+    directory); each island's metrics of the resumed run."""
     resumed_out = tmp_path / "resumed"
     for i in (0, 1):
         shutil.copytree(
@@ -573,18 +584,32 @@ def test_delayed_mode_resumes_exactly(runs, tmp_path):
             resumed_out / f"island{i}" / "checkpoints" / "step4",
         )
         (resumed_out / f"island{i}" / "checkpoints" / "latest").write_text("step4")
-    islands_run(
-        runs,
-        "diloco_delayed_resumed",
-        config="zero0.json",
-        out=resumed_out,
-        extra=[*extra, "--resume_from_checkpoint", "latest"],
-    )
+    islands_run(runs, name, config=config, out=resumed_out,
+                extra=[*extra, "--resume_from_checkpoint", "latest"])
+    return [island_metrics(resumed_out, i) for i in (0, 1)]
+
+
+@pytest.mark.slow
+def test_topk_with_error_feedback_agrees_learns_and_resumes_exactly(runs, tmp_path):
+    """2 islands (ZeRO-0, H 2, sync) sending 5 % of their pseudo-gradients' entries: both hold
+    bit-identical weights after every outer step, each sent 6 bytes an entry, what each kept
+    back is logged, the loss falls; resumed at step 4, steps 5-8 repeat bit for bit (the
+    residual is in the checkpoint: without it step 6's average would differ)."""
+    extra = [*DILOCO, "--diloco_topk", "0.05"]
+    full_out = islands_run(runs, "diloco_topk", config="zero0.json", extra=extra)
+    assert_islands_identical(full_out)
+    full = [island_metrics(full_out, i) for i in (0, 1)]
+    outer = [m for m in full[0] if "outer_step" in m]
+    assert {m["outer_payload_bytes"] for m in outer} == {6 * math.ceil(0.05 * 40_960)}
+    assert all(m["outer_residual_norm"] > 0 for m in outer)
+    assert losses(full[0])[-1] < losses(full[0])[0] - 0.3
+    resumed = resume_islands_at_step_4(runs, "diloco_topk_resumed", full_out, tmp_path,
+                                       "zero0.json", extra)
     for i in (0, 1):
-        resumed = island_metrics(resumed_out, i)
-        assert [m["step"] for m in resumed] == [5, 6, 7, 8]
-        assert losses(resumed) == losses(full[i])[4:]
-        assert [m.get("outer_sum") for m in resumed] == [m.get("outer_sum") for m in full[i][4:]]
+        assert [m["step"] for m in resumed[i]] == [5, 6, 7, 8]
+        assert losses(resumed[i]) == losses(full[i])[4:]
+        for key in ("outer_sum", "outer_residual_norm"):
+            assert [m.get(key) for m in resumed[i]] == [m.get(key) for m in full[i][4:]]
 
 
 def test_zero0_bf16_with_bf16_pseudo_gradients(runs):

@@ -37,12 +37,14 @@ def test_the_int4_code_is_the_documented_one():
     assert torch.equal(decoded[:64], torch.zeros(64))
 
 
-def exchange_among(n: int, tmp_path) -> list[dict]:
+def exchange_among(n: int, tmp_path, codec: str = "int4") -> list[dict]:
+    """Each island's saved result of one exchange among `n` real processes."""
     port = free_port()
     outs = [tmp_path / f"island{i}.pt" for i in range(n)]
     procs = [subprocess.Popen([sys.executable, str(REPO / "tests/scripts/quantized_exchange.py"),
-                               str(i), str(n), str(port), str(outs[i])], cwd=REPO, env=job_env(),
-                              stderr=subprocess.PIPE, text=True) for i in range(n)]
+                               str(i), str(n), str(port), str(outs[i]), codec], cwd=REPO,
+                              env=job_env(), stderr=subprocess.PIPE, text=True)
+             for i in range(n)]
     for p in procs:
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0, err[-3000:]

@@ -289,6 +289,10 @@ def test_export_never_replaces_a_users_files_silently(runs, tmp_path):
         (["--nan_policy", "ignore"], {}, "--nan_policy='ignore': valid are skip, stop"),
         (["--save_failure", "retry"], {}, "--save_failure='retry': valid are stop, continue"),
         (["--max_bad_steps", "0"], {}, "--max_bad_steps=0: must be >= 1"),
+        (["--diloco_inner_steps", "2", "--diloco_topk", "0.02", "--diloco_compress", "int4"], {},
+         "--diloco_topk 0.02 sends its own code; drop --diloco_compress int4"),
+        (["--diloco_inner_steps", "2", "--diloco_topk", "1.5"], {},
+         "--diloco_topk 1.5: must be in [0, 1)"),
     ],
 )
 def test_bad_input_stops_before_start(monkeypatch, text_file, tmp_path, argv, env, expected):

@@ -1,7 +1,8 @@
 """One exchange of a flat fp32 tensor among islands (rank r of each): all-reduce in fp32 or bf16, an
-all-gather of int8 codes with absmax scales, or a 4-bit all-to-all and all-gather whose bytes do
-not grow with the islands (dragon.diloco.quantized); asynchronous (int4: its all-gather), with the
-bytes it sends (measured or modelled) and its times recorded."""
+all-gather of int8 codes with absmax scales or of top-k codes (dragon.diloco.sparse), or a 4-bit
+all-to-all and all-gather whose bytes do not grow with the islands (dragon.diloco.quantized);
+asynchronous (int4: its all-gather), with the bytes it sends (measured or modelled) and its times
+recorded."""
 
 import io
 import time
@@ -11,6 +12,7 @@ from typing import Any, Optional
 import torch
 
 from dragon.diloco.quantized import gathered_sum, scatter_reduce
+from dragon.diloco.sparse import topk_encode, topk_sum
 
 def flatten(tensors) -> torch.Tensor:
     """One contiguous fp32 CPU vector (gloo exchanges CPU tensors)."""
@@ -100,6 +102,7 @@ class Exchange:
         numels: list[int],
         measure_bytes: bool,
         contributors: Optional[int] = None,
+        topk: float = 0.0,
     ):
         self.compress, self.block, self.numels, self.n, self.islands = (
             compress,
@@ -109,6 +112,8 @@ class Exchange:
             islands,
         )
         self.contributors = contributors  # what the sum is divided by (default: islands)
+        self.topk = topk  # compress "topk": the fraction of entries sent (dragon.diloco.sparse)
+        self.sent: Optional[torch.Tensor] = None  # topk: what this island's code decodes to
         self.error_sq, self.norm_sq = 0.0, float(torch.dot(flat, flat))
         before = cpu_bytes_written() if measure_bytes else None
         self.started = time.perf_counter()
@@ -146,6 +151,10 @@ class Exchange:
         if self.compress == "int4":
             payload, self.error_sq = scatter_reduce(flat, group, self.islands, self.block)
             return payload, "scatter", payload.numel() * self.islands
+        if self.compress == "topk":
+            payload, self.sent = topk_encode(flat, self.topk)
+            self.error_sq = float((self.sent - flat).pow(2).sum())
+            return payload, "allgather", payload.numel()
         q, scale = _int8_encode(flat, self.block, self.numels)
         self.error_sq = float(
             (_int8_decode(q, scale, self.block, self.numels, self.n) - flat).pow(2).sum()
@@ -165,6 +174,8 @@ class Exchange:
                 total = self.payload.float()
             elif self.op == "scatter":
                 total = gathered_sum(self.gathered, self.n, self.block)
+            elif self.compress == "topk":
+                total = topk_sum(self.gathered, self.n)
             else:
                 total = torch.zeros(self.n, dtype=torch.float32)
                 cut = self.scale_bytes

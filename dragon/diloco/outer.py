@@ -76,7 +76,8 @@ class DiLoCoConfig:
 
     inner_steps: int  # H
     mode: str = "sync"  # or "delayed"
-    compress: str = "none"  # the pseudo-gradient on the wire: none (fp32), bf16, int8, int4
+    compress: str = "none"  # the pseudo-gradient on the wire: none (fp32), bf16, int8, int4, topk
+    topk: float = 0.0  # compress "topk": the fraction of entries sent, with error feedback
     int8_block: int = 1024  # values per int8 or int4 scale (0: one per tensor, int8 only)
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
@@ -130,6 +131,8 @@ class DiLoCo(OuterState):
         self.previous = torch.zeros(sum(self.numels)) if self.mode == "delayed" else None
         self.pending: Optional[Exchange] = None
         self.previous_share = self.islands  # what the late average divided `previous` by
+        # top-k: what this rank has not sent yet, added to its next pseudo-gradient
+        self.residual = torch.zeros(sum(self.numels)) if config.compress == "topk" else None
         self.contributed = True  # `previous` is this island's share of it
         self.outer_step = 0
 
@@ -167,6 +170,8 @@ class DiLoCo(OuterState):
             )
         else:  # a joiner trained nothing from the live islands' theta_outer
             delta = torch.zeros(sum(self.numels))
+        if self.residual is not None:  # error feedback: what earlier steps did not send
+            delta += self.residual
         own = delta.clone() if self.mode == "delayed" else None  # an fp32 all-reduce works in place
         metrics = {"outer_step": self.outer_step}
         if self.membership is not None:
@@ -175,6 +180,8 @@ class DiLoCo(OuterState):
         else:
             round_ = Round(self.exchange(delta, self.group, self.islands), self.pending)
         exchange, late = round_.exchange, round_.late
+        if self.residual is not None:
+            self.residual = delta - exchange.sent
         del delta
         applied = []
         if self.mode == "sync":
@@ -210,11 +217,15 @@ class DiLoCo(OuterState):
         sums.append(norm_sq)
         if self.config.checksum:
             sums += self.weights.fingerprint() + self._outer_fingerprint()
+        if self.residual is not None:
+            sums.append(self._norm_sq(self.residual))
         sums = all_reduce_values(sums, dist.ReduceOp.SUM)
         bytes_max = all_reduce_values([float(exchange.bytes_sent)], dist.ReduceOp.MAX)[0]
         metrics.update(outer_bytes_sent=int(bytes_max), outer_payload_bytes=exchange.payload_bytes)
         if self.config.compress != "none":
             metrics["outer_compress_error"] = math.sqrt(sums[0] / sums[1]) if sums[1] > 0 else 0.0
+        if self.residual is not None:
+            metrics["outer_residual_norm"] = math.sqrt(sums[-1])
         if applied:
             metrics["outer_grad_norm"] = math.sqrt(sums[2])
             metrics["outer_comm_seconds"] = sum(e.seconds for e in applied)
@@ -231,16 +242,9 @@ class DiLoCo(OuterState):
     def exchange(self, delta: torch.Tensor, group, islands: int, contributors=None) -> Exchange:
         """Start the exchange among `islands` (the group's size); the average divides by the
         `contributors` (default all: an elastic joiner adds zeros)."""
-        return Exchange(
-            delta,
-            group,
-            islands,
-            self.config.compress,
-            self.config.int8_block,
-            self.numels,
-            measure_bytes=self.mode == "sync",
-            contributors=contributors,
-        )
+        return Exchange(delta, group, islands, self.config.compress, self.config.int8_block,
+                        self.numels, measure_bytes=self.mode == "sync",
+                        contributors=contributors, topk=self.config.topk)
 
     def join(self) -> tuple[int, dict]:
         """--diloco_join: wait to be let into the live islands' next outer step, take
@@ -249,8 +253,9 @@ class DiLoCo(OuterState):
         it on their weights. Returns the step and the outer step's metrics."""
         target, quorum = self.membership.admit(self.shape())
         self.outer_step = target - 1
-        if self.previous is not None:  # what this island's own checkpoint had in flight is stale
-            self.previous.zero_()
+        for stale in (self.previous, self.residual):  # what this island's checkpoint had
+            if stale is not None:
+                stale.zero_()
         self.pending, self.contributed = None, False
         metrics = self._outer_step(0, False, joining=quorum)
         return self.joined_step, metrics

@@ -38,6 +38,7 @@ class OuterState:
             "outer_params": [p.detach().cpu().clone() for p in self.outer_params],
             "optimizer": self.optimizer.state_dict(),
             "previous": None if self.previous is None else self.previous.clone(),
+            "residual": None if self.residual is None else self.residual.clone(),
             "pending": pending,
             "previous_share": self.previous_share,
             "contributed": self.contributed,
@@ -78,6 +79,10 @@ class OuterState:
                 p.copy_(saved)
             if self.previous is not None:
                 self.previous.copy_(state["previous"])
+            if self.residual is not None and state.get("residual") is not None:
+                self.residual.copy_(state["residual"])
+            elif self.residual is not None:  # a run without top-k until now
+                self.residual.zero_()
         self.optimizer.load_state_dict(state["optimizer"])
         self.outer_step = state["outer_step"]
         self.pending = None if state["pending"] is None else _Resolved(state["pending"])
@@ -86,9 +91,10 @@ class OuterState:
 
     def forget_own_share(self) -> None:
         """A new island resumed from island 0's state has no pseudo-gradient of its own in the
-        average in flight."""
-        if self.previous is not None:
-            self.previous.zero_()
+        average in flight, nor anything of its own held back (top-k)."""
+        for vector in (self.previous, self.residual):
+            if vector is not None:
+                vector.zero_()
         self.contributed = False
 
     def restart(self) -> None:
@@ -99,8 +105,9 @@ class OuterState:
         with torch.no_grad():
             for p, m in zip(self.outer_params, masters):
                 p.copy_(m)
-            if self.previous is not None:
-                self.previous.zero_()
+            for vector in (self.previous, self.residual):
+                if vector is not None:
+                    vector.zero_()
         self.optimizer = self._make_optimizer(self.outer_params)
         self.pending, self.outer_step = None, 0
 
@@ -167,8 +174,8 @@ def diloco_state_for(tag_dir: str, segments: list, numels: list[int]) -> Optiona
         return out
 
     def flat_vector(key):  # one vector over every master tensor (delayed mode)
-        if saved[0][key] is None or isinstance(saved[0][key], str):
-            return saved[0][key]
+        if saved[0].get(key) is None or isinstance(saved[0][key], str):
+            return saved[0].get(key)
         return torch.cat(moved(lambda state: state[key].split(state["numels"])))
 
     first = saved[0]
@@ -185,4 +192,5 @@ def diloco_state_for(tag_dir: str, segments: list, numels: list[int]) -> Optiona
     return dict(first, numels=numels, segments=segments,
                 outer_params=moved(lambda s: s["outer_params"]),
                 optimizer={"state": state, "param_groups": groups},
-                previous=flat_vector("previous"), pending=flat_vector("pending"))
+                previous=flat_vector("previous"), pending=flat_vector("pending"),
+                residual=flat_vector("residual"))

@@ -244,6 +244,11 @@ class DiLoCoArguments:
     diloco_int8_block: int = _help(
         "Values per int8 or int4 scale (0: one scale per tensor, int8 only).", default=1024
     )
+    diloco_topk: float = _help(
+        "Send only this fraction of each pseudo-gradient's entries, those of largest magnitude, "
+        "as int32 indices and bf16 values; each rank keeps what it did not send for its next "
+        "outer step (error feedback). 0: off.", default=0.0
+    )
     diloco_outer_on_cpu: bool = _help(
         "Keep theta_outer and the outer optimizer state on CPU.", default=False
     )
@@ -300,6 +305,14 @@ class DiLoCoArguments:
         if self.diloco_compress == "int4" and self.diloco_int8_block == 0:
             raise ValueError("--diloco_int8_block 0 (one scale per tensor) is for int8; int4 "
                              "needs values per scale (the default 1024)")
+        topk = self.diloco_topk
+        if not 0 <= topk < 1:
+            raise ValueError(f"--diloco_topk {topk}: must be in [0, 1) (0.02 sends 2 %)")
+        if topk and self.diloco_compress != "none":
+            raise ValueError(f"--diloco_topk {topk} sends its own code; drop --diloco_compress "
+                             f"{self.diloco_compress}")
+        if topk and self.diloco_mode != "sync":
+            raise ValueError(f"--diloco_topk {topk}: with --diloco_mode sync only")
         if not self.diloco_outer_lr > 0:
             raise ValueError(f"--diloco_outer_lr {self.diloco_outer_lr}: must be > 0")
         if not 0 <= self.diloco_outer_momentum < 1:
@@ -393,7 +406,8 @@ class DiLoCoArguments:
             return None
         return DiLoCoConfig(
             inner_steps=self.diloco_inner_steps, mode=self.diloco_mode,
-            compress=self.diloco_compress, int8_block=self.diloco_int8_block,
+            compress="topk" if self.diloco_topk else self.diloco_compress,
+            int8_block=self.diloco_int8_block, topk=self.diloco_topk,
             outer_lr=self.diloco_outer_lr, outer_momentum=self.diloco_outer_momentum,
             nesterov=self.diloco_nesterov, outer_on_cpu=self.diloco_outer_on_cpu,
             checksum=self.diloco_checksum, elastic=self.diloco_elastic,
