@@ -99,14 +99,20 @@ class Attention(nn.Module):
     def __init__(self, config: BDHConfig):
         super().__init__()
         self.n = config.n_neurons
+        self.neurons = (0, self.n)  # the neurons held here: all, or a slice (neuron parallelism)
         self.config = config  # the form is read at every call, so it can be switched on a model
-        self.register_buffer("freqs", rope_frequencies(self.n))
+        self.register_buffer("freqs", self.frequencies())
+
+    def frequencies(self, device=None) -> torch.Tensor:
+        """RoPE's frequencies of the neurons held here, in fp32."""
+        start, stop = self.neurons
+        return rope_frequencies(self.n, device=device)[..., start:stop].contiguous()
 
     def _apply(self, fn, recurse=True):
         # A cast of the module (model.bfloat16(), DeepSpeed's bf16 engine) must not round the
         # frequencies: recompute them in fp32 on whatever device the cast moved them to.
         super()._apply(fn, recurse)
-        self.freqs = rope_frequencies(self.n, device=self.freqs.device)
+        self.freqs = self.frequencies(device=self.freqs.device)
         return self
 
     def rotation(self, position: int, T: int) -> torch.Tensor:
@@ -145,6 +151,11 @@ class BDHLayer(nn.Module):
         self.attn = Attention(config)
         self.sparse = nn.ReLU()  # a module, so a hook can count what fires (model.sparsity)
         self.drop = nn.Dropout(config.dropout)
+        # Where the N-wide part begins and ends. Identities here; when ranks split the neurons
+        # (dragon.parallel.neurons) they become the collectives: what enters is used by every
+        # rank's neurons, and what leaves is a sum over neurons, so it sums over ranks.
+        self.enter_neurons = nn.Identity()
+        self.sum_neurons = nn.Identity()
 
     def forward(
         self,
@@ -157,14 +168,14 @@ class BDHLayer(nn.Module):
         """x (B, 1, T, D) -> the next x; with return_state also this layer's attention state.
         `rotation` (self.attn.rotation(position, T)) is computed once for all layers by callers
         that run several."""
-        B, _, T, D = x.shape
-        x_sparse = self.sparse(x @ self.encoder)  # (B, nh, T, N)
-        attn = self.attn(x_sparse, x, state, position, return_state, rotation)
+        x_in = self.enter_neurons(x)
+        x_sparse = self.sparse(x_in @ self.encoder)  # (B, nh, T, N)
+        attn = self.attn(x_sparse, x_in, state, position, return_state, rotation)
         attn, state = attn if return_state else (attn, None)
-        y_kv = layer_norm(attn)  # (B, nh, T, D)
-        y_sparse = self.sparse(y_kv @ self.encoder_v)
+        y_kv = layer_norm(self.sum_neurons(attn))  # (B, nh, T, D)
+        y_sparse = self.sparse(self.enter_neurons(y_kv) @ self.encoder_v)
         xy_sparse = self.drop(x_sparse * y_sparse)
-        x = layer_norm(x + layer_norm(self.decode(xy_sparse)))
+        x = layer_norm(x + layer_norm(self.sum_neurons(self.decode(xy_sparse))))
         return (x, state) if return_state else x
 
     def decode(self, xy_sparse: torch.Tensor) -> torch.Tensor:
