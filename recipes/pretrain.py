@@ -30,6 +30,7 @@ from dragon.diloco.outer import DiLoCo
 from dragon.errors import RunStopped
 from dragon.model.attention import BDHCache
 from dragon.model.sparsity import SparsityProbe
+from dragon.parallel.neurons import NeuronGroups
 from dragon.parallel.distributed import (
     all_reduce_mean,
     end_distributed,
@@ -68,9 +69,10 @@ def evaluate(engine, batches, cache: Optional[BDHCache] = None, signalled=None) 
     return all_reduce_mean([sum(losses) / len(losses)])[0]
 
 
-def deepspeed_engine(model, inputs):
+def deepspeed_engine(model, inputs, neurons=None):
     """The model in a DeepSpeed engine, with torch's AdamW and transformers' schedule unless the
-    JSON names its own; and that schedule (None when the JSON's)."""
+    JSON names its own; and that schedule (None when the JSON's). `neurons`: the groups of
+    --neuron_parallel, which DeepSpeed reads as its model-parallel unit (mpu)."""
     optimizer, lr_schedule = client_optimizer_and_scheduler(
         model.parameters(), inputs.ds_config, inputs.train
     )
@@ -80,6 +82,7 @@ def deepspeed_engine(model, inputs):
         lr_scheduler=lr_schedule,
         model_parameters=model.parameters(),
         config=inputs.ds_config,
+        mpu=neurons,
     )
     skip_nonfinite_updates(engine)  # where DeepSpeed steps torch's optimizer as it is (ZeRO-0)
     if inputs.train.torch_compile:
@@ -97,7 +100,12 @@ def main():
     run_dir = inputs.run_dir(topology.island)  # <output_dir>, or <output_dir>/island<i>
     check_every_rank_sees(run_dir)  # node-local disks would split the checkpoints: refused
     model = initial_model(inputs)
-    engine, lr_schedule = deepspeed_engine(model, inputs)
+    # --neuron_parallel K: each rank keeps N/K neurons of every head; data parallel over the rest
+    neurons = NeuronGroups(args.neuron_parallel) if args.neuron_parallel > 1 else None
+    if neurons:
+        neurons.split(model)
+    dp_rank, dp_world = (neurons.dp_rank, neurons.dp_world) if neurons else (rank(), world_size())
+    engine, lr_schedule = deepspeed_engine(model, inputs, neurons)
     save_dir = os.path.join(run_dir, "checkpoints")
     # Optional: after every engine.save_checkpoint, a completion marker once every rank wrote its
     # files, and pruning to the last --save_total_limit plus the best by --metric_for_best_model.
@@ -105,8 +113,8 @@ def main():
     outer = DiLoCo.from_engine(engine, inputs.diloco.config(), topology)  # None without DiLoCo
 
     # The run's state: this rank's data (and carried attention states), RNG, the outer loop.
-    data_rank, data_world = topology.data_shard(rank(), world_size())
-    data = run_data(inputs, data_rank, data_world, rank(), world_size(), engine,
+    data_rank, data_world = topology.data_shard(dp_rank, dp_world)
+    data = run_data(inputs, data_rank, data_world, dp_rank, dp_world, engine,
                     model.config.n_layer)
     shared, per_rank = data.checkpoint_pieces()
     if lr_schedule:  # the steps it was planned for: a resume keeps them
@@ -118,11 +126,11 @@ def main():
     checkpointer = Checkpointer(engine, save_dir, shared, per_rank)
     target = inputs.resume_target(topology.island)
     step = checkpointer.resume(target) if target else 0
-    run = TrainingRun(engine, inputs, model.config, topology, data, world_size(), step, outer)
+    run = TrainingRun(engine, inputs, model.config, topology, data, dp_world, step, outer)
     if inputs.diloco.diloco_join:  # elastic: take the live islands' weights, outer state, step
         run.joined(*outer.join(), resumed=target is not None)
     if rank() == 0:
-        write_run_files(save_dir, inputs, model.config, topology.islands, world_size(),
+        write_run_files(save_dir, inputs, model.config, topology.islands, dp_world,
                         run.run_tokens_per_step)
 
     train(engine, run, data, outer, checkpointer, args)

@@ -26,6 +26,9 @@ RECIPES = {
             "2",
         ],
     ),
+    # the neurons of every head split over the 2 ranks (tests/test_neurons.py)
+    "neurons": ("recipes/pretrain.py", ["--deepspeed", str(REPO / "ds_configs/zero2.json"),
+                                        "--neuron_parallel", "2"]),
 }
 
 

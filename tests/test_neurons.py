@@ -1,14 +1,16 @@
 """Neuron parallelism (dragon.parallel.neurons): K = 2 and 4 real processes that split BDH's
 neurons give the unsplit model's logits and gradients in every attention form, carry its state
-and generate its greedy text."""
+and generate its greedy text; the ZeRO recipe with --neuron_parallel trains as the unsplit
+model does, resumes exactly and exports the whole model."""
 
 import subprocess
 import sys
 
 import pytest
 import torch
-
-from conftest import REPO, free_port, job_env
+from conftest import LOSS_ATOL, REPO, TINY, free_port, job_env, losses, read_jsonl
+from safetensors.torch import load_file
+from test_recipe import final_logits
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 from neuron_split import CASES, run_cases, whole_model  # noqa: E402
@@ -47,3 +49,78 @@ def test_split_neurons_equal_the_whole_model(k, unsplit, tmp_path):
             assert (ours["grads"][name] - grad).abs().max() <= 1e-5 * max(1.0, scale), (case, name)
     assert (split["carried"] - unsplit["carried"]).abs().max() < 1e-5
     assert torch.equal(split["generated"], unsplit["generated"])
+
+
+# ---- the ZeRO recipe with --neuron_parallel ----------------------------------------------------
+
+SPLIT = ["--neuron_parallel", "2"]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_two_ranks_that_split_the_neurons_equal_one_rank(stage, runs):
+    """2 ranks, each with half of every head's neurons and the whole batch of 8, train as 1 rank
+    on the batch of 8 (ZeRO-1 and ZeRO-2): losses, evaluations, gradient norms (DeepSpeed counts
+    each shard once) and BDH's sparsity; the final export holds the whole model."""
+    _, one, _ = runs("one_rank", launcher="python", nproc=1, micro=8)
+    out, split, _ = runs(f"neurons_zero{stage}", config=f"zero{stage}.json", micro=8, extra=SPLIT)
+    assert losses(split) == pytest.approx(losses(one), abs=LOSS_ATOL)
+    assert losses(split, "eval_loss") == pytest.approx(losses(one, "eval_loss"), abs=LOSS_ATOL)
+    assert losses(split, "grad_norm") == pytest.approx(losses(one, "grad_norm"), rel=1e-4)
+    key = "sparsity/layer1/xy"
+    assert losses(split, key) == pytest.approx(losses(one, key), abs=1e-5)
+    torch.testing.assert_close(final_logits(out), final_logits(runs.done["one_rank"][0]),
+                               atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_two_neuron_shares_by_two_data_ranks_equal_two_data_ranks(runs):
+    """4 ranks: 2 shares of the neurons x 2 data-parallel ranks (DeepSpeed averages gradients
+    over the ranks that hold the same share) train as 2 data-parallel ranks of the whole model."""
+    _, dp, _ = runs("zero2")
+    _, split, _ = runs("neurons_x_dp", nproc=4, extra=SPLIT)
+    assert losses(split) == pytest.approx(losses(dp), abs=LOSS_ATOL)
+    assert losses(split, "eval_loss") == pytest.approx(losses(dp, "eval_loss"), abs=LOSS_ATOL)
+    assert losses(split, "grad_norm") == pytest.approx(losses(dp, "grad_norm"), rel=1e-4)
+
+
+@pytest.mark.slow
+def test_a_killed_split_run_resumes_exactly_and_exports_the_whole_model(tmp_path, text_file):
+    """SIGKILLed between checkpoints and resumed from latest (dropout on, each rank its own masks
+    for its neurons): the uninterrupted losses bit for bit. recipes/export.py of the last
+    checkpoint (each share's ZeRO files merged, then the neurons joined) equals the engine's
+    final/ export exactly; a launch without the split is refused in one line."""
+    from test_checkpoints import finish, kill_when, logged_steps, start
+
+    steps, extra = 12, ["--save_steps", "4"]
+    full = tmp_path / "full"
+    finish(start("neurons", full, text_file, steps, extra))
+    expected = losses(read_jsonl(full / "metrics.jsonl"))
+    out = tmp_path / "killed"
+    proc = start("neurons", out, text_file, steps, extra)
+    kill_when(proc, lambda: max(logged_steps(out / "metrics.jsonl"), default=0) >= 6)
+    assert max(logged_steps(out / "metrics.jsonl")) < 8, "killed too late"
+    finish(start("neurons", out, text_file, steps, [*extra, "--resume_from_checkpoint", "latest"]))
+    resumed = [m for m in read_jsonl(out / "metrics.jsonl") if m["step"] > 4][-(steps - 4):]
+    assert [m["step"] for m in resumed] == list(range(5, steps + 1))
+    assert [m["loss"] for m in resumed] == expected[4:]
+
+    job = subprocess.run([sys.executable, "recipes/export.py", "--checkpoint",
+                          str(full / "checkpoints" / "step12"), "--output", str(tmp_path / "hf")],
+                         cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=300)
+    assert job.returncode == 0, job.stderr[-3000:]
+    ours = load_file(tmp_path / "hf" / "model.safetensors")
+    final = load_file(full / "final" / "model.safetensors")
+    assert ours.keys() == final.keys() and all(torch.equal(ours[k], final[k]) for k in ours)
+    assert ours["layer.encoder"].shape == (2, 32, 128)  # every neuron
+
+    job = subprocess.run(
+        [sys.executable, "recipes/pretrain.py", "--deepspeed", str(REPO / "ds_configs/zero2.json"),
+         "--output_dir", str(out), "--train_file", str(text_file), *TINY, "--max_steps", "16",
+         "--resume_from_checkpoint", "latest"],
+        cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=300)
+    assert job.returncode != 0
+    assert [line for line in job.stderr.splitlines() if line.startswith("error:")] == [
+        "error: --resume_from_checkpoint: the checkpoint was saved as ZeRO-2 on 1 data-parallel "
+        "rank(s) x 2 neuron shares and this launch is ZeRO-2 on 1 data-parallel rank(s); a "
+        "checkpoint of split neurons resumes only on the layout it was saved with (export it and "
+        "start from the export instead)"]

@@ -293,6 +293,15 @@ def test_export_never_replaces_a_users_files_silently(runs, tmp_path):
          "--diloco_topk 0.02 sends its own code; drop --diloco_compress int4"),
         (["--diloco_inner_steps", "2", "--diloco_topk", "1.5"], {},
          "--diloco_topk 1.5: must be in [0, 1)"),
+        (["--neuron_parallel", "0"], {}, "--neuron_parallel=0: must be >= 1"),
+        (["--neuron_parallel", "3"], {"WORLD_SIZE": "3"},
+         "--neuron_parallel 3: N=2048 neurons per head must split into 3 even shares (valid: "
+         "divisors of 1024)"),
+        (["--neuron_parallel", "2"], {"WORLD_SIZE": "3"},
+         "--neuron_parallel 2: the world size 3 is not divisible by it"),
+        (["--neuron_parallel", "2", "--carry_state"], {"WORLD_SIZE": "2"},
+         "--neuron_parallel 2: not yet with --carry_state; use recipes/pretrain.py without it, "
+         "or --neuron_parallel 1"),
     ],
 )
 def test_bad_input_stops_before_start(monkeypatch, text_file, tmp_path, argv, env, expected):

@@ -10,6 +10,8 @@ their checkpoints.
 """
 
 import os
+import re
+import tempfile
 import time
 
 import torch
@@ -19,6 +21,7 @@ from dragon.checkpoint.checkpointer import tag_for
 from dragon.checkpoint.writes import GuardedWrites, SaveFailed
 from dragon.errors import TrainingFailed
 from dragon.parallel.distributed import rank
+from dragon.parallel.neurons import join_shares, whole_tensors
 from dragon.history import MetricHistory, metrics_path
 from dragon.model.bdh import BDHConfig, BDHForCausalLM
 from dragon.model.remote_code import write_remote_code
@@ -84,7 +87,7 @@ def export_engine(engine, config: BDHConfig, out_dir: str, tag_dir: str) -> None
     if getattr(engine, "pipeline_parallelism", False):
         model = model_from_pipeline_checkpoint(tag_dir, config) if rank() == 0 else None
     else:
-        state = full_fp32_state_dict(engine)
+        state = whole_tensors(engine.module, full_fp32_state_dict(engine))  # every neuron
         model = _model_from_state(state, config, "the engine") if rank() == 0 else None
     writes = GuardedWrites()
     if model is not None:
@@ -95,7 +98,7 @@ def export_engine(engine, config: BDHConfig, out_dir: str, tag_dir: str) -> None
 def model_from_checkpoint(tag_dir: str) -> BDHForCausalLM:
     """The fp32 model of one checkpoint tag directory of either recipe (any ZeRO stage)."""
     tag_dir = os.path.normpath(tag_dir)
-    save_dir, tag = os.path.dirname(tag_dir), os.path.basename(tag_dir)
+    save_dir = os.path.dirname(tag_dir)
     if not os.path.isdir(tag_dir):
         raise ValueError(f"--checkpoint {tag_dir}: no such directory")
     if not os.path.isfile(os.path.join(save_dir, "config.json")):
@@ -103,15 +106,44 @@ def model_from_checkpoint(tag_dir: str) -> BDHForCausalLM:
     config = BDHConfig.from_pretrained(save_dir)
     if is_pipeline_checkpoint(tag_dir):
         return model_from_pipeline_checkpoint(tag_dir, config)
+    shares = neuron_shares(tag_dir)
+    if len(shares) > 1:  # --neuron_parallel: each share's model merged, then their neurons joined
+        with tempfile.TemporaryDirectory() as tmp:
+            states = [_fp32_state(_share_as_its_own(tag_dir, share, tmp)) for share in shares]
+        return _model_from_state(join_shares(states, config), config, tag_dir)
+    return _model_from_state(_fp32_state(tag_dir), config, tag_dir)
+
+
+def _fp32_state(tag_dir: str) -> dict[str, torch.Tensor]:
+    """The fp32 weights of a ZeRO checkpoint tag directory of one model (any stage)."""
+    save_dir, tag = os.path.dirname(tag_dir), os.path.basename(tag_dir)
     optimizer_files = [f for f in os.listdir(tag_dir) if f.endswith("optim_states.pt")]
     if optimizer_files:  # ZeRO 1-3: merge the fp32 master partitions
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        state = get_fp32_state_dict_from_zero_checkpoint(save_dir, tag=tag)
-    else:  # ZeRO-0 fp32: the module's weights are the master weights
-        module_file = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
-        state = torch.load(module_file, map_location="cpu", weights_only=False)["module"]
-    return _model_from_state(state, config, tag_dir)
+        return get_fp32_state_dict_from_zero_checkpoint(save_dir, tag=tag)
+    # ZeRO-0 fp32: the module's weights are the master weights
+    module_file = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
+    return torch.load(module_file, map_location="cpu", weights_only=False)["module"]
+
+
+def neuron_shares(tag_dir: str) -> list[str]:
+    """The model-parallel ranks' marks in a tag directory's DeepSpeed files ("mp_rank_00", ...):
+    one unless --neuron_parallel split the neurons."""
+    found = {m.group(0) for name in os.listdir(tag_dir) if (m := re.search(r"mp_rank_\d+", name))}
+    return sorted(found) or ["mp_rank_00"]
+
+
+def _share_as_its_own(tag_dir: str, share: str, tmp: str) -> str:
+    """A tag directory in `tmp` whose links show one share's files as a lone model's (named
+    mp_rank_00), which is the layout zero_to_fp32 reads."""
+    linked = os.path.join(tmp, share, os.path.basename(tag_dir))
+    os.makedirs(linked)
+    for name in os.listdir(tag_dir):
+        if share in name:
+            os.symlink(os.path.join(os.path.abspath(tag_dir), name),
+                       os.path.join(linked, name.replace(share, "mp_rank_00")))
+    return linked
 
 
 def is_hf_directory(path: str) -> bool:

@@ -51,10 +51,12 @@ class Layout:
     global_batch: int = field(default=0, compare=False)  # samples per step
     bf16: bool = field(default=False, compare=False)
     stages: int = 1  # of a pipeline
+    neuron_parallel: int = 1  # ranks that split the neurons (--neuron_parallel)
 
     def __str__(self) -> str:
         kind = f"a pipeline of {self.stages} stages with " if self.pipeline else ""
-        return f"{kind}ZeRO-{self.zero_stage} on {self.data_parallel} data-parallel rank(s)"
+        split = f" x {self.neuron_parallel} neuron shares" if self.neuron_parallel > 1 else ""
+        return f"{kind}ZeRO-{self.zero_stage} on {self.data_parallel} data-parallel rank(s){split}"
 
 
 def saved_layout(load_dir: str, tag: str) -> Layout:
@@ -71,12 +73,18 @@ def saved_layout(load_dir: str, tag: str) -> Layout:
     batch = int(config.get("train_batch_size", 0))
     bf16 = bool(config.get("bf16", {}).get("enabled", False))
     stages = len(stage_files(tag_dir)) if pipeline else 1
-    return Layout(stage, int(state["dp_world_size"]), pipeline, batch, bf16, stages)
+    # a pipeline's engine counts its stages as model-parallel ranks; elsewhere they split neurons
+    neurons = 1 if pipeline else int(state.get("mp_world_size") or 1)
+    return Layout(stage, int(state["dp_world_size"]), pipeline, batch, bf16, stages, neurons)
 
 
 def reshape_message(saved: Layout, launch: Layout) -> Optional[str]:
     """None when the checkpoint loads as it is; the one line a conversion prints; ValueError for
     a pair not converted."""
+    if max(saved.neuron_parallel, launch.neuron_parallel) > 1 and saved != launch:
+        raise ValueError(f"--resume_from_checkpoint: the checkpoint was saved as {saved} and this "
+                         f"launch is {launch}; a checkpoint of split neurons resumes only on the "
+                         "layout it was saved with (export it and start from the export instead)")
     if saved == launch or (saved.zero_stage == launch.zero_stage == 0 and not saved.pipeline
                            and not launch.pipeline):
         return None  # ZeRO-0: one file with everything, loaded on any number of ranks

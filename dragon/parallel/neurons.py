@@ -88,10 +88,9 @@ def neuron_span(n_neurons: int, k: int, index: int) -> tuple[int, int]:
     return index * share, (index + 1) * share
 
 
-def split_neurons(model: nn.Module, group: Any, index: int, k: int) -> None:
-    """Keep, in place, share `index` of `k` of every head's neurons of a whole BDH model (so every
-    rank starts from the same weights as an unsplit model), and connect its layer to `group`,
-    the K ranks that hold the shares."""
+def keep_share(model: nn.Module, index: int, k: int) -> None:
+    """Keep, in place, share `index` of `k` of every head's neurons of a whole BDH model: the
+    columns of `encoder` and `encoder_v`, the rows of `decoder`, the RoPE frequencies."""
     config, layer = model.config, model.layer
     nh, D, N = config.n_head, config.n_embd, config.n_neurons
     check_split(N, k)
@@ -105,21 +104,99 @@ def split_neurons(model: nn.Module, group: Any, index: int, k: int) -> None:
         p.tensor_model_parallel = True  # DeepSpeed's gradient norm counts each shard once
     layer.attn.neurons = (first, end)
     layer.attn.freqs = layer.attn.frequencies(device=layer.attn.freqs.device)
-    layer.enter_neurons, layer.sum_neurons = EnterNeurons(group), SumNeurons(group)
-    model.neuron_parallel = (index, k)
+
+
+def split_neurons(model: nn.Module, group: Any, index: int, k: int) -> None:
+    """Keep share `index` of `k` of a whole BDH model's neurons (so every rank starts from the
+    same weights as an unsplit model) and connect its layer to `group`, the K ranks that hold
+    the shares."""
+    keep_share(model, index, k)
+    model.layer.enter_neurons = EnterNeurons(group)
+    model.layer.sum_neurons = SumNeurons(group)
+    model.neuron_split = (group, k)
+
+
+def whole_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict:
+    """`tensors` (the model's, by name) as the whole model's: gathered over its neuron group when
+    split_neurons split it (every rank of the group calls), as they are otherwise."""
+    split = getattr(model, "neuron_split", None)
+    return tensors if split is None else gather_neurons(tensors, model.config, *split)
+
+
+def join_shares(shares: list[dict[str, torch.Tensor]], config: Any) -> dict:
+    """The whole model's tensors from the K shares' (in share order): the sharded ones put back in
+    neuron order, the replicated ones (and the RoPE frequencies, recomputed) from share 0."""
+    nh, D, N = config.n_head, config.n_embd, config.n_neurons
+    k = len(shares)
+    whole = {name: t for name, t in shares[0].items() if not name.endswith("attn.freqs")}
+    for name in SHARDED:
+        if name.endswith("decoder"):
+            parts = [s[name].reshape(nh, N // k, D) for s in shares]
+            whole[name] = torch.cat(parts, dim=1).reshape(nh * N, D)
+        else:
+            whole[name] = torch.cat([s[name] for s in shares], dim=2)
+    return whole
 
 
 def gather_neurons(tensors: dict[str, torch.Tensor], config: Any, group: Any, k: int) -> dict:
-    """The whole model's tensors from every rank's share: the sharded ones gathered over `group`
-    and put back in neuron order (replicated ones as they are). Every rank of the group calls it."""
-    nh, D, N = config.n_head, config.n_embd, config.n_neurons
-    whole = dict(tensors)
+    """The whole model's tensors from every rank's share, gathered over `group` (every rank of it
+    calls)."""
+    gathered = [dict(tensors) for _ in range(k)]
     for name in SHARDED:
         share = tensors[name].contiguous()
-        shares = [torch.empty_like(share) for _ in range(k)]
-        dist.all_gather(shares, share, group=group)
-        if name.endswith("decoder"):
-            whole[name] = torch.cat([s.view(nh, N // k, D) for s in shares], 1).view(nh * N, D)
-        else:
-            whole[name] = torch.cat(shares, dim=2)
-    return whole
+        parts = [torch.empty_like(share) for _ in range(k)]
+        dist.all_gather(parts, share, group=group)
+        for shares, part in zip(gathered, parts):
+            shares[name] = part
+    return join_shares(gathered, config)
+
+
+class NeuronGroups:
+    """The process groups of K-way neuron parallelism over this world of W ranks: neuron group g
+    holds ranks gK..gK+K-1 (adjacent ranks, so a node that holds a multiple of K keeps its
+    all-reduces local), data-parallel group j the ranks j, j+K, ... that hold the same share.
+    DeepSpeed reads them through its `mpu` interface (the methods below): gradients are averaged
+    and ZeRO partitions within a data-parallel group."""
+
+    def __init__(self, k: int):
+        world, me = dist.get_world_size(), dist.get_rank()
+        self.k, self.index = k, me % k
+        self.dp_rank, self.dp_world = me // k, world // k
+        for g in range(self.dp_world):  # every rank creates every group, in the same order
+            group = dist.new_group(list(range(g * k, (g + 1) * k)))
+            if g == self.dp_rank:
+                self.neuron_group = group
+        self.dp_ranks = []
+        for j in range(k):
+            ranks = list(range(j, world, k))
+            group = dist.new_group(ranks)
+            if j == self.index:
+                self.dp_group, self.dp_ranks = group, ranks
+
+    def split(self, model: nn.Module) -> None:
+        split_neurons(model, self.neuron_group, self.index, self.k)
+
+    def get_model_parallel_rank(self) -> int:
+        return self.index
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.k
+
+    def get_model_parallel_group(self) -> Any:
+        return self.neuron_group
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp_world
+
+    def get_data_parallel_group(self) -> Any:
+        return self.dp_group
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return self.dp_ranks

@@ -209,6 +209,22 @@ def data_parallel_world(args, diloco, pipe_args=None) -> tuple[int, int]:
     if diloco.enabled:  # every island is a world of its own; data is split over all of them
         diloco.check_training(args)
         world, islands = diloco.island_world(world), diloco.diloco_islands
+    if args.neuron_parallel > 1:
+        return neuron_data_parallel(world, args, diloco.enabled, pipe_args is not None), islands
     if pipe_args is None:
         return world, islands
     return pipeline_data_parallel(world, pipe_args.pipeline_stages, islands), islands
+
+
+def neuron_data_parallel(world: int, args, diloco: bool, pipeline: bool) -> int:
+    """Data-parallel degree under --neuron_parallel K (the recipe's TrainingArguments); one-line
+    ValueError for what it does not combine with yet."""
+    k = args.neuron_parallel
+    for refused, what in ((pipeline, "the pipeline recipe"), (diloco, "DiLoCo islands"),
+                          (args.carry_state, "--carry_state")):
+        if refused:
+            raise ValueError(f"--neuron_parallel {k}: not yet with {what}; use recipes/pretrain.py "
+                             "without it, or --neuron_parallel 1")
+    if world % k:
+        raise ValueError(f"--neuron_parallel {k}: the world size {world} is not divisible by it")
+    return world // k

@@ -125,6 +125,10 @@ class TrainingArguments:
         "carried (always on with --carry_state).",
         default=False,
     )
+    neuron_parallel: int = _help(
+        "K ranks split every head's N neurons (BDH's tensor parallelism); data parallel over "
+        "world size / K. ZeRO recipe, without DiLoCo or --carry_state.", default=1
+    )
     seed: int = _help("Seed for weights, data order and dropout.", default=42)
     dry_run: bool = _help("Print the checked plan (topology, sizes, memory); exit.", default=False)
     torch_compile: bool = _help(
@@ -206,7 +210,7 @@ class TrainingArguments:
         for name, valid in (("nan_policy", NAN_POLICIES), ("save_failure", SAVE_FAILURES)):
             if getattr(self, name) not in valid:
                 raise ValueError(f"--{name}={getattr(self, name)!r}: valid are {', '.join(valid)}")
-        for name in ("max_bad_steps", "max_eval_samples"):
+        for name in ("max_bad_steps", "max_eval_samples", "neuron_parallel"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name}={getattr(self, name)}: must be >= 1")
 

@@ -16,7 +16,8 @@ gradients. A pipeline stage holds its share of the layers for up to `stages` mic
 flight (1F1B).
 
 DiLoCo adds theta_outer and the outer optimizer's state (fp32, over this rank's master
-weights); --carry_state the carried states of every row.
+weights); --carry_state the carried states of every row. --neuron_parallel K leaves a rank 1/K
+of the shared block and of the N-wide activations (counted on a meta model that keeps 1/K).
 """
 
 import os
@@ -27,6 +28,7 @@ import torch
 
 from dragon.model.cost import parameter_count
 from dragon.model.bdh import BDHConfig, BDHForCausalLM
+from dragon.parallel.neurons import keep_share
 
 ADAM_BYTES, FP32 = 8, 4
 
@@ -63,11 +65,15 @@ def model_state_bytes(
 
 
 def activation_bytes(
-    config: BDHConfig, micro_batch: int, block: int, dtype: torch.dtype = torch.float32
+    config: BDHConfig, micro_batch: int, block: int, dtype: torch.dtype = torch.float32,
+    neuron_parallel: int = 1,
 ) -> int:
-    """What one micro-batch's forward keeps for backward, plus backward's working room."""
+    """What one micro-batch's forward keeps for backward, plus backward's working room (with
+    --neuron_parallel K, of a model that keeps 1/K of the neurons)."""
     with torch.device("meta"):
         model = BDHForCausalLM(config).to(dtype)
+    if neuron_parallel > 1:
+        keep_share(model, 0, neuron_parallel)
     ids = torch.zeros(micro_batch, block, dtype=torch.long, device="meta")
     saved: dict[int, int] = {}
 
@@ -81,12 +87,14 @@ def activation_bytes(
     return sum(saved.values()) + 3 * max(saved.values(), default=0)
 
 
-def rank_parameters(config: BDHConfig, stages: int) -> tuple[int, int]:
+def rank_parameters(config: BDHConfig, stages: int, neuron_parallel: int = 1) -> tuple[int, int]:
     """(parameters, largest layer's) of the most loaded rank's model: the whole model, or a
-    pipeline stage (each holds the shared block, one end the embedding or head)."""
-    shared = 3 * config.n_head * config.n_embd * config.n_neurons
+    pipeline stage (each holds the shared block, one end the embedding or head); with
+    --neuron_parallel K a rank holds 1/K of the shared block."""
+    whole = 3 * config.n_head * config.n_embd * config.n_neurons
+    shared = whole // neuron_parallel
     table = config.vocab_size * config.n_embd
-    params = parameter_count(config) if stages == 1 else shared + table
+    params = parameter_count(config) - whole + shared if stages == 1 else shared + table
     return params, max(shared // 3, table)
 
 
@@ -98,17 +106,20 @@ def estimate(
     stages: int = 1,
     outer_states: int = 0,
     carried_rows: int = 0,
+    neuron_parallel: int = 1,
 ) -> dict[str, int]:
     """Estimated bytes per rank, by part; `outer_states` fp32 copies of the master weights for
-    DiLoCo (theta_outer plus its optimizer's buffers), `carried_rows` rows of carried state."""
+    DiLoCo (theta_outer plus its optimizer's buffers), `carried_rows` rows of carried state,
+    `neuron_parallel` ranks that split the neurons."""
     zero = ds_config.get("zero_optimization", {})
     stage = int(zero.get("stage", 0))
     offload = zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
     bf16 = bool(ds_config.get("bf16", {}).get("enabled"))
     micro = ds_config["train_micro_batch_size_per_gpu"]
-    params, largest = rank_parameters(config, stages)
+    params, largest = rank_parameters(config, stages, neuron_parallel)
     device, host = model_state_bytes(params, largest, stage, bf16, dp_world, offload)
-    activations = activation_bytes(config, micro, block, torch.bfloat16 if bf16 else torch.float32)
+    activations = activation_bytes(config, micro, block, torch.bfloat16 if bf16 else torch.float32,
+                                   neuron_parallel)
     if stages > 1:
         in_flight = min(stages, ds_config["gradient_accumulation_steps"])
         activations = activations * in_flight * -(-config.n_layer // stages) // config.n_layer

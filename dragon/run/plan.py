@@ -44,12 +44,17 @@ def plan_lines(inputs, config, dp_world: int) -> list[str]:
         epoch = f"{len(inputs.train_set) // (micro * accum * dp_world * islands):,} steps per epoch"
     one_launch = diloco.diloco_island_index is not None
     lines = [f"dry run: {'pipeline' if stages > 1 else 'ZeRO'} recipe, nothing is trained"]
+    k = args.neuron_parallel
     lines.append(
         f"topology: {islands} island(s) x {stages} pipeline stage(s) x {dp_world} "
-        "data-parallel rank(s)"
+        "data-parallel rank(s)" + (f" x {k} neuron shares" if k > 1 else "")
         + (f" (this launch is island {diloco.diloco_island_index})" if one_launch else "")
     )
-    lines += rank_layout(world, islands, stages, one_launch)
+    if k > 1:  # adjacent ranks share out the neurons (dragon.parallel.neurons.NeuronGroups)
+        lines += [f"  rank {r}: neurons {r % k} of {k} (N/{k} = {config.n_neurons // k} per "
+                  f"head), data rank {r // k} of {dp_world}" for r in range(world)]
+    else:
+        lines += rank_layout(world, islands, stages, one_launch)
     lines.append(
         f"model: {profile.parameters:,} parameters, {config.n_layer} layers, attention "
         f"{config.attention} (chunk {config.attention_chunk_size}); "
@@ -81,7 +86,8 @@ def memory_lines(inputs, config, dp_world: int, stages: int) -> list[str]:
     if args.carry_state:
         micro = ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
         rows = micro + (args.per_device_eval_batch_size if args.eval_carried else 0)
-    parts = estimate(config, ds, inputs.data.block_size, dp_world, stages, outer, rows)
+    parts = estimate(config, ds, inputs.data.block_size, dp_world, stages, outer, rows,
+                     args.neuron_parallel)
     device = sum(v for k, v in parts.items() if not k.startswith("host"))
     lines = ["memory per rank (estimate, dragon.run.memory):"]
     lines += [f"  {name}: {value / MIB:,.1f} MiB" for name, value in parts.items()]

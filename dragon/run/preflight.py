@@ -8,6 +8,7 @@ import warnings
 
 from dragon.errors import InputRefused
 from dragon.parallel.ds_config import load_ds_config, resolve_ds_config, zero_stage
+from dragon.parallel.neurons import check_split
 from dragon.run import resume_checks
 from dragon.parallel.topology import data_parallel_world
 from dragon.run.args import parse_arguments
@@ -34,6 +35,7 @@ def preflight(pipeline: bool = False) -> RecipeInputs:
             )
         train_set, valid_set, tokenizer = load_data(data_args, args)
         config = model_config(model_args, tokenizer.vocab_size, pipe_args)
+        check_split(config.n_neurons, args.neuron_parallel)
         inputs = RecipeInputs(model_args, data_args, args, diloco, pipe_args, ds_config,
                               train_set, valid_set, tokenizer, resume={})
         check_data_fits(inputs, config, dp_world, islands)
@@ -55,7 +57,7 @@ def _check_resume(inputs: RecipeInputs, config, dp_world: int) -> None:
     resume_checks.check_resume_sizes(config, inputs.resume)
     stages = inputs.pipeline.pipeline_stages if inputs.pipeline else 0
     inputs.reshaped = resume_checks.check_reshape(inputs.resume, inputs.ds_config, dp_world,
-                                                  stages, diloco)
+                                                  stages, diloco, args.neuron_parallel)
 
 
 def _warn_about_the_bubble(micro_batches: int, stages: int) -> None:

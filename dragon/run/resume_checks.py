@@ -69,14 +69,16 @@ def _with_checkpoints(root: str, island: int, launch_dir: str) -> Optional[str]:
 
 
 def check_reshape(
-    resume: dict, ds_config: dict, dp_world: int, stages: int, diloco: DiLoCoArguments
+    resume: dict, ds_config: dict, dp_world: int, stages: int, diloco: DiLoCoArguments,
+    neuron_parallel: int = 1,
 ) -> dict[int, str]:
     """island -> the line a resume on another layout prints (dragon.checkpoint.reshape; `stages`:
     of the
     pipeline, 0 without one); switches the engine to DeepSpeed's universal checkpoint loading
     when one converts for ZeRO-1/2/3."""
     bf16 = bool(ds_config.get("bf16", {}).get("enabled", False))
-    launch = Layout(zero_stage(ds_config), dp_world, stages > 0, bf16=bf16, stages=max(stages, 1))
+    launch = Layout(zero_stage(ds_config), dp_world, stages > 0, bf16=bf16, stages=max(stages, 1),
+                    neuron_parallel=neuron_parallel)
     reshaped = {}
     for island, (load_dir, tag) in resume.items():
         saved = saved_layout(load_dir, tag)
