@@ -59,6 +59,24 @@ def test_the_dry_run_prints_the_checked_plan(monkeypatch, capsys, tmp_path, text
     assert "DiLoCo theta_outer and outer optimizer:" in out
 
 
+def test_the_dry_run_shows_each_rank_s_share_of_the_neurons(monkeypatch, capsys, tmp_path,
+                                                             text_file):
+    """--neuron_parallel 2 on 2 ranks against 1 rank (both one data-parallel rank): each rank's
+    share is named, and its estimated activations are those of a model with half the neurons."""
+    base = [*bad_input_base("zero2.json", tmp_path / "a", text_file), "--block_size", "256"]
+    parts = {}
+    for k in (1, 2):
+        out = dry_run(monkeypatch, capsys, "recipes/pretrain.py",
+                      [*base, "--neuron_parallel", str(k)], k)
+        parts[k] = {name: float(mib.replace(",", "")) for name, mib in
+                    re.findall(r"  (model states|activations): ([\d.,]+) MiB", out)}
+    assert "topology: 1 island(s) x 1 pipeline stage(s) x 1 data-parallel rank(s) x 2 neuron " \
+        "shares" in out
+    assert "  rank 1: neurons 1 of 2 (N/2 = 1024 per head), data rank 0 of 1" in out
+    assert 0.45 < parts[2]["activations"] / parts[1]["activations"] < 0.6
+    assert 0.45 < parts[2]["model states"] / parts[1]["model states"] < 0.6
+
+
 @pytest.mark.parametrize(
     "script, config, argv, world, expected",
     [
