@@ -56,11 +56,12 @@ def test_split_neurons_equal_the_whole_model(k, unsplit, tmp_path):
 SPLIT = ["--neuron_parallel", "2"]
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2])
 def test_two_ranks_that_split_the_neurons_equal_one_rank(stage, runs):
     """2 ranks, each with half of every head's neurons and the whole batch of 8, train as 1 rank
-    on the batch of 8 (ZeRO-1 and ZeRO-2): losses, evaluations, gradient norms (DeepSpeed counts
-    each shard once) and BDH's sparsity; the final export holds the whole model."""
+    on the batch of 8 (ZeRO-0, 1 and 2): losses, evaluations, gradient norms (each shard counted
+    once, by DeepSpeed or by dragon under ZeRO-0) and BDH's sparsity; the final export holds the
+    whole model."""
     _, one, _ = runs("one_rank", launcher="python", nproc=1, micro=8)
     out, split, _ = runs(f"neurons_zero{stage}", config=f"zero{stage}.json", micro=8, extra=SPLIT)
     assert losses(split) == pytest.approx(losses(one), abs=LOSS_ATOL)

@@ -138,6 +138,22 @@ def join_shares(shares: list[dict[str, torch.Tensor]], config: Any) -> dict:
     return whole
 
 
+def split_grad_norm(model: nn.Module) -> float:
+    """The whole model's gradient norm where split_neurons split it: the shards' squares summed
+    over the group, the replicated gradients (the same on every rank of it) counted once."""
+    group, _ = model.neuron_split
+    shards, replicated = torch.zeros(1), torch.zeros(1)
+    for p in model.parameters():
+        if p.grad is not None:
+            squares = p.grad.detach().float().pow(2).sum().cpu()
+            if getattr(p, "tensor_model_parallel", False):
+                shards += squares
+            else:
+                replicated += squares
+    dist.all_reduce(shards, group=group)
+    return float((shards + replicated).sqrt())
+
+
 def gather_neurons(tensors: dict[str, torch.Tensor], config: Any, group: Any, k: int) -> dict:
     """The whole model's tensors from every rank's share, gathered over `group` (every rank of it
     calls)."""

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from dragon.checkpoint.writes import GuardedWrites, SaveFailed
 from dragon.errors import TrainingFailed
 from dragon.history import MetricHistory, metrics_path
+from dragon.parallel.neurons import split_grad_norm
 
 logger = logging.getLogger(__name__)
 
@@ -189,5 +190,7 @@ def step_and_grad_norm(engine) -> Optional[float]:
 def _unrecorded_grad_norm(engine) -> Optional[float]:
     if engine.zero_optimization_stage() > 0 or engine.bfloat16_enabled() or engine.fp16_enabled():
         return None
+    if getattr(engine.module, "neuron_split", None):  # each rank holds a share of the neurons
+        return split_grad_norm(engine.module)
     grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
     return torch.nn.utils.get_total_norm(grads).item() if grads else None
