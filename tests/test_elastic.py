@@ -165,14 +165,8 @@ def test_a_killed_island_leaves_the_other_training_then_rejoins(
     joiner = start_joiner_after_step_8(procs[0], out, store, lambda: start(
         1, 2, out, text_file, store, kind=kind,
         extra=[*steps, "--diloco_join", "--resume_from_checkpoint", "auto"]))
-    for proc in (procs[0], joiner):
-        stdout, stderr = proc.communicate(timeout=600)
-        assert proc.returncode == 0, stderr[-3000:]
-        if proc is procs[0]:
-            assert "island [1] did not arrive; training on with islands [0]" in stdout + stderr
-    assert "joined the run at step" in stdout + stderr
-    mine, theirs = outer(out, 0), {m["step"]: m for m in outer(out, 1) if m["step"] > 4}
-    assert [m["outer_quorum"] for m in mine[:2]] == [2, 1] and len(theirs) >= 2
+    mine, theirs = both_end_after_the_rejoin(procs[0], joiner, out)
+    assert len(theirs) >= 2
     assert (out / "final" / "model.safetensors").exists()
     joined = min(theirs)
     assert max(theirs) == last
@@ -188,6 +182,21 @@ def test_a_killed_island_leaves_the_other_training_then_rejoins(
         saved = saved - every if saved == last else saved
         assert joined < saved, (joined, saved)
         resume_after_the_join(out, tmp_path / "again", text_file, steps, saved)
+
+
+def both_end_after_the_rejoin(survivor, joiner, out) -> tuple[list[dict], dict[int, dict]]:
+    """Wait for the island that trained on alone and the one that rejoined: both end well, the
+    survivor said it trained on, the joiner that it joined, and island 0's first two outer steps
+    had 2 then 1 islands. (Island 0's outer records, island 1's after step 4 by step.)"""
+    for proc in (survivor, joiner):
+        stdout, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, stderr[-3000:]
+        if proc is survivor:
+            assert "island [1] did not arrive; training on with islands [0]" in stdout + stderr
+    assert "joined the run at step" in stdout + stderr
+    mine, theirs = outer(out, 0), {m["step"]: m for m in outer(out, 1) if m["step"] > 4}
+    assert [m["outer_quorum"] for m in mine[:2]] == [2, 1]
+    return mine, theirs
 
 
 def start_joiner_after_step_8(live, out, store, start_joiner, wait_for_keys=None):
