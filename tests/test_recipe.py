@@ -74,6 +74,47 @@ def test_zero_stages_train_identically(runs, stage, tmp_path):
         assert any("loss" in p.name for p in csvs), csvs
 
 
+def wandb_history(run_dir) -> list[dict]:
+    """The history rows of wandb's offline run file (wandb's own reader of its format)."""
+    from wandb.proto import wandb_internal_pb2
+    from wandb.sdk.internal import datastore
+
+    store = datastore.DataStore()
+    store.open_for_scan(str(next(run_dir.glob("wandb/latest-run/*.wandb"))))
+    rows = []
+    while (data := store.scan_data()) is not None:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(data)
+        if record.WhichOneof("record_type") == "history":
+            rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                         for i in record.history.item})
+    return rows
+
+
+def test_report_to_feeds_every_metrics_line_to_each_tracker(runs, monkeypatch):
+    """--report_to tensorboard,csv,wandb (wandb offline): each tracker holds the loss of every
+    step and every evaluation, as metrics.jsonl has them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out, metrics, _ = runs("trackers", launcher="python", nproc=1, micro=8,
+                           extra=["--report_to", "tensorboard,csv,wandb"])
+    expected = {key: [(m["step"], m[key]) for m in metrics if key in m]
+                for key in ("loss", "eval_loss")}
+    events = EventAccumulator(str(out / "monitor" / "bdh"))
+    events.Reload()
+    wandb_rows = wandb_history(out / "monitor")
+    for key, want in expected.items():
+        scalars = events.Scalars(f"dragon/{key}")  # fp32 values
+        assert [e.step for e in scalars] == [step for step, _ in want]
+        assert [e.value for e in scalars] == pytest.approx([value for _, value in want])
+        with open(out / "monitor" / "bdh" / f"dragon_{key}.csv") as f:
+            rows = [line.split(",") for line in f.read().split()[1:]]
+        assert [(int(step), float(value)) for step, value in rows] == want
+        assert [(r["dragon/step"], r[f"dragon/{key}"]) for r in wandb_rows
+                if f"dragon/{key}" in r] == want
+
+
 def test_two_ranks_equal_one_rank(runs):
     """2 ranks x micro-batch 4 see the same global batches as 1 rank x 8: same losses."""
     _, one, _ = runs("one_rank", launcher="python", nproc=1, micro=8)
@@ -294,6 +335,8 @@ def test_export_never_replaces_a_users_files_silently(runs, tmp_path):
         (["--diloco_inner_steps", "2", "--diloco_topk", "1.5"], {},
          "--diloco_topk 1.5: must be in [0, 1)"),
         (["--neuron_parallel", "0"], {}, "--neuron_parallel=0: must be >= 1"),
+        (["--report_to", "tensorboard,mlflow"], {}, "--report_to 'tensorboard,mlflow': 'mlflow' "
+         "is not a tracker; valid are tensorboard, csv, wandb, comet or none"),
         (["--neuron_parallel", "3"], {"WORLD_SIZE": "3"},
          "--neuron_parallel 3: N=2048 neurons per head must split into 3 even shares (valid: "
          "divisors of 1024)"),

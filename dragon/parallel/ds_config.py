@@ -1,12 +1,33 @@
 """DeepSpeed JSON configs: the file is the source of truth; "auto" values come from the arguments.
 """
 
+import importlib.util
 import json
 import os
 from typing import Any
 
 AUTO = "auto"
-MONITORS = ("tensorboard", "csv_monitor", "wandb", "comet")
+# --report_to name -> (DeepSpeed's monitor section, the package it needs, what dragon fills)
+TRACKERS = {
+    "tensorboard": ("tensorboard", "tensorboard", {"job_name": "bdh"}),
+    "csv": ("csv_monitor", None, {"job_name": "bdh"}),
+    "wandb": ("wandb", "wandb", {"project": "dragon"}),
+    "comet": ("comet", "comet_ml", {"project": "dragon"}),
+}
+
+
+def trackers(report_to: str) -> list[str]:
+    """The --report_to names; one-line ValueError for an unknown one or a missing package."""
+    names = [n.strip() for n in report_to.split(",") if n.strip() and n.strip() != "none"]
+    for name in names:
+        if name not in TRACKERS:
+            raise ValueError(f"--report_to {report_to!r}: {name!r} is not a tracker; valid are "
+                             f"{', '.join(TRACKERS)} or none")
+        package = TRACKERS[name][1]
+        if package and importlib.util.find_spec(package) is None:
+            raise ValueError(f"--report_to {name}: the {package} package is not installed "
+                             f"(pip install {package})")
+    return names
 
 
 def load_ds_config(path: str | None) -> tuple[str, dict]:
@@ -103,7 +124,14 @@ def resolve_ds_config(cfg: dict, args, world: int) -> dict:
         for key, value in sources.items():
             if params.get(key) == AUTO:  # only "auto": a missing key keeps DeepSpeed's default
                 params[key] = value
-    for name in MONITORS:
+    for name in trackers(args.report_to):
+        key, _, defaults = TRACKERS[name]
+        section = cfg.setdefault(key, {"enabled": True})
+        for field, value in defaults.items():
+            section.setdefault(field, value)
+        if name == "wandb":  # DeepSpeed's monitor calls wandb.init() without a directory
+            os.environ.setdefault("WANDB_DIR", os.path.join(args.output_dir, "monitor"))
+    for name in ("tensorboard", "csv_monitor"):  # the monitors that write files
         section = cfg.get(name)
         if isinstance(section, dict) and section.get("enabled"):
             _fill(section, "output_path", os.path.join(args.output_dir, "monitor"))

@@ -90,6 +90,11 @@ class TrainingArguments:
     warmup_steps: int = _help("Linear warm-up steps.", default=0)
     bf16: bool = _help("bf16 mixed precision (config's bf16.enabled 'auto').", default=False)
     logging_steps: int = _help("Write a metrics line every N steps.", default=10)
+    report_to: str = _help(
+        "Trackers fed every metrics line through DeepSpeed's monitor, comma-separated: "
+        "tensorboard, csv, wandb, comet, or none (files under <output_dir>/monitor; wandb "
+        "offline with WANDB_MODE=offline). A monitor section of the JSON wins.", default="none"
+    )
     eval_steps: int = _help("Evaluate every N steps (and at the end).", default=100)
     max_eval_samples: Optional[int] = _help("Validation samples used per evaluation.", default=256)
     save_steps: int = _help(

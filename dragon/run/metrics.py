@@ -132,14 +132,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         if self.monitor is not None:
-            step = record["step"]
-            self.monitor.write_events(
-                [
-                    (f"dragon/{k}", v, step)
-                    for k, v in record.items()
-                    if k != "step" and isinstance(v, (int, float))
-                ]
-            )
+            feed_monitor(self.monitor, record)
         if self.bar is not None:
             shown = {k: f"{record[k]:.4g}" for k in ("loss", "eval_loss", "lr") if k in record}
             self.bar.set_postfix(shown, refresh=False)
@@ -169,6 +162,28 @@ class Throughput:
         tps = self.tokens / max(now - self.start, 1e-9)
         self.start, self.tokens = now, 0
         return {"tokens_per_second": tps, "mfu": tps * self.flops_per_token / self.peak}
+
+
+def feed_monitor(monitor, record: dict) -> None:
+    """One metrics line to DeepSpeed's monitor (tensorboard, csv, comet at x = the step). wandb
+    takes it apart: DeepSpeed logs its own events to wandb at x = samples seen, and wandb drops
+    whatever comes at a lower x, so the line goes in at wandb's current x with the step as a
+    value, which `dragon/*` charts use as their x (define_metric)."""
+    step = record["step"]
+    values = {f"dragon/{k}": v for k, v in record.items()
+              if k != "step" and isinstance(v, (int, float))}
+    events = [(k, v, step) for k, v in values.items()]
+    for part in ("tb_monitor", "csv_monitor", "comet_monitor"):
+        if getattr(monitor, part, None) is not None:
+            getattr(monitor, part).write_events(events)
+    if getattr(monitor, "wandb_monitor", None) is not None:
+        import wandb
+
+        if not getattr(monitor, "dragon_step_defined", False):
+            wandb.define_metric("dragon/step")
+            wandb.define_metric("dragon/*", step_metric="dragon/step")
+            monitor.dragon_step_defined = True
+        monitor.wandb_monitor.log({**values, "dragon/step": step})
 
 
 def step_and_grad_norm(engine) -> Optional[float]:
