@@ -46,7 +46,8 @@ from dragon.run.lock import check_every_rank_sees
 from dragon.run.faults import skip_nonfinite_updates
 from dragon.run.loop import TrainingRun
 from dragon.history import metrics_path
-from dragon.run.metrics import RECORDED_METRICS, setup_logging, step_and_grad_norm
+from dragon.run.metrics import (RECORDED_METRICS, setup_logging, sparsity_over_ranks,
+                                 step_and_grad_norm)
 from dragon.run.optim import client_optimizer_and_scheduler
 from dragon.run.inputs import initial_model
 from dragon.run.preflight import preflight
@@ -171,8 +172,8 @@ def train(engine, run, data, outer, checkpointer, args) -> None:
             if eval_loss is not None:  # None: a preemption signal came during it
                 record["eval_loss"] = eval_loss
                 record["eval_bpb"] = eval_loss * data.bpb_factor  # bits per byte of the text
-                sparsity = probe.fractions()  # per layer, the fraction of x, y, x*y above 0
-                record.update(zip(sparsity, all_reduce_mean(list(sparsity.values()))))
+                # per layer, the fraction of x, y and x*y above 0
+                record.update(sparsity_over_ranks(probe.fractions(), engine.module.config.n_layer))
                 if data.valid_streams:
                     streams = BDHCache(engine.module.config.n_layer)
                     record["eval_loss_carried"] = evaluate(engine, data.valid_streams, streams)

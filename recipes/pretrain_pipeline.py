@@ -32,6 +32,7 @@ from dragon.checkpoint.writes import SaveFailed
 from dragon.diloco.outer import DiLoCo
 from dragon.errors import RunStopped
 from dragon.model.attention import BDHCache
+from dragon.model.sparsity import SparsityProbe
 from dragon.parallel.distributed import (
     end_distributed,
     init_distributed,
@@ -46,7 +47,7 @@ from dragon.run.lock import check_every_rank_sees
 from dragon.run.faults import skip_nonfinite_updates
 from dragon.run.loop import TrainingRun
 from dragon.history import metrics_path
-from dragon.run.metrics import RECORDED_METRICS, setup_logging
+from dragon.run.metrics import RECORDED_METRICS, setup_logging, sparsity_over_ranks
 from dragon.run.optim import client_optimizer_and_scheduler
 from dragon.run.inputs import initial_model
 from dragon.run.preflight import preflight
@@ -159,8 +160,12 @@ def train(engine, pipe, run, data, outer, checkpointer, args) -> None:
         if run.due(args.logging_steps):
             record.update(run.train_metrics(grad_norm))
         if run.due(args.eval_steps) and not verdict.stop:  # a stop saves at once
-            record["eval_loss"] = evaluate(engine, data.valid)
+            layer = stage_layer(pipe)  # this stage's layers: the sparsity of those
+            with SparsityProbe(layer, layer.layers_on_stage, layer.first_layer) as probe:
+                record["eval_loss"] = evaluate(engine, data.valid)
             record["eval_bpb"] = record["eval_loss"] * data.bpb_factor  # bits per byte of the text
+            # per layer, the fraction of x, y and x*y above 0
+            record.update(sparsity_over_ranks(probe.fractions(), layer.attn.config.n_layer))
             if data.valid_streams:
                 streams = BDHCache(stage_layer(pipe).layers_on_stage)
                 record["eval_loss_carried"] = evaluate(engine, data.valid_streams, streams)

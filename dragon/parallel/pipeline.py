@@ -57,6 +57,7 @@ class StageLayer(BDHLayer):
     def __init__(self, config: BDHConfig):
         super().__init__(config)
         self.layers_on_stage = 1  # set by bdh_pipeline
+        self.first_layer = 0  # the model's index of the stage's first layer (bdh_pipeline)
         self.caches: Optional[list[BDHCache]] = None
         self.calls = 0
 
@@ -172,6 +173,7 @@ def bdh_pipeline(
         )
     start, stop = parts[pipe.stage_id], parts[pipe.stage_id + 1]
     stage_layer(pipe).layers_on_stage = len(range(max(start, 1), min(stop, config.n_layer + 1)))
+    stage_layer(pipe).first_layer = max(start, 1) - 1
     # DeepSpeed sums gradient norms over a pipeline's stages but, Megatron-style, counts a
     # parameter outside the first stage only if it is marked model-parallel; unmarked, the
     # head's gradient would be left out of clipping. Every parameter lives on one stage except

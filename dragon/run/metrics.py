@@ -12,6 +12,8 @@ from tqdm.auto import tqdm
 from dragon.checkpoint.writes import GuardedWrites, SaveFailed
 from dragon.errors import TrainingFailed
 from dragon.history import MetricHistory, metrics_path
+from dragon.model.sparsity import KINDS
+from dragon.parallel.distributed import all_reduce_values
 from dragon.parallel.neurons import split_grad_norm
 
 logger = logging.getLogger(__name__)
@@ -162,6 +164,15 @@ class Throughput:
         tps = self.tokens / max(now - self.start, 1e-9)
         self.start, self.tokens = now, 0
         return {"tokens_per_second": tps, "mfu": tps * self.flops_per_token / self.peak}
+
+
+def sparsity_over_ranks(fractions: dict[str, float], n_layer: int) -> dict[str, float]:
+    """Every layer's sparsity fractions (SparsityProbe.fractions() of this rank, which holds all
+    layers or a pipeline stage's) averaged over the ranks that measured them; every rank calls."""
+    keys = [f"sparsity/layer{i}/{kind}" for i in range(n_layer) for kind in KINDS]
+    summed = all_reduce_values([fractions.get(k, 0.0) for k in keys] +
+                               [float(k in fractions) for k in keys])
+    return {k: total / count for k, total, count in zip(keys, summed, summed[len(keys):]) if count}
 
 
 def feed_monitor(monitor, record: dict) -> None:
