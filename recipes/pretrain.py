@@ -116,7 +116,7 @@ def main():
     # The run's state: this rank's data (and carried attention states), RNG, the outer loop.
     data_rank, data_world = topology.data_shard(dp_rank, dp_world)
     data = run_data(inputs, data_rank, data_world, dp_rank, dp_world, engine,
-                    model.config.n_layer)
+                    model.config.num_hidden_layers)
     shared, per_rank = data.checkpoint_pieces()
     if lr_schedule:  # the steps it was planned for: a resume keeps them
         shared["lr_schedule"] = lr_schedule
@@ -147,6 +147,7 @@ def main():
 
 def train(engine, run, data, outer, checkpointer, args) -> None:
     """The loop: batch, forward, backward, step, outer step, logging, evaluation, save."""
+    layers = engine.module.config.num_hidden_layers
     engine.train()
     while not run.done:
         losses = []
@@ -167,15 +168,15 @@ def train(engine, run, data, outer, checkpointer, args) -> None:
         if run.due(args.logging_steps):
             record.update(run.train_metrics(grad_norm))
         if run.due(args.eval_steps) and not verdict.stop:  # a stop saves at once
-            with SparsityProbe(engine.module, engine.module.config.n_layer) as probe:
+            with SparsityProbe(engine.module, layers) as probe:
                 eval_loss = evaluate(engine, data.valid, signalled=run.signalled)
             if eval_loss is not None:  # None: a preemption signal came during it
                 record["eval_loss"] = eval_loss
                 record["eval_bpb"] = eval_loss * data.bpb_factor  # bits per byte of the text
                 # per layer, the fraction of x, y and x*y above 0
-                record.update(sparsity_over_ranks(probe.fractions(), engine.module.config.n_layer))
+                record.update(sparsity_over_ranks(probe.fractions(), layers))
                 if data.valid_streams:
-                    streams = BDHCache(engine.module.config.n_layer)
+                    streams = BDHCache(layers)
                     record["eval_loss_carried"] = evaluate(engine, data.valid_streams, streams)
         run.log(record)
         # With DiLoCo, save_steps is a multiple of H (an outer step); a preemption waits for one.

@@ -335,6 +335,12 @@ def test_export_never_replaces_a_users_files_silently(runs, tmp_path):
         (["--diloco_inner_steps", "2", "--diloco_topk", "1.5"], {},
          "--diloco_topk 1.5: must be in [0, 1)"),
         (["--neuron_parallel", "0"], {}, "--neuron_parallel=0: must be >= 1"),
+        (["--model_type", "t5"], {}, "--model_type 't5': valid are bdh, gpt2, llama"),
+        (["--model_type", "gpt2", "--neuron_parallel", "2"], {"WORLD_SIZE": "2"},
+         "--model_type gpt2: not with --neuron_parallel (BDH's neurons); drop it, or train "
+         "--model_type bdh"),
+        (["--model_type", "llama", "--n_embd", "30", "--n_head", "2"], {},
+         "--model_type llama: a head of 15 dimensions cannot be rotated in pairs (RoPE)"),
         (["--report_to", "tensorboard,mlflow"], {}, "--report_to 'tensorboard,mlflow': 'mlflow' "
          "is not a tracker; valid are tensorboard, csv, wandb, comet or none"),
         (["--neuron_parallel", "3"], {"WORLD_SIZE": "3"},

@@ -9,7 +9,9 @@ from typing import Optional
 from dragon.model.cost import parameter_count
 from dragon.parallel.ds_config import zero_stage
 from dragon.history import MetricHistory, metrics_path
-from dragon.model.bdh import BDHConfig
+from dragon.model import baseline
+from dragon.model.baseline import is_bdh
+from transformers import PretrainedConfig
 
 RUN_FILE = "run.json"
 
@@ -47,7 +49,7 @@ def _final_eval(run_dir: str, up_to: Optional[int]) -> tuple[Optional[int], Opti
     return max(evals) if evals else (None, None)
 
 
-def model_card(config: BDHConfig, save_dir: str, step: Optional[int], source: str) -> str:
+def model_card(config: PretrainedConfig, save_dir: str, step: Optional[int], source: str) -> str:
     """The README.md of an export of checkpoint step `step` (None: the end of the run) of the run
     whose checkpoints are in `save_dir`."""
     info = {}
@@ -59,12 +61,7 @@ def model_card(config: BDHConfig, save_dir: str, step: Optional[int], source: st
     tokens = steps * info["tokens_per_step"] if steps and "tokens_per_step" in info else None
     lines = [
         "---", "library_name: transformers", "tags: [bdh, dragon, deepspeed]", "---", "",
-        f"# BDH, {parameter_count(config):,} parameters", "",
-        f"A BDH (Baby Dragon Hatchling) language model trained with dragon, from {source}.", "",
-        "## Architecture", "",
-        f"{config.n_layer} layers sharing one block, n_embd {config.n_embd}, {config.n_head} "
-        f"heads of {config.n_neurons} neurons, vocabulary {config.vocab_size}, attention "
-        f"{config.attention} (chunk {config.attention_chunk_size}), RoPE.", "",
+        *_about(config, source), "",
         "## Training", "",
         "| | |", "|---|---|",
     ]
@@ -85,26 +82,43 @@ def model_card(config: BDHConfig, save_dir: str, step: Optional[int], source: st
          else "not evaluated"),
     ]
     lines += [f"| {name} | {value} |" for name, value in rows if value is not None]
+    remote = ", trust_remote_code=True" if is_bdh(config) else ""
     lines += [
         "", "## Load", "", "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
-        "# the model's code lies beside its weights (modeling_bdh.py); with dragon installed,",
-        "# `import dragon` instead of trust_remote_code=True (AutoTokenizer reads the config too)",
-        'model = AutoModelForCausalLM.from_pretrained("path/to/this/directory", '
-        "trust_remote_code=True)",
-        'tokenizer = AutoTokenizer.from_pretrained("path/to/this/directory", '
-        "trust_remote_code=True)", "```", "",
+        *(["# the model's code lies beside its weights (modeling_bdh.py); with dragon installed,",
+           "# `import dragon` instead of trust_remote_code=True (AutoTokenizer reads the config "
+           "too)"] if remote else []),
+        f'model = AutoModelForCausalLM.from_pretrained("path/to/this/directory"{remote})',
+        f'tokenizer = AutoTokenizer.from_pretrained("path/to/this/directory"{remote})', "```", "",
     ]
     return "\n".join(lines)
 
 
-def write_model_card(out_dir: str, config: BDHConfig, save_dir: str, step: Optional[int],
+def _about(config, source: str) -> list[str]:
+    """The card's title, first line and architecture: of BDH, or of a --model_type baseline."""
+    if not is_bdh(config):
+        return [f"# A {config.model_type} baseline, {baseline.parameter_count(config):,} "
+                "parameters", "",
+                f"transformers' {config.model_type} model, trained with dragon beside BDH through "
+                f"the same recipe, from {source}.", "", "## Architecture", "",
+                f"{config.num_hidden_layers} layers, width {config.hidden_size}, "
+                f"{config.num_attention_heads} heads, vocabulary {config.vocab_size}."]
+    return [f"# BDH, {parameter_count(config):,} parameters", "",
+            f"A BDH (Baby Dragon Hatchling) language model trained with dragon, from {source}.",
+            "", "## Architecture", "",
+            f"{config.n_layer} layers sharing one block, n_embd {config.n_embd}, {config.n_head} "
+            f"heads of {config.n_neurons} neurons, vocabulary {config.vocab_size}, attention "
+            f"{config.attention} (chunk {config.attention_chunk_size}), RoPE."]
+
+
+def write_model_card(out_dir: str, config: PretrainedConfig, save_dir: str, step: Optional[int],
                      source: str) -> None:
     with open(os.path.join(out_dir, "README.md"), "w") as f:
         f.write(model_card(config, save_dir, step, source))
 
 
-def write_run_files(save_dir: str, inputs, config: BDHConfig, islands: int, dp_world: int,
+def write_run_files(save_dir: str, inputs, config: PretrainedConfig, islands: int, dp_world: int,
                     tokens_per_step: int) -> None:
     """config.json, the tokenizer and run.json beside the checkpoints, so that recipes/export.py
     and sample.py can use any checkpoint and every export's model card names the run (inputs:

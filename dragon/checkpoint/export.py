@@ -15,6 +15,7 @@ import tempfile
 import time
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from dragon.checkpoint.card import write_model_card
 from dragon.checkpoint.checkpointer import tag_for
@@ -23,7 +24,8 @@ from dragon.errors import TrainingFailed
 from dragon.parallel.distributed import rank
 from dragon.parallel.neurons import join_shares, whole_tensors
 from dragon.history import MetricHistory, metrics_path
-from dragon.model.bdh import BDHConfig, BDHForCausalLM
+from dragon.model.baseline import is_bdh
+from dragon.model.bdh import BDHForCausalLM
 from dragon.model.remote_code import write_remote_code
 from dragon.parallel.pipeline import is_pipeline_checkpoint, model_from_pipeline_checkpoint
 from dragon.checkpoint.catalog import (damage_of, find_resume_checkpoint, is_complete,
@@ -33,8 +35,9 @@ from dragon.checkpoint.retention import RetentionPolicy
 ROPE_KEY = "layer.attn.freqs"  # recomputed by the model, so a checkpoint may lack it
 
 
-def _model_from_state(state: dict, config: BDHConfig, source: str) -> BDHForCausalLM:
-    model = BDHForCausalLM(config)
+def _model_from_state(state: dict, config, source: str):
+    """BDH (or a --model_type baseline, transformers' own model) of `config` holding `state`."""
+    model = BDHForCausalLM(config) if is_bdh(config) else AutoModelForCausalLM.from_config(config)
     result = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     wrong = sorted(set(result.missing_keys) - {ROPE_KEY}) + sorted(result.unexpected_keys)
     if wrong:
@@ -65,13 +68,14 @@ def check_export_dir(out_dir: str, overwrite: bool) -> None:
         raise ValueError(f"--output {out_dir}: is a file, not a directory")
 
 
-def save_model(model: BDHForCausalLM, out_dir: str) -> None:
+def save_model(model, out_dir: str) -> None:
     """model.save_pretrained(out_dir) with the model's code beside it, its files readable as the
     umask allows (transformers writes the weights owner-only, which others on a shared machine
     then cannot load)."""
     started = time.time() - 1  # file times may be whole seconds
     model.save_pretrained(out_dir)
-    write_remote_code(out_dir)  # loadable with trust_remote_code where dragon is not installed
+    if is_bdh(model.config):  # loadable with trust_remote_code where dragon is not installed
+        write_remote_code(out_dir)
     mask = os.umask(0)
     os.umask(mask)
     for name in os.listdir(out_dir):  # only the files it just wrote
@@ -80,7 +84,7 @@ def save_model(model: BDHForCausalLM, out_dir: str) -> None:
             os.chmod(path, 0o666 & ~mask)
 
 
-def export_engine(engine, config: BDHConfig, out_dir: str, tag_dir: str) -> None:
+def export_engine(engine, config, out_dir: str, tag_dir: str) -> None:
     """save_pretrained of a recipe's trained model into out_dir; every rank calls, rank 0 writes.
 
     `tag_dir` is the checkpoint the run saved last (a pipeline is read back from it)."""
@@ -95,7 +99,7 @@ def export_engine(engine, config: BDHConfig, out_dir: str, tag_dir: str) -> None
     writes.agree(f"the export to {out_dir}")  # SaveFailed on every rank if rank 0 failed
 
 
-def model_from_checkpoint(tag_dir: str) -> BDHForCausalLM:
+def model_from_checkpoint(tag_dir: str):
     """The fp32 model of one checkpoint tag directory of either recipe (any ZeRO stage)."""
     tag_dir = os.path.normpath(tag_dir)
     save_dir = os.path.dirname(tag_dir)
@@ -103,7 +107,7 @@ def model_from_checkpoint(tag_dir: str) -> BDHForCausalLM:
         raise ValueError(f"--checkpoint {tag_dir}: no such directory")
     if not os.path.isfile(os.path.join(save_dir, "config.json")):
         raise ValueError(f"no config.json in {save_dir}; it is written by the recipes at start")
-    config = BDHConfig.from_pretrained(save_dir)
+    config = AutoConfig.from_pretrained(save_dir)  # BDH's, or a --model_type baseline's
     if is_pipeline_checkpoint(tag_dir):
         return model_from_pipeline_checkpoint(tag_dir, config)
     shares = neuron_shares(tag_dir)
@@ -205,14 +209,14 @@ def _is_tag_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(parent, "config.json")) and looks_like_tag_dir(path)
 
 
-def load_model(path: str) -> BDHForCausalLM:
+def load_model(path: str):
     """The fp32 model of a Hugging Face directory or a checkpoint tag directory."""
     if is_hf_directory(path):
-        return BDHForCausalLM.from_pretrained(path)
+        return AutoModelForCausalLM.from_pretrained(path)
     return model_from_checkpoint(path)
 
 
-def complete_export(out_dir: str, tokenizer, config: BDHConfig, save_dir: str, step: int) -> None:
+def complete_export(out_dir: str, tokenizer, config, save_dir: str, step: int) -> None:
     """Beside a run's exported weights (rank 0): its tokenizer and its model card."""
     if hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(out_dir)
@@ -221,13 +225,13 @@ def complete_export(out_dir: str, tokenizer, config: BDHConfig, save_dir: str, s
 
 def print_sample(model_dir: str, tokenizer, prompt: str, max_new_tokens: int) -> None:
     """A sample of the exported model, printed (top-5 sampling, with the state cache)."""
-    model = BDHForCausalLM.from_pretrained(model_dir).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     ids = torch.tensor([tokenizer.encode(prompt)])
     out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=True, top_k=5)
     print(f"--- sample from {model_dir} ---\n{tokenizer.decode(out[0].tolist())}\n---", flush=True)
 
 
-def export_run(engine, inputs, config: BDHConfig, save_dir: str, step: int) -> str:
+def export_run(engine, inputs, config, save_dir: str, step: int) -> str:
     """<output_dir>/final at the end of a run: its weights (every rank calls; a pipeline's are read
     back from the checkpoint of the last step), tokenizer and model card; returns the directory
     (inputs: dragon.run.preflight.RecipeInputs)."""

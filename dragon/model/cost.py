@@ -3,6 +3,8 @@
 from dataclasses import dataclass
 
 from dragon.model.attention import CAUSAL_BLOCK, resolve_form, row_blocks
+from dragon.model import baseline
+from dragon.model.baseline import is_bdh
 from dragon.model.bdh import BDHConfig
 
 
@@ -60,7 +62,20 @@ def model_profile(config: BDHConfig, seq_len: int, form: str = "") -> ModelProfi
     attention (attention_macs_per_token); plus the lm_head (D*V MACs). Backward costs twice the
     forward.
     """
+    if not is_bdh(config):
+        return transformer_profile(config, seq_len)
     nh, D, N, V = config.n_head, config.n_embd, config.n_neurons, config.vocab_size
     per_layer = 3 * nh * D * N + attention_macs_per_token(config, seq_len, form)
     forward = 2.0 * (config.n_layer * per_layer + D * V)
     return ModelProfile(parameter_count(config), forward, 2.0 * forward)
+
+
+def transformer_profile(config, seq_len: int) -> ModelProfile:
+    """A --model_type baseline's FLOPs per token: every weight outside the embedding tables once
+    (a multiply-add each), plus causal attention's scores and weighted sum over on average half
+    of seq_len positions per layer; backward twice the forward."""
+    D, L = config.hidden_size, config.num_hidden_layers
+    parameters = baseline.parameter_count(config)
+    tables = (config.vocab_size + getattr(config, "n_positions", 0)) * D
+    forward = 2.0 * (parameters - tables + L * seq_len * D)
+    return ModelProfile(parameters, forward, 2.0 * forward)

@@ -11,7 +11,9 @@ from transformers import HfArgumentParser, SchedulerType
 from dragon.run.faults import NAN_POLICIES, SAVE_FAILURES
 from dragon.run.metrics import RECORDED_METRICS
 from dragon.model.attention import DEFAULT_CHUNK_SIZE
+from dragon.model.baseline import baseline_config, matched_config
 from dragon.model.bdh import BDHConfig
+from dragon.model.cost import parameter_count
 from dragon.checkpoint.retention import RetentionPolicy
 from dragon.diloco.outer import DiLoCoConfig
 from dragon.data.text import DataArguments
@@ -45,11 +47,23 @@ class ModelArguments:
         "Positions per chunk of the chunked form.", default=DEFAULT_CHUNK_SIZE
     )
 
+    model_type: str = _help(
+        "bdh, or a transformer baseline trained by the same recipe: gpt2 or llama "
+        "(transformers' models of --n_layer, --n_embd, --n_head, or --match_params).",
+        default="bdh",
+    )
+    match_params: bool = _help(
+        "With --model_type gpt2|llama: the width whose parameter count is nearest the BDH the "
+        "size flags describe.", default=False
+    )
+
     def attention_kwargs(self) -> dict:
         return {"attention": self.attention, "attention_chunk_size": self.attention_chunk_size}
 
-    def config(self, vocab_size: int) -> BDHConfig:
-        return BDHConfig(
+    def config(self, vocab_size: int, positions: int):
+        """The BDHConfig of the size flags, or with --model_type the baseline's config (positions:
+        the longest sequence it reads)."""
+        bdh = BDHConfig(
             n_layer=self.n_layer,
             n_embd=self.n_embd,
             n_head=self.n_head,
@@ -58,6 +72,13 @@ class ModelArguments:
             vocab_size=vocab_size,
             **self.attention_kwargs(),
         )
+        if self.model_type == "bdh":
+            return bdh
+        sizes = (vocab_size, positions, self.n_layer)
+        if self.match_params:
+            return matched_config(self.model_type, parameter_count(bdh), *sizes, self.n_head,
+                                  self.dropout)
+        return baseline_config(self.model_type, *sizes, self.n_embd, self.n_head, self.dropout)
 
 
 @dataclass

@@ -5,9 +5,11 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from dragon.checkpoint.checkpointer import ResumeTarget
 from dragon.data.text import DataArguments
+from dragon.model.baseline import is_bdh
 from dragon.model.bdh import BDHConfig, BDHForCausalLM
 from dragon.run.args import DiLoCoArguments, ModelArguments, PipelineArguments, TrainingArguments
 
@@ -26,6 +28,7 @@ class RecipeInputs:
     valid_set: Any
     tokenizer: Any
     resume: dict[int, tuple[str, str]]  # island -> (load_dir, tag) of --resume_from_checkpoint
+    config: Any = None  # the model's: a BDHConfig, or a baseline's (--model_type)
     reshaped: dict[int, str] = field(default_factory=dict)  # island -> what the resume converts
     # island -> (the line of a resume by another number of islands, whether it is a new island)
     regrouped: dict[int, tuple[str, bool]] = field(default_factory=dict)
@@ -45,26 +48,33 @@ class RecipeInputs:
         return self.diloco.output_dir(self.train.output_dir, island)
 
 
-def initial_model(inputs: RecipeInputs) -> BDHForCausalLM:
-    """The starting weights, identical on every rank: a save_pretrained directory or a fresh init.
-    """
+def initial_model(inputs: RecipeInputs):
+    """The starting weights, identical on every rank: a save_pretrained directory or a fresh init
+    (of BDH, or of the --model_type baseline: transformers' own model)."""
     torch.manual_seed(inputs.train.seed)
     if inputs.model.model_name_or_path:
         return BDHForCausalLM.from_pretrained(
             inputs.model.model_name_or_path, dtype=torch.float32, **inputs.model.attention_kwargs()
         )
-    return BDHForCausalLM(inputs.model.config(inputs.tokenizer.vocab_size))
+    if not is_bdh(inputs.config):
+        return AutoModelForCausalLM.from_config(inputs.config)
+    return BDHForCausalLM(inputs.config)
 
 
-def model_config(
-    model_args: ModelArguments, vocab_size: int, pipe_args: Optional[PipelineArguments]
-) -> BDHConfig:
+def model_config(model_args: ModelArguments, vocab_size: int, positions: int,
+                 pipe_args: Optional[PipelineArguments]):
     """The config this run's model will have (the directory's, or the size flags'); raises on an
     unknown attention form, sizes BDH cannot have, or an impossible pipeline."""
     BDHConfig(**model_args.attention_kwargs())
     if model_args.model_name_or_path:
+        if model_args.model_type != "bdh":
+            raise ValueError(f"--model_type {model_args.model_type} builds a fresh baseline; "
+                             "--model_name_or_path takes a BDH directory")
         return BDHConfig.from_pretrained(model_args.model_name_or_path)
-    config = model_args.config(vocab_size)
+    config = model_args.config(vocab_size, positions)
+    if not is_bdh(config) and pipe_args is not None:
+        raise ValueError(f"--model_type {model_args.model_type}: the baseline trains through "
+                         "recipes/pretrain.py; the pipeline recipe splits BDH's layers only")
     if pipe_args is not None:
         from dragon.parallel.pipeline import check_pipeline  # imports DeepSpeed's pipeline module
 

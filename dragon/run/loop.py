@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from dragon.checkpoint.catalog import last_complete
 from dragon.errors import Preempted, TrainingFailed
+from dragon.model.baseline import is_bdh
 from dragon.model.cost import model_profile
 from dragon.parallel.distributed import all_reduce_mean, all_reduce_values, rank, world_size
 from dragon.run.carry import state_bytes_per_row
@@ -51,7 +52,8 @@ class TrainingRun:
         weakref.finalize(self, self._logger.close)  # the bar ends its line however the run ends
         if rank() == 0:
             train = "streamed" if data.streamed else f"{len(inputs.train_set):,}"
-            logger.info(f"BDH: {profile.parameters:,} parameters, {train} train / "
+            name = "BDH" if is_bdh(config) else f"a {config.model_type} baseline"
+            logger.info(f"{name}: {profile.parameters:,} parameters, {train} train / "
                         f"{len(inputs.valid_set):,} valid samples of {block + 1} tokens, "
                         f"{self.tokens_per_step:,} tokens per step")
             if data.carried:

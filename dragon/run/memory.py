@@ -25,8 +25,11 @@ import resource
 from typing import Optional
 
 import torch
+from transformers import AutoModelForCausalLM
 
+from dragon.model import baseline
 from dragon.model.cost import parameter_count
+from dragon.model.baseline import is_bdh
 from dragon.model.bdh import BDHConfig, BDHForCausalLM
 from dragon.parallel.neurons import keep_share
 
@@ -71,7 +74,8 @@ def activation_bytes(
     """What one micro-batch's forward keeps for backward, plus backward's working room (with
     --neuron_parallel K, of a model that keeps 1/K of the neurons)."""
     with torch.device("meta"):
-        model = BDHForCausalLM(config).to(dtype)
+        build = BDHForCausalLM if is_bdh(config) else AutoModelForCausalLM.from_config
+        model = build(config).to(dtype)
     if neuron_parallel > 1:
         keep_share(model, 0, neuron_parallel)
     ids = torch.zeros(micro_batch, block, dtype=torch.long, device="meta")
@@ -90,7 +94,10 @@ def activation_bytes(
 def rank_parameters(config: BDHConfig, stages: int, neuron_parallel: int = 1) -> tuple[int, int]:
     """(parameters, largest layer's) of the most loaded rank's model: the whole model, or a
     pipeline stage (each holds the shared block, one end the embedding or head); with
-    --neuron_parallel K a rank holds 1/K of the shared block."""
+    --neuron_parallel K a rank holds 1/K of the shared block. A --model_type baseline: the
+    whole model, its largest layer taken as the embedding table."""
+    if not is_bdh(config):
+        return baseline.parameter_count(config), config.vocab_size * config.hidden_size
     whole = 3 * config.n_head * config.n_embd * config.n_neurons
     shared = whole // neuron_parallel
     table = config.vocab_size * config.n_embd

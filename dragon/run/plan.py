@@ -4,6 +4,7 @@ process group, model or engine exists (dragon.run.preflight calls it and exits 0
 import json
 
 from dragon.errors import PlanShown
+from dragon.model.baseline import is_bdh
 from dragon.model.cost import model_profile
 from dragon.parallel.distributed import launcher_world_size
 from dragon.run.memory import estimate, mark_baseline
@@ -55,9 +56,12 @@ def plan_lines(inputs, config, dp_world: int) -> list[str]:
                   f"head), data rank {r // k} of {dp_world}" for r in range(world)]
     else:
         lines += rank_layout(world, islands, stages, one_launch)
+    shape = (f"{config.n_layer} layers, attention {config.attention} (chunk "
+             f"{config.attention_chunk_size})" if is_bdh(config) else
+             f"a {config.model_type} baseline of {config.num_hidden_layers} layers, width "
+             f"{config.hidden_size}")
     lines.append(
-        f"model: {profile.parameters:,} parameters, {config.n_layer} layers, attention "
-        f"{config.attention} (chunk {config.attention_chunk_size}); "
+        f"model: {profile.parameters:,} parameters, {shape}; "
         f"{profile.train_flops_per_token / 1e6:,.1f} MFLOPs per token (forward + backward)"
     )
     lines.append(

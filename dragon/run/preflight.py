@@ -7,6 +7,7 @@ import os
 import warnings
 
 from dragon.errors import InputRefused
+from dragon.model.baseline import is_bdh
 from dragon.parallel.ds_config import load_ds_config, resolve_ds_config, zero_stage
 from dragon.parallel.neurons import check_split
 from dragon.run import resume_checks
@@ -34,10 +35,14 @@ def preflight(pipeline: bool = False) -> RecipeInputs:
                 "pipeline's gradients; use stage 0 or 1 (ds_configs/pipeline_zero*.json)"
             )
         train_set, valid_set, tokenizer = load_data(data_args, args)
-        config = model_config(model_args, tokenizer.vocab_size, pipe_args)
-        check_split(config.n_neurons, args.neuron_parallel)
+        config = model_config(model_args, tokenizer.vocab_size, data_args.block_size + 1,
+                              pipe_args)
+        if is_bdh(config):
+            check_split(config.n_neurons, args.neuron_parallel)
+        else:
+            _check_baseline(model_args.model_type, args, diloco)
         inputs = RecipeInputs(model_args, data_args, args, diloco, pipe_args, ds_config,
-                              train_set, valid_set, tokenizer, resume={})
+                              train_set, valid_set, tokenizer, resume={}, config=config)
         check_data_fits(inputs, config, dp_world, islands)
         _check_resume(inputs, config, dp_world)
     except ValueError as e:  # DataError and config errors are ValueErrors with one-line messages
@@ -46,6 +51,16 @@ def preflight(pipeline: bool = False) -> RecipeInputs:
         _warn_about_the_bubble(ds_config["gradient_accumulation_steps"], pipe_args.pipeline_stages)
     show_plan_or_begin(inputs, config, dp_world)
     return inputs
+
+
+def _check_baseline(model_type: str, args, diloco) -> None:
+    """One line for what BDH has and a transformer baseline has not."""
+    for refused, what in ((args.neuron_parallel > 1, "--neuron_parallel (BDH's neurons)"),
+                          (args.carry_state or args.eval_carried, "carried state (BDH's)"),
+                          (diloco.enabled, "DiLoCo islands (not yet)")):
+        if refused:
+            raise ValueError(f"--model_type {model_type}: not with {what}; drop it, or train "
+                             "--model_type bdh")
 
 
 def _check_resume(inputs: RecipeInputs, config, dp_world: int) -> None:

@@ -2,6 +2,7 @@
 each island resumes, on which layout, and whether it fits the model this run builds."""
 
 import logging
+import json
 import os
 import warnings
 from typing import Optional
@@ -11,7 +12,6 @@ from dragon.checkpoint.reshape import (Layout, regroup_message, reshape_message,
                                        saved_layout)
 from dragon.checkpoint.catalog import has_complete, list_checkpoints
 from dragon.diloco.state import check_diloco_state
-from dragon.model.bdh import BDHConfig
 from dragon.parallel.ds_config import zero_stage
 from dragon.run.args import DiLoCoArguments, TrainingArguments
 from dragon.run.lock import take_run_lock
@@ -121,20 +121,25 @@ def check_output_dir(args: TrainingArguments, diloco: DiLoCoArguments) -> None:
             )
 
 
-SIZES = ("n_layer", "n_embd", "n_head", "mlp_internal_dim_multiplier", "vocab_size")
+# What a model's size is, in BDH's config and in the baselines' (GPT-2, Llama)
+SIZES = ("model_type", "n_layer", "n_embd", "n_head", "mlp_internal_dim_multiplier", "vocab_size",
+         "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 
 
-def check_resume_sizes(config: BDHConfig, resume: dict[int, tuple[str, str]]) -> None:
-    """Raise when a resume target holds a model of other sizes than this run builds (`config`).
-    """
+def check_resume_sizes(config, resume: dict[int, tuple[str, str]]) -> None:
+    """Raise when a resume target holds a model of another kind or other sizes than this run
+    builds (`config`)."""
+    ours_all = config.to_dict()
     for load_dir, tag in resume.values():
-        if not os.path.isfile(os.path.join(load_dir, "config.json")):
+        path = os.path.join(load_dir, "config.json")
+        if not os.path.isfile(path):
             continue  # a checkpoint written outside the recipes: DeepSpeed checks the shapes
-        saved = BDHConfig.from_pretrained(load_dir)
-        wrong = [k for k in SIZES if getattr(saved, k) != getattr(config, k)]
+        with open(path) as f:
+            saved = json.load(f)
+        wrong = [k for k in SIZES if saved.get(k) != ours_all.get(k)]
         if wrong:
-            theirs = ", ".join(f"{k}={getattr(saved, k)}" for k in wrong)
-            ours = ", ".join(f"{k}={getattr(config, k)}" for k in wrong)
+            theirs = ", ".join(f"{k}={saved.get(k)}" for k in wrong)
+            ours = ", ".join(f"{k}={ours_all.get(k)}" for k in wrong)
             raise ValueError(
                 f"--resume_from_checkpoint: {os.path.join(load_dir, tag)} holds a model with "
                 f"{theirs}, this run builds {ours}; resume with the same sizes"

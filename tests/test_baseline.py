@@ -1,0 +1,48 @@
+"""A transformer baseline through the ZeRO recipe (--model_type gpt2|llama): transformers' own
+model trains, resumes exactly and exports like BDH does."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO, job_env, losses
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+BDH_TINY_PARAMETERS = 3 * 2 * 32 * 128 + 2 * 256 * 32  # conftest.TINY's BDH: N = 128
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "llama"])
+def test_a_baseline_of_the_bdh_s_size_trains_resumes_and_exports(model_type, runs, tmp_path):
+    """2 ranks, ZeRO-2, dropout on, the width matched to the BDH's parameter count: the loss
+    falls; resumed at step 4, steps 5-8 repeat bit for bit (RNG, data position, Adam and the LR
+    schedule came back); the final export is transformers' own model with recipes/export.py's
+    weights of the last checkpoint, exactly."""
+    extra = ["--model_type", model_type, "--match_params", "--dropout", "0.1"]
+    out, metrics, proc = runs(f"baseline_{model_type}", extra=extra)
+    config = json.loads((out / "final" / "config.json").read_text())
+    assert config["model_type"] == model_type
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    count = sum(p.numel() for p in model.parameters())
+    assert abs(count / BDH_TINY_PARAMETERS - 1) < 0.15, count
+    assert f"a {model_type} baseline: {count:,} parameters" in proc.stderr + proc.stdout
+    assert losses(metrics)[-1] < losses(metrics)[0] - 0.3
+    assert all("eval_bpb" in m for m in metrics if "eval_loss" in m)
+
+    resumed_out = tmp_path / "resumed"
+    shutil.copytree(out / "checkpoints" / "step4", resumed_out / "checkpoints" / "step4")
+    (resumed_out / "checkpoints" / "latest").write_text("step4")
+    _, resumed, _ = runs(f"baseline_{model_type}_resumed", out=resumed_out,
+                         extra=[*extra, "--resume_from_checkpoint", "latest"])
+    assert [m["step"] for m in resumed] == [5, 6, 7, 8]
+    assert losses(resumed) == losses(metrics)[4:]
+
+    job = subprocess.run([sys.executable, "recipes/export.py", "--checkpoint",
+                          str(out / "checkpoints" / "step8"), "--output", str(tmp_path / "hf")],
+                         cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=300)
+    assert job.returncode == 0, job.stderr[-3000:]
+    ours, final = (load_file(d / "model.safetensors") for d in (tmp_path / "hf", out / "final"))
+    assert ours.keys() == final.keys() and all(torch.equal(ours[k], final[k]) for k in ours)
