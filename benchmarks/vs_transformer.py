@@ -5,8 +5,9 @@
 Both go through recipes/pretrain.py (ZeRO-2 on --ranks CPU ranks, one thread each) on the same
 data (the standard library's .py files as bytes, blocks of 256), the same global batch, steps,
 learning-rate schedule and seed; GPT-2's width comes from --match_params against the BDH. The
-table: parameters, the final validation loss in bits per byte, and training tokens/s (the mean
-over the steps after the first tenth). A research outcome, measured once, not a target.
+table: parameters, the final validation loss in bits per byte, training tokens/s (the mean over
+the steps after the first tenth), and for BDH the fraction of its sparse activations x, y and
+x * y above zero at the end (the mean over layers). A research outcome, measured once.
 """
 
 import argparse
@@ -34,6 +35,11 @@ def train(out: Path, ranks: int, steps: int, model: list[str]) -> dict:
     return {"speed": sum(speeds[steps // 10:]) / len(speeds[steps // 10:]), **final}
 
 
+def mean_over_layers(record: dict, kind: str) -> float:
+    values = [v for k, v in record.items() if k.startswith("sparsity/") and k.endswith(f"/{kind}")]
+    return sum(values) / len(values) if values else float("nan")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=200)
@@ -43,15 +49,16 @@ def main() -> None:
 
     from dragon.model.cost import model_profile
 
-    print("| model | parameters | validation bits per byte | tokens/s |")
-    print("|---|---|---|---|")
+    print("| model | parameters | validation bits per byte | tokens/s | positive x / y / x*y |")
+    print("|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for name, model in (("BDH", []), ("GPT-2", ["--model_type", "gpt2", "--match_params"])):
             out = Path(tmp) / name
             result = train(out, args.ranks, args.steps, model)
             count = model_profile(AutoConfig.from_pretrained(out / "final"), 257).parameters
-            print(f"| {name} | {count:,} | {result['eval_bpb']:.4f} | {result['speed']:,.0f} |",
-                  flush=True)
+            fired = " / ".join(f"{mean_over_layers(result, kind):.1%}" for kind in ("x", "y", "xy"))
+            print(f"| {name} | {count:,} | {result['eval_bpb']:.4f} | {result['speed']:,.0f} | "
+                  f"{fired if name == 'BDH' else '-'} |", flush=True)
 
 
 if __name__ == "__main__":
