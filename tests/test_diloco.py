@@ -23,7 +23,7 @@ from conftest import (
 )
 
 from dragon import BDHForCausalLM
-from dragon.run.args import DiLoCoArguments
+from dragon.diloco.arguments import DiLoCoArguments
 from dragon.diloco.outer import DiLoCo
 from dragon.parallel.topology import Topology
 

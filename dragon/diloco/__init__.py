@@ -1,7 +1,9 @@
 """DiLoCo: islands that train apart and meet every H steps for an outer step.
 
+- arguments: the --diloco_* command-line arguments (DiLoCoArguments)
 - outer: DiLoCo, the outer loop of one rank
-- exchange: one exchange of a flat pseudo-gradient among islands (fp32, bf16, int8)
+- exchange: one exchange of a flat pseudo-gradient among islands (fp32, bf16, int8, int4, top-k)
+- quantized, sparse: the int4 code's all-reduce, top-k with error feedback
 - membership: elastic islands, the quorum of each outer step, joining a live run
 - master_weights: this rank's fp32 master weights inside any DeepSpeed engine
 - island_store: `python -m dragon.diloco.island_store`, a store that outlives every island

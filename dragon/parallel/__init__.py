@@ -3,5 +3,6 @@
 - distributed: process-group start-up under any launcher, small all-reduces
 - topology: islands x data ranks, each island its own torch.distributed world (enter_island)
 - pipeline: BDH as a DeepSpeed PipelineModule (bdh_pipeline, carrying)
+- neurons: BDH's tensor parallelism over its neurons (split_neurons, NeuronGroups)
 - ds_config: DeepSpeed JSON configs with "auto" values filled from the arguments
 """

@@ -1,6 +1,6 @@
 """What a recipe needs around its loop: inputs, checks, metrics, faults and the run's state.
 
-- args: the argument dataclasses (ModelArguments, TrainingArguments, DiLoCoArguments, ...)
+- args: the argument dataclasses (ModelArguments, TrainingArguments, PipelineArguments)
 - preflight: every check before a process group starts (RecipeInputs)
 - metrics: metrics.jsonl (its one writer and reader), throughput, MFU, logging
 - faults: preemption signals and non-finite steps (StepGuard)

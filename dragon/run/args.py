@@ -1,8 +1,6 @@
 """Argument dataclasses the recipes share, named as in transformers' TrainingArguments / run_clm.py.
 """
 
-import os
-import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -15,9 +13,8 @@ from dragon.model.baseline import baseline_config, matched_config
 from dragon.model.bdh import BDHConfig
 from dragon.model.cost import parameter_count
 from dragon.checkpoint.retention import RetentionPolicy
-from dragon.diloco.outer import DiLoCoConfig
+from dragon.diloco.arguments import DiLoCoArguments
 from dragon.data.text import DataArguments
-from dragon.parallel.topology import island_size
 
 
 def _help(text: str, **kwargs):
@@ -243,207 +240,6 @@ class TrainingArguments:
     def retention_policy(self) -> RetentionPolicy:
         return RetentionPolicy(self.save_total_limit, self.metric_for_best_model,
                                self.greater_is_better)
-
-
-MODES = ("sync", "delayed")
-COMPRESSIONS = ("none", "bf16", "int8", "int4")
-DELAYED_MOMENTUM = 0.3  # delayed mode's steadiest outer momentum at lr 1 (benchmarks/README.md)
-
-
-@dataclass
-class DiLoCoArguments:
-    diloco_inner_steps: Optional[int] = _help(
-        "H: inner steps per outer step. Setting it turns DiLoCo on (also with one island).",
-        default=None,
-    )
-    diloco_islands: int = _help(
-        "Islands; each trains on its own between outer steps (1 and no H: off).", default=1
-    )
-    diloco_outer_lr: float = _help("Outer learning rate.", default=0.7)
-    diloco_outer_momentum: float = _help("Outer momentum (0: plain SGD).", default=0.9)
-    diloco_nesterov: bool = _help("Nesterov outer momentum.", default=True)
-    diloco_mode: str = _help(
-        "sync, or delayed: the outer all-reduce overlaps the next H inner steps and is "
-        "applied one outer step late.",
-        default="sync",
-    )
-    diloco_compress: str = _help(
-        "Pseudo-gradient on the wire: none (fp32), bf16, int8 (all-gathered) or int4 (an "
-        "all-to-all and an all-gather: bytes that do not grow with the islands).", default="none"
-    )
-    diloco_int8_block: int = _help(
-        "Values per int8 or int4 scale (0: one scale per tensor, int8 only).", default=1024
-    )
-    diloco_topk: float = _help(
-        "Send only this fraction of each pseudo-gradient's entries, those of largest magnitude, "
-        "as int32 indices and bf16 values; each rank keeps what it did not send for its next "
-        "outer step (error feedback). 0: off.", default=0.0
-    )
-    diloco_outer_on_cpu: bool = _help(
-        "Keep theta_outer and the outer optimizer state on CPU.", default=False
-    )
-    diloco_checksum: bool = _help(
-        "Log a fingerprint of the working weights after every outer step.", default=False
-    )
-    diloco_island_index: Optional[int] = _help(
-        "This launch's island, when each island is a launch of its own (then also --diloco_store); "
-        "default: one launch holds all islands, split into contiguous blocks of ranks.",
-        default=None,
-    )
-    diloco_store: Optional[str] = _help(
-        "HOST:PORT of the store where islands meet (with "
-        "--diloco_island_index; island 0's rank 0 hosts it).",
-        default=None,
-    )
-    diloco_store_external: bool = _help(
-        "No island hosts the store: it runs on its own (python -m dragon.diloco.island_store).",
-        default=False,
-    )
-    diloco_elastic: bool = _help(
-        "Islands may die while the others train on: each outer step averages over the islands "
-        "that reach it within --diloco_quorum_timeout (needs one launch per island).",
-        default=False,
-    )
-    diloco_quorum_timeout: float = _help(
-        "Elastic: seconds an outer step waits for the islands of the last one.", default=60.0
-    )
-    diloco_join: bool = _help(
-        "With --diloco_elastic, join the live islands at their next outer step (theta_outer, outer "
-        "optimizer state, step); --resume_from_checkpoint first restores this island's own.",
-        default=False,
-    )
-    diloco_min_islands: int = _help("Elastic: fewer islands at an outer step end it.", default=1)
-
-    def __post_init__(self):
-        n, h = self.diloco_islands, self.diloco_inner_steps
-        if n < 1:
-            raise ValueError(f"--diloco_islands {n}: must be >= 1")
-        if h is not None and h < 1:
-            raise ValueError(f"--diloco_inner_steps {h}: must be >= 1")
-        if n > 1 and h is None:
-            raise ValueError(
-                f"--diloco_islands {n} needs --diloco_inner_steps H (inner steps per outer step)"
-            )
-        if self.diloco_mode not in MODES:
-            raise ValueError(f"--diloco_mode {self.diloco_mode!r}: valid are {', '.join(MODES)}")
-        if self.diloco_compress not in COMPRESSIONS:
-            raise ValueError(
-                f"--diloco_compress {self.diloco_compress!r}: valid are {', '.join(COMPRESSIONS)}"
-            )
-        if self.diloco_int8_block < 0:
-            raise ValueError(f"--diloco_int8_block {self.diloco_int8_block}: must be >= 0")
-        if self.diloco_compress == "int4" and self.diloco_int8_block == 0:
-            raise ValueError("--diloco_int8_block 0 (one scale per tensor) is for int8; int4 "
-                             "needs values per scale (the default 1024)")
-        topk = self.diloco_topk
-        if not 0 <= topk < 1:
-            raise ValueError(f"--diloco_topk {topk}: must be in [0, 1) (0.02 sends 2 %)")
-        if topk and self.diloco_compress != "none":
-            raise ValueError(f"--diloco_topk {topk} sends its own code; drop --diloco_compress "
-                             f"{self.diloco_compress}")
-        if topk and self.diloco_mode != "sync":
-            raise ValueError(f"--diloco_topk {topk}: with --diloco_mode sync only")
-        if not self.diloco_outer_lr > 0:
-            raise ValueError(f"--diloco_outer_lr {self.diloco_outer_lr}: must be > 0")
-        if not 0 <= self.diloco_outer_momentum < 1:
-            raise ValueError(
-                f"--diloco_outer_momentum {self.diloco_outer_momentum}: must be in [0, 1)"
-            )
-        index = self.diloco_island_index
-        if index is not None and not 0 <= index < n:
-            raise ValueError(f"--diloco_island_index {index}: must be in [0, --diloco_islands {n})")
-        if (index is None) != (self.diloco_store is None):
-            raise ValueError(
-                "--diloco_island_index and --diloco_store go together (one launch per island)"
-            )
-        if self.diloco_join and not self.diloco_elastic:
-            raise ValueError("--diloco_join needs --diloco_elastic")
-        if self.diloco_elastic:
-            self._check_elastic()
-        if self.diloco_mode == "delayed" and self.diloco_outer_momentum > DELAYED_MOMENTUM:
-            # benchmarks/README.md has the measurements behind the advice
-            warnings.warn(
-                f"--diloco_mode delayed with --diloco_outer_momentum {self.diloco_outer_momentum}: "
-                "momentum this high on one-step-late averages did worse in our benchmark; "
-                f"--diloco_outer_lr 1 --diloco_outer_momentum {DELAYED_MOMENTUM} did best"
-            )
-
-    def _check_elastic(self) -> None:
-        if self.diloco_island_index is None:
-            raise ValueError(
-                "--diloco_elastic needs one launch per island (--diloco_island_index, "
-                "--diloco_store): a launcher ends every rank it started when one dies"
-            )
-        if not self.diloco_store_external:
-            raise ValueError(
-                "--diloco_elastic needs --diloco_store_external "
-                "(python -m dragon.diloco.island_store): "
-                "a store hosted by island 0 would end the run with it"
-            )
-        if not 1 <= self.diloco_min_islands <= self.diloco_islands:
-            raise ValueError(
-                f"--diloco_min_islands {self.diloco_min_islands}: must be in [1, "
-                f"--diloco_islands {self.diloco_islands}]"
-            )
-        if not self.diloco_quorum_timeout > 0:
-            raise ValueError(f"--diloco_quorum_timeout {self.diloco_quorum_timeout}: must be > 0")
-
-    @property
-    def enabled(self) -> bool:
-        return self.diloco_inner_steps is not None
-
-    def island_world(self, launch_world: int) -> int:
-        """Ranks per island for a launch of `launch_world` ranks (ValueError when it does not
-        split).
-        """
-        if not self.enabled:
-            return launch_world
-        return island_size(self.diloco_islands, launch_world, self.diloco_island_index is not None)
-
-    def check_training(self, args) -> None:
-        """Checks against TrainingArguments: checkpoints fall on outer steps only."""
-        h = self.diloco_inner_steps
-        if self.enabled and args.save_steps % h:
-            raise ValueError(
-                f"--save_steps {args.save_steps}: must be a multiple of --diloco_inner_steps {h} "
-                "(checkpoints are taken at outer steps only)"
-            )
-
-    def local_islands(self) -> list[int]:
-        """The islands this launch runs."""
-        if not self.enabled:
-            return [0]
-        if self.diloco_island_index is not None:
-            return [self.diloco_island_index]
-        return list(range(self.diloco_islands))
-
-    def output_dir(self, root: str, island: int) -> str:
-        """Island i's metrics.jsonl and checkpoints/: <root>/island<i> with several islands."""
-        several = self.enabled and self.diloco_islands > 1
-        return os.path.join(root, f"island{island}") if several else root
-
-    def resume_path(self, resume: str, save_dir: str) -> str:
-        """--resume_from_checkpoint for one island: 'latest', or the same tag in the island's
-        checkpoints.
-        """
-        if not self.enabled or self.diloco_islands == 1 or resume == "latest":
-            return resume
-        return os.path.join(save_dir, os.path.basename(os.path.normpath(resume)))
-
-    def config(self) -> Optional[DiLoCoConfig]:
-        """The outer loop's own config; None when DiLoCo is off."""
-        if not self.enabled:
-            return None
-        return DiLoCoConfig(
-            inner_steps=self.diloco_inner_steps, mode=self.diloco_mode,
-            compress="topk" if self.diloco_topk else self.diloco_compress,
-            int8_block=self.diloco_int8_block, topk=self.diloco_topk,
-            outer_lr=self.diloco_outer_lr, outer_momentum=self.diloco_outer_momentum,
-            nesterov=self.diloco_nesterov, outer_on_cpu=self.diloco_outer_on_cpu,
-            checksum=self.diloco_checksum, elastic=self.diloco_elastic,
-            quorum_timeout=self.diloco_quorum_timeout, min_islands=self.diloco_min_islands,
-            join=self.diloco_join,
-        )
 
 
 @dataclass

@@ -11,7 +11,8 @@ from dragon.checkpoint.checkpointer import ResumeTarget
 from dragon.data.text import DataArguments
 from dragon.model.baseline import is_bdh
 from dragon.model.bdh import BDHConfig, BDHForCausalLM
-from dragon.run.args import DiLoCoArguments, ModelArguments, PipelineArguments, TrainingArguments
+from dragon.diloco.arguments import DiLoCoArguments
+from dragon.run.args import ModelArguments, PipelineArguments, TrainingArguments
 
 
 @dataclass

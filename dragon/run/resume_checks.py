@@ -13,7 +13,8 @@ from dragon.checkpoint.reshape import (Layout, regroup_message, reshape_message,
 from dragon.checkpoint.catalog import has_complete, list_checkpoints
 from dragon.diloco.state import check_diloco_state
 from dragon.parallel.ds_config import zero_stage
-from dragon.run.args import DiLoCoArguments, TrainingArguments
+from dragon.diloco.arguments import DiLoCoArguments
+from dragon.run.args import TrainingArguments
 from dragon.run.lock import take_run_lock
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import torch
 
-from dragon.run.args import DiLoCoArguments
+from dragon.diloco.arguments import DiLoCoArguments
 from dragon.diloco.outer import DiLoCo
 from dragon.errors import RunStopped
 from dragon.parallel.topology import Topology, enter_island
