@@ -168,13 +168,15 @@ def test_plots_of_one_run_and_of_two_overlaid(monkeypatch, capsys, made, tmp_pat
 
 def test_a_run_without_islands_is_plotted_without_an_empty_panel(made):
     """A run without DiLoCo has no cross-island panel; every panel has a y label and a line;
-    training and validation loss share the first; validation bits per byte has its own."""
+    training and validation loss share the first; validation bits per byte and the pipeline's
+    sparsity (each stage measures its own layers) have their own."""
     tool = runpy.run_path(str(REPO / "recipes/plot.py"))
     fig = tool["plot"](tool["series"](str(made["pipeline"]), "dp"), (10, 8), 50)
-    assert len(fig.axes) == 5 and not any("DiLoCo" in ax.get_title() for ax in fig.axes)
+    assert len(fig.axes) == 6 and not any("DiLoCo" in ax.get_title() for ax in fig.axes)
     assert all(ax.get_ylabel() and ax.lines for ax in fig.axes)
     assert "validation" in fig.axes[0].get_title() and len(fig.axes[0].lines) == 3
     assert "bits per byte" in fig.axes[4].get_title()  # eval_bpb at each evaluation
+    assert "active on validation" in fig.axes[5].get_title()
 
 
 def test_sampling_a_run_without_a_checkpoint_says_what_to_pass(monkeypatch, tmp_path):
@@ -332,3 +334,35 @@ def test_an_export_loads_and_generates_without_dragon(monkeypatch, capsys, made,
                 torch.tensor([got["prompt"]]), max_new_tokens=12, do_sample=False)
         assert got["ids"] == ours[0].tolist()
         assert got["text"].startswith(prompt)
+
+
+def test_lm_evaluation_harness_scores_an_export_as_dragon_does(made, tmp_path):
+    """lm_eval (the harness's CLI, offline) on a run's final/ export with the shipped local task
+    (launch/lm_eval): every log-likelihood it computes is dragon's own for the same bytes within
+    1e-5, and it reports an accuracy."""
+    from dragon.model.bdh import BDHForCausalLM
+
+    export = made["diloco"] / "final"
+    env = dict(job_env(), HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
+               HF_DATASETS_CACHE=str(tmp_path / "datasets"))
+    job = subprocess.run(
+        ["lm_eval", "--model", "hf", "--model_args",
+         f"pretrained={export},trust_remote_code=True,dtype=float32,prefix_token_id=10",
+         "--tasks", "python_syntax", "--include_path", "launch/lm_eval", "--device", "cpu",
+         "--batch_size", "1", "--output_path", str(tmp_path / "out"), "--log_samples"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert re.search(r"\|python_syntax\|.*\|acc\s*\|", job.stdout), job.stdout[-2000:]
+    samples = [json.loads(line) for path in (tmp_path / "out").rglob("samples_*.jsonl")
+               for line in path.read_text().splitlines()]
+    assert len(samples) == 6
+    model = BDHForCausalLM.from_pretrained(export).eval()
+    for sample in samples:
+        context = list(sample["doc"]["context"].encode())
+        for choice, response in zip(sample["doc"]["choices"], sample["filtered_resps"]):
+            continuation = list(choice.encode())
+            with torch.no_grad():
+                logits = model(torch.tensor([context + continuation])).logits[0, :-1]
+            logp = torch.log_softmax(logits.double(), -1)
+            ours = sum(float(logp[len(context) - 1 + j, t]) for j, t in enumerate(continuation))
+            assert abs(ours - float(response[0])) < 1e-5, (sample["doc"], choice)
