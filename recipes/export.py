@@ -24,7 +24,7 @@ from dragon.data.sources import DataError
 from dragon.data.text import tokenizer_in
 from dragon.checkpoint.export import (check_export_dir, model_from_checkpoint,
                                       resolve_checkpoint, save_model)
-from dragon.checkpoint.catalog import list_checkpoints
+from dragon.checkpoint.catalog import list_checkpoints, run_files_dir
 
 
 @dataclass
@@ -49,12 +49,13 @@ def main():
     except ValueError as e:
         sys.exit(f"error: {e}")
     save_model(model, args.output)
-    save_dir, tag = os.path.split(os.path.normpath(tag_dir))
+    save_dir = run_files_dir(tag_dir)  # its checkpoints/ (accelerate's hold tags one deeper)
+    name = os.path.relpath(tag_dir, save_dir).split(os.sep)[0]
     try:  # the run's tokenizer, saved beside its checkpoints (bytes when it saved none)
         tokenizer_in(save_dir, model.config.vocab_size).save_pretrained(args.output)
     except DataError as e:
         print(f"warning: {e}; the export has no tokenizer")
-    step = list_checkpoints(save_dir).get(tag)
+    step = list_checkpoints(save_dir).get(name)
     write_model_card(args.output, model.config, save_dir, step, f"checkpoint {tag_dir}")
     print(f"wrote {args.output} from {tag_dir}")
 

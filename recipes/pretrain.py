@@ -15,8 +15,6 @@ code.
 """
 
 import os
-import sys
-from typing import Optional
 
 import deepspeed
 import torch
@@ -27,47 +25,25 @@ from dragon.checkpoint.export import export_run, print_sample
 from dragon.checkpoint.retention import attach_retention
 from dragon.checkpoint.writes import SaveFailed
 from dragon.diloco.outer import DiLoCo
-from dragon.errors import RunStopped
-from dragon.model.attention import BDHCache
-from dragon.model.sparsity import SparsityProbe
 from dragon.parallel.neurons import NeuronGroups
 from dragon.parallel.distributed import (
     all_reduce_mean,
-    end_distributed,
     init_distributed,
-    peer_failed,
-    peer_lost,
     rank,
     world_size,
 )
 from dragon.parallel.topology import enter_island
 from dragon.run.data import run_data
 from dragon.run.lock import check_every_rank_sees
+from dragon.run.exits import run_recipe
 from dragon.run.faults import skip_nonfinite_updates
 from dragon.run.loop import TrainingRun
 from dragon.history import metrics_path
-from dragon.run.metrics import (RECORDED_METRICS, setup_logging, sparsity_over_ranks,
-                                 step_and_grad_norm)
+from dragon.run.evaluation import evaluation_metrics
+from dragon.run.metrics import RECORDED_METRICS, setup_logging, step_and_grad_norm
 from dragon.run.optim import client_optimizer_and_scheduler
 from dragon.run.inputs import initial_model
 from dragon.run.preflight import preflight
-
-
-@torch.no_grad()
-def evaluate(engine, batches, cache: Optional[BDHCache] = None, signalled=None) -> Optional[float]:
-    """Mean validation loss over every rank's fixed batches; with a cache each batch continues
-    the state the batches before it left (streams). None when `signalled()` (a preemption signal
-    on any rank) stops it early."""
-    engine.eval()
-    losses = []
-    for batch in batches:
-        if signalled is not None and signalled():
-            engine.train()
-            return None
-        batch = batch.to(engine.device)
-        losses.append(engine(input_ids=batch, labels=batch, cache=cache).loss.item())
-    engine.train()
-    return all_reduce_mean([sum(losses) / len(losses)])[0]
 
 
 def deepspeed_engine(model, inputs, neurons=None):
@@ -147,7 +123,6 @@ def main():
 
 def train(engine, run, data, outer, checkpointer, args) -> None:
     """The loop: batch, forward, backward, step, outer step, logging, evaluation, save."""
-    layers = engine.module.config.num_hidden_layers
     engine.train()
     while not run.done:
         losses = []
@@ -168,16 +143,9 @@ def train(engine, run, data, outer, checkpointer, args) -> None:
         if run.due(args.logging_steps):
             record.update(run.train_metrics(grad_norm))
         if run.due(args.eval_steps) and not verdict.stop:  # a stop saves at once
-            with SparsityProbe(engine.module, layers) as probe:
-                eval_loss = evaluate(engine, data.valid, signalled=run.signalled)
-            if eval_loss is not None:  # None: a preemption signal came during it
-                record["eval_loss"] = eval_loss
-                record["eval_bpb"] = eval_loss * data.bpb_factor  # bits per byte of the text
-                # per layer, the fraction of x, y and x*y above 0
-                record.update(sparsity_over_ranks(probe.fractions(), layers))
-                if data.valid_streams:
-                    streams = BDHCache(layers)
-                    record["eval_loss_carried"] = evaluate(engine, data.valid_streams, streams)
+            # eval_loss, eval_bpb (bits per byte of the text), per layer the fraction of x, y and
+            # x*y above 0; nothing when a preemption signal comes during it
+            record.update(evaluation_metrics(engine, data, signalled=run.signalled))
         run.log(record)
         # With DiLoCo, save_steps is a multiple of H (an outer step); a preemption waits for one.
         if run.due(args.save_steps) or verdict.save:
@@ -190,13 +158,5 @@ def train(engine, run, data, outer, checkpointer, args) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except RunStopped as stop:  # every early end: one line, and its exit code
-        end_distributed()  # every rank agreed to stop: nothing is in flight
-        sys.exit(stop.exit_status())
-    except RuntimeError as error:
-        if not peer_failed(error):  # a fault of this process: its traceback
-            raise
-        sys.exit(peer_lost(error).exit_status())  # a rank on another node died, or its link broke
-    end_distributed()
+    # an early end (a refusal, a preemption, a failure) exits with one line and its code
+    run_recipe(main)

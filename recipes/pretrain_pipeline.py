@@ -18,7 +18,6 @@ one line and an exit code.
 """
 
 import os
-import sys
 from typing import Optional
 
 import deepspeed
@@ -30,20 +29,17 @@ from dragon.checkpoint.export import export_run, print_sample
 from dragon.checkpoint.retention import attach_retention
 from dragon.checkpoint.writes import SaveFailed
 from dragon.diloco.outer import DiLoCo
-from dragon.errors import RunStopped
 from dragon.model.attention import BDHCache
 from dragon.model.sparsity import SparsityProbe
 from dragon.parallel.distributed import (
-    end_distributed,
     init_distributed,
-    peer_failed,
-    peer_lost,
     rank,
 )
 from dragon.parallel.pipeline import bdh_pipeline, carrying, stage_layer
 from dragon.parallel.topology import enter_island
 from dragon.run.data import run_data
 from dragon.run.lock import check_every_rank_sees
+from dragon.run.exits import run_recipe
 from dragon.run.faults import skip_nonfinite_updates
 from dragon.run.loop import TrainingRun
 from dragon.history import metrics_path
@@ -181,13 +177,5 @@ def train(engine, pipe, run, data, outer, checkpointer, args) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except RunStopped as stop:  # every early end: one line, and its exit code
-        end_distributed()  # every rank agreed to stop: nothing is in flight
-        sys.exit(stop.exit_status())
-    except RuntimeError as error:
-        if not peer_failed(error):  # a fault of this process: its traceback
-            raise
-        sys.exit(peer_lost(error).exit_status())  # a rank on another node died, or its link broke
-    end_distributed()
+    # an early end (a refusal, a preemption, a failure) exits with one line and its code
+    run_recipe(main)

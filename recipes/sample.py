@@ -11,7 +11,6 @@ continuation), so it pipes; which weights were used goes to stderr.
 """
 
 import contextlib
-import os
 import sys
 from dataclasses import dataclass, field
 from typing import Optional
@@ -49,12 +48,13 @@ def main() -> None:
     try:
         # DeepSpeed's logger and zero_to_fp32 print to stdout: stdout stays the text's alone
         with contextlib.redirect_stdout(sys.stderr):
+            from dragon.checkpoint.catalog import run_files_dir
             from dragon.checkpoint.export import is_hf_directory, load_model, resolve_checkpoint
 
             source = resolve_checkpoint(rest.path, args.checkpoint, args.metric)
             model = load_model(source).eval()
-        # a checkpoint's tokenizer lies next to its config.json, one level up
-        near = source if is_hf_directory(source) else os.path.dirname(source)
+        # a checkpoint's tokenizer lies next to its config.json, above its tag
+        near = source if is_hf_directory(source) else run_files_dir(source)
         tokenizer = tokenizer_in(args.tokenizer_name or near, model.config.vocab_size)
     except (ValueError, OSError) as e:
         sys.exit(f"error: sample: {e}")

@@ -29,6 +29,9 @@ RECIPES = {
     # the neurons of every head split over the 2 ranks (tests/test_neurons.py)
     "neurons": ("recipes/pretrain.py", ["--deepspeed", str(REPO / "ds_configs/zero2.json"),
                                         "--neuron_parallel", "2"]),
+    # under `accelerate launch` with launch/accelerate/zero2.yaml (ds_configs/zero2.json), its
+    # metrics also in accelerate's TensorBoard tracker
+    "accelerate": ("recipes/pretrain_accelerate.py", ["--report_to", "tensorboard"]),
 }
 
 
@@ -54,6 +57,8 @@ def recipe_args(kind, out, text_file, steps, extra=()):
 def start(kind, out, text_file, steps, extra=(), env=None, launcher="torchrun"):
     """A 2-rank job in the background; `env` adds variables (the fault hooks)."""
     script, args = recipe_args(kind, out, text_file, steps, extra)
+    if kind == "accelerate":
+        launcher, args = "accelerate", ["zero2.yaml", *args]
     return subprocess.Popen(
         launch_command(launcher, 2, script, args),
         cwd=REPO,
@@ -179,19 +184,32 @@ _uninterrupted: dict = {}
 
 def uninterrupted(kind, tmp_path_factory, text_file) -> list[float]:
     """The per-step losses of the uninterrupted run of `kind`, made once."""
+    return losses(uninterrupted_run(kind, tmp_path_factory, text_file)[1])
+
+
+def uninterrupted_run(kind, tmp_path_factory, text_file):
+    """(output dir, metrics) of the uninterrupted run of `kind`, made once."""
     if kind not in _uninterrupted:
         out = tmp_path_factory.mktemp(f"uninterrupted_{kind}")
         finish(start(kind, out, text_file, STEPS, RESUMABLE))
-        _uninterrupted[kind] = losses(read_jsonl(out / "metrics.jsonl"))
+        _uninterrupted[kind] = out, read_jsonl(out / "metrics.jsonl")
     return _uninterrupted[kind]
 
 
+def tag_dir(kind, out, step: int):
+    """Where a recipe's checkpoint of `step` keeps its files (accelerate: in its model's tag)."""
+    if kind == "accelerate":
+        return out / "checkpoints" / f"checkpoint_{step}" / "pytorch_model"
+    return out / "checkpoints" / f"step{step}"
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["zero2", "pipeline"])
+@pytest.mark.parametrize("kind", ["zero2", "pipeline", "accelerate"])
 def test_sigkill_then_resume_matches_uninterrupted(kind, tmp_path, tmp_path_factory, text_file):
     """Killed between checkpoints, resumed from latest: the same per-step losses (bit-equal):
     model, optimizer, LR schedule, data position and RNG came back, and with --carry_state the
-    rows' states too (zero states would differ)."""
+    rows' states too (zero states would differ); the accelerate recipe through
+    accelerator.save_state and load_state."""
     steps, extra = STEPS, RESUMABLE
     expected = uninterrupted(kind, tmp_path_factory, text_file)
 
@@ -202,7 +220,7 @@ def test_sigkill_then_resume_matches_uninterrupted(kind, tmp_path, tmp_path_fact
     kill_when(proc, lambda: max(logged_steps(metrics), default=0) >= 6)
     done = max(logged_steps(metrics))
     assert done < 8, "killed too late"
-    assert (out / "checkpoints" / "step4" / "carried_state_0.pt").exists()
+    assert (tag_dir(kind, out, 4) / "carried_state_0.pt").exists()
     finish(start(kind, out, text_file, steps, [*extra, "--resume_from_checkpoint", "latest"]))
     records = read_jsonl(metrics)
     resumed = [m for m in records if m["step"] > 4][-(steps - 4) :]

@@ -166,7 +166,7 @@ def find_resume_checkpoint(save_dir: str) -> tuple[str, str]:
         raise ValueError(f"resume: {save_dir} holds no whole checkpoint: {'; '.join(damaged)}")
     accelerate = ACCEL_RE.match(name) is not None  # no `latest` of its own at this level
     if name == latest or (accelerate and not damaged):
-        return _load_dir_and_tag(save_dir, name)
+        return load_dir_and_tag(save_dir, name)
     if damaged:
         problem = "; ".join(damaged)
     elif latest is None:
@@ -178,11 +178,19 @@ def find_resume_checkpoint(save_dir: str) -> tuple[str, str]:
     warnings.warn(
         f"resume: {save_dir}: {problem}; falling back to the newest whole checkpoint {name}"
     )
-    return _load_dir_and_tag(save_dir, name)
+    return load_dir_and_tag(save_dir, name)
 
 
-def _load_dir_and_tag(save_dir: str, name: str) -> tuple[str, str]:
+def load_dir_and_tag(save_dir: str, name: str) -> tuple[str, str]:
+    """(the directory DeepSpeed loads from, the tag) of checkpoint `name` in `save_dir`."""
     if ACCEL_RE.match(name):  # accelerate: load_state(path) loads the tag its `latest` names
         path = os.path.join(save_dir, name)
         return path, _inner_tag(path)
     return save_dir, name
+
+
+def run_files_dir(tag_dir: str) -> str:
+    """Where the recipes wrote config.json and the tokenizer for the checkpoint in `tag_dir`:
+    beside its tag, or beside accelerate's checkpoint_<i> that holds it."""
+    parent = os.path.dirname(os.path.normpath(tag_dir))
+    return os.path.dirname(parent) if ACCEL_RE.match(os.path.basename(parent)) else parent

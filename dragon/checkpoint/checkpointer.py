@@ -123,21 +123,20 @@ class Checkpointer:
         returns the tag directory. A write that fails on any rank raises SaveFailed on every
         rank (dragon.checkpoint.writes): here for the per-rank files, in the retention hook for
         DeepSpeed's own (without the hook, DeepSpeed raises on the failing rank alone)."""
-        if not weights_finite(self.engine):
-            raise TrainingFailed(f"step {step}: weights hold NaN or inf, not saved; last "
-                                 f"complete checkpoint: {self.last_complete()}")
+        self.check_finite(step)
         tag = tag_for(step)
-        tag_dir = os.path.join(self.save_dir, tag)
-        with all_or_nothing(self.engine, self.save_dir, tag) as writes:
-            writes.run(os.makedirs, tag_dir, 0o777, True)
-            writes.run(_unmark, tag_dir)  # an overwritten tag is incomplete until all is new
-            for name, state in self.per_rank.items():
-                path = os.path.join(tag_dir, f"{name}_{rank()}.pt")
-                writes.run(torch.save, state.state_dict(), path)
+        states = {name: state.state_dict() for name, state in self.per_rank.items()}
+        tag_dir = write_rank_states(self.engine, self.save_dir, tag, states)
         client_state = {name: state.state_dict() for name, state in self.shared.items()}
         self.engine.save_checkpoint(self.save_dir, tag=tag, client_state={"step": step,
                                                                           **client_state})
         return tag_dir
+
+    def check_finite(self, step: int) -> None:
+        """Raise TrainingFailed, on every rank, when the weights are not finite: never saved."""
+        if not weights_finite(self.engine):
+            raise TrainingFailed(f"step {step}: weights hold NaN or inf, not saved; last "
+                                 f"complete checkpoint: {self.last_complete()}")
 
     def last_complete(self) -> str:
         """The checkpoint a resume would take now, or "none"."""
@@ -174,6 +173,19 @@ class Checkpointer:
             else:
                 state.load_state_dict(own)
         return step
+
+
+def write_rank_states(engine, save_dir: str, tag: str, states: dict[str, Any]) -> str:
+    """This rank's `states` as <save_dir>/<tag>/<name>_<rank>.pt, before DeepSpeed's files: on
+    every rank, or SaveFailed on every rank (dragon.checkpoint.retention.all_or_nothing); returns
+    the tag directory."""
+    tag_dir = os.path.join(save_dir, tag)
+    with all_or_nothing(engine, save_dir, tag) as writes:
+        writes.run(os.makedirs, tag_dir, 0o777, True)
+        writes.run(_unmark, tag_dir)  # an overwritten tag is incomplete until all is new
+        for name, state in states.items():
+            writes.run(torch.save, state, os.path.join(tag_dir, f"{name}_{rank()}.pt"))
+    return tag_dir
 
 
 def _resume_elsewhere(state: Stateful, saved: Saved) -> None:

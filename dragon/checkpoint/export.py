@@ -29,7 +29,8 @@ from dragon.model.bdh import BDHForCausalLM
 from dragon.model.remote_code import write_remote_code
 from dragon.parallel.pipeline import is_pipeline_checkpoint, model_from_pipeline_checkpoint
 from dragon.checkpoint.catalog import (damage_of, find_resume_checkpoint, is_complete,
-                                       list_checkpoints, looks_like_tag_dir)
+                                       list_checkpoints, load_dir_and_tag, looks_like_tag_dir,
+                                       run_files_dir)
 from dragon.checkpoint.retention import RetentionPolicy
 
 ROPE_KEY = "layer.attn.freqs"  # recomputed by the model, so a checkpoint may lack it
@@ -102,7 +103,7 @@ def export_engine(engine, config, out_dir: str, tag_dir: str) -> None:
 def model_from_checkpoint(tag_dir: str):
     """The fp32 model of one checkpoint tag directory of either recipe (any ZeRO stage)."""
     tag_dir = os.path.normpath(tag_dir)
-    save_dir = os.path.dirname(tag_dir)
+    save_dir = run_files_dir(tag_dir)
     if not os.path.isdir(tag_dir):
         raise ValueError(f"--checkpoint {tag_dir}: no such directory")
     if not os.path.isfile(os.path.join(save_dir, "config.json")):
@@ -176,10 +177,10 @@ def resolve_checkpoint(path: str, checkpoint: str = "best", metric: str = "eval_
             "output directory (no checkpoints/)"
         )
     if checkpoint not in ("best", "latest"):
-        tag_dir = os.path.join(save_dir, checkpoint)
-        if not is_complete(tag_dir):
-            raise ValueError(f"--checkpoint {checkpoint}: {tag_dir} is not a complete checkpoint")
-        return _whole(tag_dir)
+        if not is_complete(os.path.join(save_dir, checkpoint)):
+            raise ValueError(f"--checkpoint {checkpoint}: {os.path.join(save_dir, checkpoint)} "
+                             "is not a complete checkpoint")
+        return _whole(os.path.join(*load_dir_and_tag(save_dir, checkpoint)))
     try:
         latest = os.path.join(*find_resume_checkpoint(save_dir))
     except ValueError:
@@ -194,7 +195,7 @@ def resolve_checkpoint(path: str, checkpoint: str = "best", metric: str = "eval_
                 and damage_of(os.path.join(save_dir, n)) is None}
     history = MetricHistory(metrics_path(path)).load()
     best = RetentionPolicy(metric_for_best_model=metric).best(complete, history)
-    return os.path.join(save_dir, best) if best else latest
+    return os.path.join(*load_dir_and_tag(save_dir, best)) if best else latest
 
 
 def _whole(tag_dir: str) -> str:
@@ -205,8 +206,8 @@ def _whole(tag_dir: str) -> str:
 
 
 def _is_tag_dir(path: str) -> bool:
-    parent = os.path.dirname(path)
-    return os.path.isfile(os.path.join(parent, "config.json")) and looks_like_tag_dir(path)
+    return os.path.isfile(os.path.join(run_files_dir(path), "config.json")) and (
+        looks_like_tag_dir(path))
 
 
 def load_model(path: str):

@@ -5,6 +5,9 @@
 - metrics: metrics.jsonl (its one writer and reader), throughput, MFU, logging
 - faults: preemption signals and non-finite steps (StepGuard)
 - loop: TrainingRun, the bookkeeping around a recipe's step
+- evaluation: the validation loss, bits per byte and sparsity of an evaluation
+- accelerator: the accelerate recipe's checks and Accelerator
+- exits: how a recipe process ends (run_recipe)
 - carry: attention states carried from step to step (CarriedState)
 - optim, memory, plan: the client optimizer, memory estimates, --dry_run
 """
