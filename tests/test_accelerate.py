@@ -4,7 +4,7 @@ resume: tests/test_checkpoints.py.)"""
 
 import pytest
 import torch
-from conftest import LOSS_ATOL, REPO, launch, losses
+from conftest import LOSS_ATOL, REPO, TINY, launch, losses
 from test_checkpoints import STEPS, tag_dir, uninterrupted_run
 
 from dragon.checkpoint.catalog import list_checkpoints
@@ -40,18 +40,28 @@ def test_the_accelerate_recipe_trains_as_the_zero_recipe(tmp_path_factory, text_
                       if "loss" in m]
 
 
-def test_what_the_accelerate_recipe_leaves_to_the_zero_recipe_is_refused(tmp_path, text_file):
-    """DiLoCo, --neuron_parallel and a csv tracker: one line naming it and the recipe that takes
-    it, before any process group starts."""
+@pytest.mark.parametrize("case", ["csv", "zero_checkpoint"])
+def test_what_the_accelerate_recipe_leaves_to_the_zero_recipe_is_refused(
+        case, tmp_path, tmp_path_factory, text_file):
+    """A csv tracker, or a resume from the ZeRO recipe's checkpoint (DiLoCo and --neuron_parallel
+    alike): one line naming it and the recipe that takes it, before any process group starts."""
     base = ["--deepspeed", str(REPO / "ds_configs/zero2.json"), "--output_dir", str(tmp_path),
             "--train_file", str(text_file), "--n_layer", "2", "--n_embd", "32", "--n_head", "2",
-            "--block_size", "64", "--report_to", "csv"]
-    proc = launch("python", 1, "recipes/pretrain_accelerate.py", base, timeout=120)
+            "--block_size", "64"]
+    if case == "csv":
+        extra = ["--report_to", "csv"]
+        what = "--report_to csv (accelerate has no csv tracker; metrics.jsonl holds every line)"
+    else:
+        zero2, _ = uninterrupted_run("zero2", tmp_path_factory, text_file)
+        tag_dir = zero2 / "checkpoints" / "step12"
+        extra = ["--resume_from_checkpoint", str(tag_dir), *TINY]
+        what = (f"--resume_from_checkpoint {tag_dir}: step12 is not an accelerate save (this "
+                "recipe resumes its own checkpoint_<step>)")
+    proc = launch("python", 1, "recipes/pretrain_accelerate.py", [*base, *extra], timeout=120)
     assert proc.returncode == 1
     lines = [line for line in proc.stderr.splitlines() + proc.stdout.splitlines() if line]
-    assert lines == ["error: recipes/pretrain_accelerate.py: not with --report_to csv (accelerate "
-                     "has no csv tracker; metrics.jsonl holds every line); recipes/pretrain.py "
-                     "takes it"], lines
+    assert lines == [f"error: recipes/pretrain_accelerate.py: not with {what}; "
+                     "recipes/pretrain.py takes it"], lines
 
 
 @pytest.mark.slow

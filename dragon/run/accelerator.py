@@ -6,6 +6,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from dragon.checkpoint.accelerator_state import MODEL_TAG
 from dragon.errors import InputRefused
 from dragon.parallel.ds_config import TRACKERS, trackers
 
@@ -24,6 +25,9 @@ def check_accelerate_inputs(inputs) -> None:
          f"--deepspeed {args.deepspeed}: it names no optimizer (every file in ds_configs/ does)"),
         ("csv" in trackers(args.report_to),
          "--report_to csv (accelerate has no csv tracker; metrics.jsonl holds every line)"),
+        (target is not None and target.tag != MODEL_TAG,
+         f"--resume_from_checkpoint {args.resume_from_checkpoint}: {target and target.tag} is "
+         "not an accelerate save (this recipe resumes its own checkpoint_<step>)"),
         (target is not None and bool(target.reshaped),
          f"a resume on another layout ({target and target.reshaped})"),
     ]
