@@ -15,6 +15,7 @@ code.
 """
 
 import os
+import sys
 
 import deepspeed
 import torch
@@ -159,4 +160,4 @@ def train(engine, run, data, outer, checkpointer, args) -> None:
 
 if __name__ == "__main__":
     # an early end (a refusal, a preemption, a failure) exits with one line and its code
-    run_recipe(main)
+    sys.exit(run_recipe(main))

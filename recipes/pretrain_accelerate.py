@@ -16,6 +16,7 @@ logging, evaluation, save; then the export. Not here: DiLoCo and --neuron_parall
 """
 
 import os
+import sys
 
 import torch
 from accelerate.utils import DummyOptim, DummyScheduler
@@ -40,7 +41,7 @@ from dragon.run.inputs import initial_model
 from dragon.run.lock import check_every_rank_sees
 from dragon.run.loop import TrainingRun
 from dragon.run.metrics import RECORDED_METRICS, setup_logging
-from dragon.run.optim import LRSchedule
+from dragon.run.optim import planned_schedule
 from dragon.run.preflight import preflight
 
 
@@ -57,9 +58,9 @@ def main():
     # The JSON's optimizer (DeepSpeed builds it) and transformers' schedule, which DeepSpeed steps
     # at every applied update; a JSON's own "scheduler" wins.
     optimizer = DummyOptim(model.parameters())
-    lr_schedule = None if "scheduler" in inputs.ds_config else LRSchedule(args)
+    lr_schedule = planned_schedule(inputs.ds_config, args)
     scheduler = DummyScheduler(optimizer, lr_scheduler_callable=lr_schedule)
-    engine, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    engine, _, _ = accelerator.prepare(model, optimizer, scheduler)  # DeepSpeed steps both
     skip_nonfinite_updates(engine)  # where DeepSpeed steps torch's optimizer as it is (ZeRO-0)
     save_dir = os.path.join(run_dir, "checkpoints")
     # every accelerator.save_state goes through engine.save_checkpoint: the completion marker
@@ -125,4 +126,4 @@ def train(accelerator, engine, run, data, checkpointer, args) -> None:
 
 if __name__ == "__main__":
     # an early end (a refusal, a preemption, a failure) exits with one line and its code
-    run_recipe(main)
+    sys.exit(run_recipe(main))

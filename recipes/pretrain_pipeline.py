@@ -18,6 +18,7 @@ one line and an exit code.
 """
 
 import os
+import sys
 from typing import Optional
 
 import deepspeed
@@ -178,4 +179,4 @@ def train(engine, pipe, run, data, outer, checkpointer, args) -> None:
 
 if __name__ == "__main__":
     # an early end (a refusal, a preemption, a failure) exits with one line and its code
-    run_recipe(main)
+    sys.exit(run_recipe(main))

@@ -177,9 +177,9 @@ def resolve_checkpoint(path: str, checkpoint: str = "best", metric: str = "eval_
             "output directory (no checkpoints/)"
         )
     if checkpoint not in ("best", "latest"):
-        if not is_complete(os.path.join(save_dir, checkpoint)):
-            raise ValueError(f"--checkpoint {checkpoint}: {os.path.join(save_dir, checkpoint)} "
-                             "is not a complete checkpoint")
+        named = os.path.join(save_dir, checkpoint)
+        if not is_complete(named):
+            raise ValueError(f"--checkpoint {checkpoint}: {named} is not a complete checkpoint")
         return _whole(os.path.join(*load_dir_and_tag(save_dir, checkpoint)))
     try:
         latest = os.path.join(*find_resume_checkpoint(save_dir))

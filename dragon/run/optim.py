@@ -73,4 +73,9 @@ def client_optimizer_and_scheduler(
             betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_epsilon,
         )
-    return optimizer, (LRSchedule(args) if "scheduler" not in cfg else None)
+    return optimizer, planned_schedule(cfg, args)
+
+
+def planned_schedule(cfg: dict, args) -> Optional[LRSchedule]:
+    """transformers' schedule from the arguments, or None where the JSON names its own."""
+    return LRSchedule(args) if "scheduler" not in cfg else None
