@@ -120,11 +120,15 @@ LOSS_ATOL = 2e-5
 
 
 # Runs several test modules share (conftest.Runs keyword arguments): a 2-stage ZeRO-0 pipeline
-# of 2 micro-batches, and 2 DiLoCo islands of one ZeRO-3 rank each (H 4).
+# of 2 micro-batches, and DiLoCo islands.
 PIPE_X2 = dict(config="pipeline_zero0.json", script="recipes/pretrain_pipeline.py",
                extra=["--pipeline_stages", "2", "--gradient_accumulation_steps", "2"])
 DILOCO_ZERO3 = dict(config="zero3.json", extra=["--diloco_islands", "2", "--diloco_inner_steps",
                                                 "4", "--diloco_checksum"])
+# 2 islands of one ZeRO-0 rank each with dropout, H 2, delayed outer steps
+DILOCO_DELAYED = dict(config="zero0.json", extra=[
+    "--dropout", "0.2", "--diloco_islands", "2", "--diloco_inner_steps", "2", "--diloco_checksum",
+    "--diloco_mode", "delayed"])
 
 
 class Runs:

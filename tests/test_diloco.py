@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 from conftest import (
+    DILOCO_DELAYED,
     LOSS_ATOL,
     REPO,
     bad_input_base,
@@ -556,8 +557,8 @@ def test_delayed_mode_resumes_exactly(runs, tmp_path):
     replays steps 5-8 of both islands bit for bit. Each island steps its own theta_outer (eager
     updates); the last outer step applies everything and averages them, so the islands end on the
     same weights."""
-    extra = ["--dropout", "0.2", *DILOCO, "--diloco_mode", "delayed"]
-    full_out = islands_run(runs, "diloco_delayed", config="zero0.json", extra=extra)
+    extra = DILOCO_DELAYED["extra"]
+    full_out = islands_run(runs, "diloco_delayed", **DILOCO_DELAYED)
     full = [island_metrics(full_out, i) for i in (0, 1)]
     assert (
         full[0][1]["outer_sum"] != full[1][1]["outer_sum"]

@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import (DILOCO_ZERO3, LOSS_ATOL, PIPE_X2, REPO, STEPS, TINY, job_env, losses,
-                      read_jsonl)
+from conftest import (DILOCO_DELAYED, DILOCO_ZERO3, LOSS_ATOL, PIPE_X2, REPO, STEPS, TINY,
+                      job_env, losses, read_jsonl)
 from netns import Cluster, alive, namespaces, remove_leftovers, wait_all
 from test_checkpoints import logged_steps
-from test_diloco import DILOCO, assert_islands_identical, island_metrics, islands_run
+from test_diloco import assert_islands_identical, island_metrics, islands_run
 from test_elastic import ELASTIC, both_end_after_the_rejoin, start_joiner_after_step_8
 from test_faults import ranks_of
 
@@ -149,8 +149,7 @@ def test_pipeline_one_stage_per_node_equals_one_node(cluster, runs, text_file, t
 # (ZeRO-3, H 4) and delayed (ZeRO-0 with dropout, H 2); each a (config, arguments, outer steps).
 ONE_LAUNCH = {
     "sync": ("diloco_zero3", DILOCO_ZERO3["config"], DILOCO_ZERO3["extra"], (4, 8)),
-    "delayed": ("diloco_delayed", "zero0.json",
-                ["--dropout", "0.2", *DILOCO, "--diloco_mode", "delayed"], (2, 4, 6, 8)),
+    "delayed": ("diloco_delayed", DILOCO_DELAYED["config"], DILOCO_DELAYED["extra"], (2, 4, 6, 8)),
 }
 
 

@@ -47,6 +47,20 @@ class DiLoCoArguments:
         "as int32 indices and bf16 values; each rank keeps what it did not send for its next "
         "outer step (error feedback). 0: off.", default=0.0
     )
+    diloco_fragments: int = _help(
+        "Streaming DiLoCo: the weights in this many fragments (slices of BDH's neurons and of "
+        "the vocabulary), fragment f synced at inner steps f*H/F + kH, each with its own outer "
+        "optimizer. 1: the whole model every H steps.", default=1
+    )
+    diloco_fragment_delay: Optional[int] = _help(
+        "Delayed mode with fragments: inner steps a fragment's exchange runs under before it "
+        "lands, 1 to H/F (default 1).", default=None
+    )
+    diloco_fragment_alpha: float = _help(
+        "Delayed mode with fragments: a landing fragment keeps this share of the local progress "
+        "made while it was in flight (Streaming DiLoCo's merge; 0 takes the outer weights).",
+        default=0.5
+    )
     diloco_outer_on_cpu: bool = _help(
         "Keep theta_outer and the outer optimizer state on CPU.", default=False
     )
@@ -109,7 +123,9 @@ class DiLoCoArguments:
         if topk and self.diloco_compress != "none":
             raise ValueError(f"--diloco_topk {topk} sends its own code; drop --diloco_compress "
                              f"{self.diloco_compress}")
-        if topk and self.diloco_mode != "sync":
+        if self.diloco_fragments != 1 or self.diloco_fragment_delay is not None:
+            self._check_fragments()
+        if topk and self.diloco_mode != "sync" and self.diloco_fragments == 1:
             raise ValueError(f"--diloco_topk {topk}: with --diloco_mode sync only")
         if not self.diloco_outer_lr > 0:
             raise ValueError(f"--diloco_outer_lr {self.diloco_outer_lr}: must be > 0")
@@ -128,13 +144,36 @@ class DiLoCoArguments:
             raise ValueError("--diloco_join needs --diloco_elastic")
         if self.diloco_elastic:
             self._check_elastic()
-        if self.diloco_mode == "delayed" and self.diloco_outer_momentum > DELAYED_MOMENTUM:
+        eager = self.diloco_mode == "delayed" and self.diloco_fragments == 1
+        if eager and self.diloco_outer_momentum > DELAYED_MOMENTUM:
             # benchmarks/README.md has the measurements behind the advice
             warnings.warn(
                 f"--diloco_mode delayed with --diloco_outer_momentum {self.diloco_outer_momentum}: "
                 "momentum this high on one-step-late averages did worse in our benchmark; "
                 f"--diloco_outer_lr 1 --diloco_outer_momentum {DELAYED_MOMENTUM} did best"
             )
+
+    def _check_fragments(self) -> None:
+        f, h, delay = self.diloco_fragments, self.diloco_inner_steps, self.diloco_fragment_delay
+        if f < 1:
+            raise ValueError(f"--diloco_fragments {f}: must be >= 1")
+        if f == 1:
+            raise ValueError(f"--diloco_fragment_delay {delay} needs --diloco_fragments > 1")
+        if h is None or h % f:
+            raise ValueError(f"--diloco_fragments {f}: --diloco_inner_steps {h} must be a "
+                             "multiple of it (fragment f syncs at inner steps f*H/F + kH)")
+        if self.diloco_elastic:
+            raise ValueError(f"--diloco_fragments {f} with --diloco_elastic is not supported; "
+                             "drop one of them")
+        if self.diloco_mode == "sync" and delay:
+            raise ValueError(f"--diloco_fragment_delay {delay} overlaps the exchange with inner "
+                             "steps: use it with --diloco_mode delayed")
+        if self.diloco_mode == "delayed" and not 1 <= (delay or 1) <= h // f:
+            raise ValueError(f"--diloco_fragment_delay {delay}: must be in [1, H/F = {h // f}] "
+                             "(a fragment lands before the next one syncs)")
+        if not 0 <= self.diloco_fragment_alpha <= 1:
+            raise ValueError(
+                f"--diloco_fragment_alpha {self.diloco_fragment_alpha}: must be in [0, 1]")
 
     def _check_elastic(self) -> None:
         if self.diloco_island_index is None:
@@ -210,5 +249,8 @@ class DiLoCoArguments:
             nesterov=self.diloco_nesterov, outer_on_cpu=self.diloco_outer_on_cpu,
             checksum=self.diloco_checksum, elastic=self.diloco_elastic,
             quorum_timeout=self.diloco_quorum_timeout, min_islands=self.diloco_min_islands,
-            join=self.diloco_join,
+            join=self.diloco_join, fragments=self.diloco_fragments,
+            fragment_delay=(self.diloco_fragment_delay or 1) if self.diloco_mode == "delayed"
+            else 0,
+            fragment_alpha=self.diloco_fragment_alpha,
         )

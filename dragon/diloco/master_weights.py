@@ -110,6 +110,11 @@ class MasterWeights:
             pieces = [[(names[id(p)], 0, 0, p.numel())] for p in owners]
         return pieces
 
+    def shapes(self) -> dict[str, tuple]:
+        """Every parameter's full shape by name (ZeRO-3 included)."""
+        return {n: tuple(getattr(p, "ds_shape", p.shape))
+                for n, p in self.engine.module.named_parameters()}
+
     def fingerprint(self) -> list[float]:
         """[sum, sum of squares] in float64 of the weights the next forward uses, on this rank."""
         total, squares = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)

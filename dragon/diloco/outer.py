@@ -88,6 +88,9 @@ class DiLoCoConfig:
     quorum_timeout: float = 60.0
     min_islands: int = 1
     join: bool = False  # this island joins live ones
+    fragments: int = 1  # streaming DiLoCo: fragments synced in turn (dragon.diloco.fragments)
+    fragment_delay: int = 0  # delayed, fragments: inner steps a fragment's exchange runs under
+    fragment_alpha: float = 0.5  # delayed, fragments: the local share kept when a fragment lands
 
     def outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         """torch SGD with the outer lr and momentum (Nesterov unless momentum is 0)."""
@@ -135,6 +138,7 @@ class DiLoCo(OuterState):
         self.residual = torch.zeros(sum(self.numels)) if config.compress == "topk" else None
         self.contributed = True  # `previous` is this island's share of it
         self.outer_step = 0
+        self.peak_bytes = 0  # the most any outer step before the last sent
 
     @classmethod
     def from_engine(
@@ -143,16 +147,25 @@ class DiLoCo(OuterState):
         """The outer loop for a DeepSpeed engine; None when DiLoCo is off (no config)."""
         if config is None:
             return None
+        if config.fragments > 1:
+            from dragon.diloco.fragments import FragmentedDiLoCo
+
+            cls = FragmentedDiLoCo
         return cls(MasterWeights(engine), config, topology, outer_optimizer)
 
     def is_boundary(self, step: int, final: bool = False) -> bool:
+        """Whether a checkpoint may be taken after inner step `step`."""
         return step % self.H == 0 or final
+
+    def is_due(self, step: int, final: bool) -> bool:
+        """Whether anything of the outer loop happens after inner step `step`."""
+        return self.is_boundary(step, final)
 
     def maybe_outer_step(self, step: int, final: bool = False) -> dict:
         """After inner step `step` (1-based): the outer step when one is due, with its metrics; else
         {}. `final` makes the last step an outer step and, in delayed mode, applies what is in
         flight."""
-        if not self.is_boundary(step, final):
+        if not self.is_due(step, final):
             return {}
         self.topology.reach(step)
         try:
@@ -204,13 +217,14 @@ class DiLoCo(OuterState):
                 exchange.bytes_sent += self._average_islands()
         self.joined_step = round_.step
         self._write(self.outer_params)
-        metrics.update(self._exchange_metrics(exchange, applied))
+        metrics.update(self._exchange_metrics(exchange, applied, final))
         metrics["outer_seconds"] = time.perf_counter() - start
         return metrics
 
-    def _exchange_metrics(self, exchange: Exchange, applied: list) -> dict:
+    def _exchange_metrics(self, exchange: Exchange, applied: list, final: bool) -> dict:
         """An outer step's bytes, errors, norms and times, over the island's ranks (one small
-        all-reduce); `applied`: the exchanges whose averages this step applied."""
+        all-reduce); `applied`: the exchanges whose averages this step applied. The peak leaves
+        out the last step, which sends everything at once by design."""
         metrics = {}
         sums = [exchange.error_sq, exchange.norm_sq]
         norm_sq = self._norm_sq(applied[-1].result()) if applied else 0.0
@@ -221,7 +235,10 @@ class DiLoCo(OuterState):
             sums.append(self._norm_sq(self.residual))
         sums = all_reduce_values(sums, dist.ReduceOp.SUM)
         bytes_max = all_reduce_values([float(exchange.bytes_sent)], dist.ReduceOp.MAX)[0]
-        metrics.update(outer_bytes_sent=int(bytes_max), outer_payload_bytes=exchange.payload_bytes)
+        if not final:
+            self.peak_bytes = max(self.peak_bytes, int(bytes_max))
+        metrics.update(outer_bytes_sent=int(bytes_max), outer_peak_bytes=self.peak_bytes,
+                       outer_payload_bytes=exchange.payload_bytes)
         if self.config.compress != "none":
             metrics["outer_compress_error"] = math.sqrt(sums[0] / sums[1]) if sums[1] > 0 else 0.0
         if self.residual is not None:
@@ -239,11 +256,13 @@ class DiLoCo(OuterState):
 
     # -------------------------------------------------------------- pieces
 
-    def exchange(self, delta: torch.Tensor, group, islands: int, contributors=None) -> Exchange:
+    def exchange(self, delta: torch.Tensor, group, islands: int, contributors=None,
+                 numels: Optional[list[int]] = None) -> Exchange:
         """Start the exchange among `islands` (the group's size); the average divides by the
-        `contributors` (default all: an elastic joiner adds zeros)."""
+        `contributors` (default all: an elastic joiner adds zeros); `numels`: the tensors in
+        `delta` (default this rank's master tensors)."""
         return Exchange(delta, group, islands, self.config.compress, self.config.int8_block,
-                        self.numels, measure_bytes=self.mode == "sync",
+                        numels or self.numels, measure_bytes=self.mode == "sync",
                         contributors=contributors, topk=self.config.topk)
 
     def join(self) -> tuple[int, dict]:

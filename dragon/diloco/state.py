@@ -42,6 +42,7 @@ class OuterState:
             "pending": pending,
             "previous_share": self.previous_share,
             "contributed": self.contributed,
+            "peak_bytes": self.peak_bytes,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -88,6 +89,7 @@ class OuterState:
         self.pending = None if state["pending"] is None else _Resolved(state["pending"])
         self.previous_share = state.get("previous_share", self.islands)
         self.contributed = state.get("contributed", True)
+        self.peak_bytes = state.get("peak_bytes", 0)
 
     def forget_own_share(self) -> None:
         """A new island resumed from island 0's state has no pseudo-gradient of its own in the

@@ -1,0 +1,271 @@
+"""Streaming DiLoCo (Douillard et al., 2025) for BDH: the weights in F fragments that meet in
+turn, so that the bytes of an outer step are spread over the window instead of sent at once.
+
+The cut. BDH's layers share one block of weights, so a fragment cannot be a set of layers (the
+paper's choice). A fragment here is a slice of the neurons: neurons [f N/F, (f+1) N/F) of every
+head, which is their columns of `encoder` and `encoder_v` (nh, D, N) and their rows of `decoder`
+(nh N, D); everything one neuron reads and writes travels together. `embed` (V, D) and `lm_head`
+(D, V) are cut the same way along the vocabulary, tokens [f V/F, (f+1) V/F): every fragment is
+then the same size (peak bandwidth 1/F of the whole) and each still holds whole units of the
+model. A parameter BDH does not have (the transformer baselines) is cut into F equal runs of its
+flattened values. Under ZeRO each rank holds its partition's share of every fragment, the same
+share on every island.
+
+The schedule. Fragment f syncs at inner steps f H/F + kH: its pseudo-gradient Delta_f =
+theta_outer_f - theta_f is averaged over the islands (any codec of dragon.diloco.exchange, top-k
+with its error feedback included) and fragment f's own outer optimizer steps theta_outer_f.
+sync: the exchange blocks and theta_f becomes theta_outer_f. delayed: the exchange runs under the
+next `fragment_delay` inner steps (at most H/F, so one fragment is in flight at a time) and lands
+then: theta_f <- alpha theta_f + (1 - alpha) theta_outer_f, the paper's merge of the local
+progress made meanwhile. The merge, not the eager update of dragon's delayed mode, because the
+fragment lands inside its own window: eager updates need the late average of the window before,
+and the merge keeps theta_outer one shared value that every island steps with the same average
+(bit-identical theta_outer on every island after every landing). The last step lands what is in
+flight and syncs every fragment at once, blocking, so training ends with every island on the same
+weights. Not with --diloco_elastic (refused in dragon.diloco.arguments).
+
+Metrics of a step where a fragment syncs or lands: outer_step (such steps so far),
+outer_fragment (the one that syncs), outer_landed (the one that lands; both F at the last step:
+all of them), outer_bytes_sent (what the
+exchanges started at this step send, the most of any rank of the island), outer_peak_bytes (the
+most of any such step of the schedule so far; the last step's sync of every fragment is
+not in it), and, as in dragon.diloco.outer, outer_payload_bytes, outer_compress_error,
+outer_grad_norm (of the averages that landed), outer_residual_norm, outer_seconds and the
+checksums.
+"""
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from dragon.diloco.exchange import Exchange, flatten
+from dragon.diloco.outer import DiLoCo
+from dragon.diloco.state import _Resolved
+
+NEURON_SLICED = ("encoder", "encoder_v")  # (nh, D, N): the neuron is the last index
+NEURON_ROWS = "decoder"  # (nh N, D): row h N + n is neuron n of head h
+VOCAB_ROWS = "embed.weight"  # (V, D)
+VOCAB_COLUMNS = "lm_head"  # (D, V)
+
+
+def element_fragments(name: str, shape: tuple, start: int, numel: int, neurons: int,
+                      fragments: int) -> torch.Tensor:
+    """The fragment of each of `numel` values of parameter `name` (of `shape`) from flattened
+    offset `start` on, as int8."""
+    e = torch.arange(start, start + numel, dtype=torch.int64)
+    leaf = name.split(".")[-1]
+    if leaf in NEURON_SLICED:
+        unit, units = e % shape[-1], shape[-1]
+    elif leaf == NEURON_ROWS:
+        unit, units = (e // shape[-1]) % neurons, neurons
+    elif name.endswith(VOCAB_ROWS):
+        unit, units = e // shape[-1], shape[0]
+    elif leaf == VOCAB_COLUMNS:
+        unit, units = e % shape[-1], shape[-1]
+    else:
+        unit, units = e, math.prod(shape)
+    return (unit * fragments // units).to(torch.int8)
+
+
+def fragment_ids(segments: list, shapes: dict, numels: list[int], fragments: int) -> torch.Tensor:
+    """The fragment of every value of this rank's master tensors, one int8 vector over them all
+    (dragon.diloco.master_weights.MasterWeights.segments says where each piece sits; padding
+    belongs to fragment 0)."""
+    neurons = next((s[-1] for n, s in shapes.items() if n.split(".")[-1] == "encoder"), 1)
+    ids = torch.zeros(sum(numels), dtype=torch.int8)
+    base = 0
+    for pieces, numel in zip(segments, numels):
+        for name, at, offset, count in pieces:
+            ids[base + offset:base + offset + count] = element_fragments(
+                name, shapes[name], at, count, neurons, fragments)
+        base += numel
+    return ids
+
+
+@dataclass
+class InFlight:
+    """A fragment's exchange under the inner steps, and the step it lands at."""
+
+    exchange: object  # an Exchange, or a _Resolved average restored from a checkpoint
+    lands_at: int
+
+
+class Together:
+    """Several fragments' exchanges of one step, seen as one by DiLoCo's metrics; result(): the
+    landed averages in their places in a vector over all of this rank's values."""
+
+    def __init__(self, exchanges: list, result: Optional[torch.Tensor] = None):
+        self.error_sq = sum(getattr(e, "error_sq", 0.0) for e in exchanges)
+        self.norm_sq = sum(getattr(e, "norm_sq", 0.0) for e in exchanges)
+        self.bytes_sent = sum(getattr(e, "bytes_sent", 0) for e in exchanges)
+        self.payload_bytes = sum(getattr(e, "payload_bytes", 0) for e in exchanges)
+        self.exchanges, self._result = exchanges, result
+
+    @property
+    def seconds(self) -> float:  # of exchanges that landed
+        return sum(e.seconds for e in self.exchanges)
+
+    @property
+    def hidden_seconds(self) -> float:
+        return sum(e.hidden_seconds for e in self.exchanges)
+
+    def result(self) -> Optional[torch.Tensor]:
+        return self._result
+
+
+class FragmentedDiLoCo(DiLoCo):
+    """The outer loop of one rank with --diloco_fragments F > 1 (see the module's docstring);
+    call maybe_outer_step(step) after every inner step, as with DiLoCo. `ids`: the fragment of
+    each of this rank's values (default: BDH's cut, from the weights' segments and shapes)."""
+
+    def __init__(self, weights, config, topology, outer_optimizer=None,
+                 ids: Optional[torch.Tensor] = None):
+        super().__init__(weights, config, topology, outer_optimizer)
+        self.F, self.delay = config.fragments, config.fragment_delay
+        self.alpha = config.fragment_alpha if self.mode == "delayed" else 0.0
+        if ids is None:
+            ids = fragment_ids(weights.segments(), weights.shapes(), self.numels, self.F)
+        self.masks = [ids == f for f in range(self.F)]
+        whole = flatten(self.outer_params)
+        # theta_outer as one flat tensor per fragment, each with its own outer optimizer
+        self.outer_params = [whole[m].to(self.device) for m in self.masks]
+        self.optimizers = [self._make_optimizer([p]) for p in self.outer_params]
+        self.optimizer = self.previous = None  # delayed mode merges; it keeps no share of its own
+        self.in_flight: dict[int, InFlight] = {}
+
+    def offset(self, fragment: int) -> int:
+        return fragment * self.H // self.F
+
+    def syncing(self, step: int, final: bool) -> list[int]:
+        """The fragments that sync after inner step `step` (at the last step, all)."""
+        if final:
+            return list(range(self.F))
+        return [f for f in range(self.F) if step >= max(self.offset(f), 1)
+                and step % self.H == self.offset(f)]
+
+    def landing(self, step: int, final: bool) -> list[int]:
+        return sorted(f for f, x in self.in_flight.items() if x.lands_at <= step or final)
+
+    def is_due(self, step: int, final: bool) -> bool:
+        return bool(self.syncing(step, final) or self.landing(step, final))
+
+    def _outer_step(self, step: int, final: bool, joining=None) -> dict:
+        start = time.perf_counter()
+        self.outer_step += 1
+        landed = self.landing(step, final)
+        arrived = [self.in_flight.pop(f).exchange for f in landed]
+        averages = {f: self._step_fragment(f, x.result()) for f, x in zip(landed, arrived)}
+        self._write_fragments(landed, self.alpha)
+        syncing = self.syncing(step, final)
+        local = flatten(self.weights.tensors()) if syncing else None
+        started = [self._start(f, local[self.masks[f]]) for f in syncing]
+        del local
+        if self.mode == "sync" or final:  # blocking: each lands now, theta_f = theta_outer_f
+            arrived += started
+            averages.update({f: self._step_fragment(f, x.result())
+                             for f, x in zip(syncing, started)})
+            self._write_fragments(syncing, 0.0)
+        else:
+            self.in_flight.update({f: InFlight(x, step + self.delay)
+                                   for f, x in zip(syncing, started)})
+        metrics = {"outer_step": self.outer_step}
+        if syncing:  # one fragment a step; F: all of them (the last step)
+            metrics["outer_fragment"] = self.F if final else syncing[0]
+        if averages:
+            metrics["outer_landed"] = self.F if final else min(averages)
+        applied = [Together(arrived, self._placed(averages))] if averages else []
+        metrics.update(self._exchange_metrics(Together(started), applied, final))
+        metrics["outer_seconds"] = time.perf_counter() - start
+        return metrics
+
+    # ----------------------------------------------------------- pieces
+
+    def _start(self, fragment: int, local: torch.Tensor) -> Exchange:
+        """Start fragment `fragment`'s exchange of theta_outer_f - theta_f (plus what top-k kept
+        back)."""
+        delta = self.outer_params[fragment].to("cpu", torch.float32) - local
+        mask = self.masks[fragment]
+        if self.residual is not None:
+            delta += self.residual[mask]
+        exchange = self.exchange(delta, self.group, self.islands, numels=[delta.numel()])
+        if self.residual is not None:
+            self.residual[mask] = delta - exchange.sent
+        return exchange
+
+    def _step_fragment(self, fragment: int, average: torch.Tensor) -> torch.Tensor:
+        """Fragment `fragment`'s outer optimizer steps on theta_outer_f with `average`."""
+        p = self.outer_params[fragment]
+        p.grad = average.to(p.device)
+        self.optimizers[fragment].step()
+        p.grad = None
+        return average
+
+    def _write_fragments(self, fragments: list[int], alpha: float) -> None:
+        """theta_f <- alpha theta_f + (1 - alpha) theta_outer_f for these fragments, into the
+        master and working weights."""
+        if not fragments:
+            return
+        flat = flatten(self.weights.tensors())
+        for f in fragments:
+            outer = self.outer_params[f].to("cpu", torch.float32)
+            if alpha:
+                outer = alpha * flat[self.masks[f]] + (1 - alpha) * outer
+            flat[self.masks[f]] = outer
+        self._write(flat.split(self.numels))
+
+    def _placed(self, averages: dict) -> torch.Tensor:
+        """The averages that landed, in their places among all of this rank's values (0
+        elsewhere)."""
+        whole = torch.zeros(sum(self.numels))
+        for f, average in averages.items():
+            whole[self.masks[f]] = average
+        return whole
+
+    # ----------------------------------------------------------- checkpoints
+
+    def state_dict(self) -> dict:
+        """theta_outer and the outer optimizer of every fragment, the averages in flight (waited
+        for here: the save point is the same on every island) and where they land."""
+        return {
+            "outer_step": self.outer_step, "mode": self.mode, "numels": self.numels,
+            "fragments": self.F, "segments": None,  # resumes on its own layout only
+            "outer_params": [p.detach().cpu().clone() for p in self.outer_params],
+            "optimizers": [o.state_dict() for o in self.optimizers],
+            "residual": None if self.residual is None else self.residual.clone(),
+            "in_flight": {f: (x.exchange.result().clone(), x.lands_at)
+                          for f, x in self.in_flight.items()},
+            "peak_bytes": self.peak_bytes,
+        }
+
+    def _load(self, state: dict) -> None:
+        if (state.get("fragments", 1), state["numels"], state["mode"]) != (
+                self.F, self.numels, self.mode):
+            raise ValueError(
+                f"DiLoCo state of {state.get('fragments', 1)} fragments, mode {state['mode']} "
+                f"does not fit --diloco_fragments {self.F}, mode {self.mode} on this layout; "
+                "resume with the run's own --diloco_fragments, mode, ZeRO stage and island size")
+        with torch.no_grad():
+            for p, saved in zip(self.outer_params, state["outer_params"]):
+                p.copy_(saved)
+            if self.residual is not None:
+                self.residual.copy_(state["residual"])
+        for optimizer, saved in zip(self.optimizers, state["optimizers"]):
+            optimizer.load_state_dict(saved)
+        self.outer_step, self.peak_bytes = state["outer_step"], state["peak_bytes"]
+        self.in_flight = {f: InFlight(_Resolved(average), at)
+                          for f, (average, at) in state["in_flight"].items()}
+
+    def restart(self) -> None:
+        """Start afresh from the current weights (a checkpoint saved without DiLoCo)."""
+        self._adopt_island0_weights()
+        whole = flatten(self.weights.tensors())
+        with torch.no_grad():
+            for p, m in zip(self.outer_params, self.masks):
+                p.copy_(whole[m])
+        if self.residual is not None:
+            self.residual.zero_()
+        self.optimizers = [self._make_optimizer([p]) for p in self.outer_params]
+        self.in_flight, self.outer_step = {}, 0
