@@ -1,12 +1,13 @@
-"""DiLoCo (2 islands x 2 ranks) against synchronous data parallel over 4 ranks, same tokens.
+"""DiLoCo (2 islands x 2 ranks) against synchronous data parallel over as many ranks, same tokens.
 
-    python benchmarks/diloco.py [--steps 600] [--seed 42] [--rows 10:sync:none,...]   (CPU: ~6
-    minutes per row)
+    python benchmarks/diloco.py [--steps 600] [--seed 42] [--island_ranks 2]
+        [--rows 10:sync:none,50:delayed:int4:4,50:sync:topk0.02,...]   (CPU: ~6 minutes per row)
 
-Built-in corpus, a 229k-parameter BDH, ZeRO-1, 4 ranks x micro-batch 8 x 128 tokens per step in
-every row, AdamW (beta2 --adam_beta2) with --warmup_steps of linear warm-up, then cosine. Prints
-the final validation loss (the islands' theta_outer after the last outer step) and the bytes
-each rank sends: DiLoCo's cross-island bytes are measured (metrics.jsonl,
+Built-in corpus, a 229k-parameter BDH, ZeRO-1, 2 islands of --island_ranks ranks (data parallel
+over as many) x micro-batch 8 x 128 tokens per step in every row, AdamW (beta2 --adam_beta2)
+with --warmup_steps of linear warm-up, then cosine. Prints the final validation loss (the
+islands' weights after the last outer step), the bytes each rank sends and the most it sent in
+one step: DiLoCo's cross-island bytes are measured (metrics.jsonl,
 outer_bytes_sent); data parallel's gradient traffic is the ring model 2(n-1)/n x fp32 size per
 step (ZeRO-1: reduce-scatter of gradients plus all-gather of parameters).
 """
@@ -48,14 +49,22 @@ MODEL = [
 PARAMS = 229_376
 
 
-def run(
-    name: str, root: Path, steps: int, warmup: int, beta2: float, extra: list[str]
-) -> list[dict]:
+def run(name: str, root: Path, cli, extra: list[str]) -> list[dict]:
     every = ["--max_steps", "--eval_steps", "--save_steps"]
-    args = [a for flag in every for a in (flag, str(steps))]
-    args += ["--warmup_steps", str(warmup), "--adam_beta2", str(beta2), *MODEL, *extra]
+    args = [a for flag in every for a in (flag, str(cli.steps))]
+    args += ["--warmup_steps", str(cli.warmup_steps), "--adam_beta2", str(cli.adam_beta2),
+             "--seed", str(cli.seed), *MODEL, *extra]
     island0 = "island0" if "--diloco_islands" in extra else ""
-    return run_recipe(root / name, 4, args, island0)
+    return run_recipe(root / name, 2 * cli.island_ranks, args, island0)
+
+
+def row_arguments(h: str, mode: str, codec: str, fragments: str, cli) -> list[str]:
+    """A row H:mode:codec[:F] as the recipe's arguments; codec topkX sends the fraction X."""
+    wire = (["--diloco_topk", codec[4:]] if codec.startswith("topk")
+            else ["--diloco_compress", codec])
+    return ["--diloco_islands", "2", "--diloco_inner_steps", h, "--diloco_mode", mode, *wire,
+            "--diloco_fragments", fragments, "--diloco_outer_lr", str(cli.outer_lr),
+            "--diloco_outer_momentum", str(cli.outer_momentum)]
 
 
 def main():
@@ -66,62 +75,44 @@ def main():
     parser.add_argument("--outer_lr", type=float, default=1.0)
     parser.add_argument("--outer_momentum", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=42, help="the recipe's --seed, for every run")
+    parser.add_argument("--island_ranks", type=int, default=2, help="ranks per island (2 islands)")
     parser.add_argument(
         "--rows",
         default="10:sync:none,50:sync:none,10:delayed:none,50:delayed:none,"
         "10:sync:int8,50:sync:int8",
-        help="DiLoCo rows as H:mode:compression, comma-separated",
+        help="DiLoCo rows as H:mode:codec[:fragments], comma-separated; codec none, bf16, int8, "
+        "int4 or topkX (top-k of the fraction X)",
     )
     cli = parser.parse_args()
-    steps, warmup, beta2 = cli.steps, cli.warmup_steps, cli.adam_beta2
     root = Path(tempfile.mkdtemp(prefix="diloco-"))
-    seed = ["--seed", str(cli.seed)]
-    dp = run("dp", root, steps, warmup, beta2, seed)
+    ranks = 2 * cli.island_ranks
+    dp = run("dp", root, cli, [])
     dp_loss = dp[-1]["eval_loss"]
-    dp_bytes = steps * 2 * 3 / 4 * PARAMS * 4
+    # ZeRO-1's reduce-scatter of gradients and all-gather of parameters, ring model, per step
+    dp_bytes = cli.steps * 2 * (ranks - 1) / ranks * PARAMS * 4
     print(
-        f"{steps} steps x {4 * 8 * 128:,} tokens, AdamW beta2 {beta2}, {warmup} warm-up steps "
-        "then cosine; "
+        f"{cli.steps} steps x {ranks * 8 * 128:,} tokens, AdamW beta2 {cli.adam_beta2}, "
+        f"{cli.warmup_steps} warm-up steps then cosine; "
         f"outer SGD lr {cli.outer_lr}, Nesterov momentum {cli.outer_momentum}\n"
     )
-    print("| run | final val loss | vs DP | bytes sent per rank | vs DP |")
-    print("|---|---|---|---|---|")
-    print(
-        f"| data parallel, 4 ranks | {dp_loss:.4f} | - | {dp_bytes / 1e6:.1f} MB (ring model) | 1 |"
-    )
-    rows = [row.split(":") for row in cli.rows.split(",")]
-    for h, mode, compress in rows:
-        metrics = run(
-            f"h{h}-{mode}-{compress}",
-            root,
-            steps,
-            warmup,
-            beta2,
-            [
-                "--diloco_islands",
-                "2",
-                "--diloco_inner_steps",
-                str(h),
-                "--diloco_mode",
-                mode,
-                "--diloco_compress",
-                compress,
-                "--diloco_outer_lr",
-                str(cli.outer_lr),
-                "--diloco_outer_momentum",
-                str(cli.outer_momentum),
-                *seed,
-            ],
-        )
+    print("| run | final val loss | vs DP | bytes sent per rank | vs DP | peak bytes in a step |")
+    print("|---|---|---|---|---|---|")
+    print(f"| data parallel, {ranks} ranks | {dp_loss:.4f} | - | {dp_bytes / 1e6:.1f} MB "
+          f"(ring model) | 1 | {dp_bytes / cli.steps / 1e6:.3f} MB |")
+    for row in cli.rows.split(","):
+        h, mode, codec, fragments = (row.split(":") + ["1"])[:4]
+        metrics = run(row.replace(":", "-"), root, cli,
+                      row_arguments(h, mode, codec, fragments, cli))
         loss = metrics[-1]["eval_loss"]
         sent = sum(m.get("outer_bytes_sent", 0) for m in metrics)
+        peak = max(m.get("outer_peak_bytes", 0) for m in metrics)
         hidden = sum(m.get("outer_comm_hidden_seconds", 0) for m in metrics)
         comm = sum(m.get("outer_comm_seconds", 0) for m in metrics)
         note = f", {hidden:.2f} of {comm:.2f} s comm hidden" if mode == "delayed" else ""
         print(
-            f"| DiLoCo 2x2, H={h}, {mode}, {compress}{note} | {loss:.4f} | "
-            f"{loss / dp_loss - 1:+.1%} | "
-            f"{sent / 1e6:.3f} MB | 1/{dp_bytes / max(sent, 1):.0f} |",
+            f"| DiLoCo 2x{cli.island_ranks}, H={h}, {mode}, {codec}, F={fragments}{note} | "
+            f"{loss:.4f} | {loss / dp_loss - 1:+.1%} | {sent / 1e6:.3f} MB | "
+            f"1/{dp_bytes / max(sent, 1):.0f} | {peak / 1e6:.3f} MB |",
             flush=True,
         )
 

@@ -26,6 +26,7 @@ from conftest import (
 from dragon import BDHForCausalLM
 from dragon.diloco.arguments import DiLoCoArguments
 from dragon.diloco.outer import DiLoCo
+from dragon.diloco.sparse import topk_encode
 from dragon.parallel.topology import Topology
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
@@ -185,11 +186,12 @@ def int8_error_bound(x: torch.Tensor, block: int, numels: list[int]) -> float:
     )
 
 
-def simulate(mode, compress, block=256, lr=0.7, mu=0.9):
+def simulate(mode, compress, block=256, lr=0.7, mu=0.9, topk=0.0):
     """Both islands and the outer loop in fp32 by hand: per outer step, each island's weights and
     theta_outer, and the compression error and average norm the loop should report. Delayed mode is
     Kale et al.'s eager update: each island steps its own Nesterov on the late average with its own
-    share of it swapped for its fresh one."""
+    share of it swapped for its fresh one (with top-k: what it sent; the rest waits in its
+    residual)."""
     numels = [math.prod(s) for s in toy.SHAPES]
     theta = torch.cat([t.flatten() for t in toy.initial_weights()])
     centres = [torch.cat([t.flatten() for t in toy.centre(i)]) for i in (0, 1)]
@@ -198,14 +200,19 @@ def simulate(mode, compress, block=256, lr=0.7, mu=0.9):
         [None, None],
         [torch.zeros_like(theta)] * 2,
     )
-    pending, steps = None, []
+    pending, steps, residuals = None, [], [torch.zeros_like(theta)] * 2
     for k in range(1, toy.OUTER_STEPS + 1):
         w = [x.clone() for x in thetas]
         for i in (0, 1):
             for _ in range(toy.INNER_STEPS):
                 w[i] = w[i] - toy.INNER_LR * (w[i] - centres[i])
         deltas = [thetas[i] - w[i] for i in (0, 1)]
-        if compress == "none":
+        if topk:  # error feedback: the top entries of delta + residual, in bf16
+            deltas = [d + r for d, r in zip(deltas, residuals)]
+            sent = [topk_encode(d, topk)[1] for d in deltas]
+            residuals = [d - x for d, x in zip(deltas, sent)]
+            average = (sent[0] + sent[1]) / 2
+        elif compress == "none":
             sent, average = deltas, (deltas[0] + deltas[1]) / 2
         elif compress == "bf16":  # bf16 on the wire, summed in bf16 by the all-reduce
             sent = [d.bfloat16().float() for d in deltas]
@@ -225,10 +232,11 @@ def simulate(mode, compress, block=256, lr=0.7, mu=0.9):
         else:
             applied = average if final else pending
             late = torch.zeros_like(theta) if pending is None else pending
+            own = sent if topk else deltas
             for i in (0, 1):  # the fresh share of this island; at the end, the whole fresh average
-                eager = late - previous[i] / 2 + (average if final else deltas[i] / 2)
+                eager = late - previous[i] / 2 + (average if final else own[i] / 2)
                 thetas[i], bufs[i] = nesterov(thetas[i], bufs[i], eager, lr, mu)
-            previous, pending = deltas, average
+            previous, pending = own, average
             if final:  # the islands' momenta differ: theta_outer is averaged over them
                 thetas = [(thetas[0] + thetas[1]) / 2] * 2
         steps.append(
@@ -279,18 +287,23 @@ def flat(lists):
 
 @pytest.mark.parametrize("index", range(len(toy.SCENARIOS)))
 def test_two_islands_equal_hand_simulation(two_islands, index):
-    """Sync and delayed schedules, fp32 / bf16 / int8 on the wire, against the hand simulation."""
+    """Sync and delayed schedules, fp32 / bf16 / int8 / top-k on the wire, against the hand
+    simulation."""
     scenario = toy.SCENARIOS[index]
     mode, compress = scenario["diloco_mode"], scenario["diloco_compress"]
     block = scenario.get("diloco_int8_block", 256)
+    topk = scenario.get("diloco_topk", 0.0)
     expected = simulate(
         mode,
         compress,
         block,
         scenario.get("diloco_outer_lr", 0.7),
         scenario.get("diloco_outer_momentum", 0.9),
+        topk,
     )
-    payload = {"none": 4000, "bf16": 2000, "int8": 1000}[compress]
+    # top-k: an int32 index and a bf16 value per entry sent
+    payload = 6 * math.ceil(topk * 1000) if topk else {"none": 4000, "bf16": 2000,
+                                                       "int8": 1000}[compress]
     for island in (0, 1):
         for k, (got, want) in enumerate(
             zip(two_islands[island][index]["outer_steps"], expected), 1

@@ -222,15 +222,15 @@ BASE = ["--diloco_islands", "2", "--diloco_inner_steps", "4"]
 
 
 @pytest.mark.parametrize("argv,expected", [
-    (["--diloco_fragments", "3"], "--diloco_fragments 3: --diloco_inner_steps 4 must be a "
-     "multiple of it"),
+    (["--diloco_fragments", "5"], "--diloco_fragments 5: needs --diloco_inner_steps of at least 5, "
+     "got 4"),
     (["--diloco_fragments", "0"], "--diloco_fragments 0: must be >= 1"),
     (["--diloco_fragment_delay", "1"], "--diloco_fragment_delay 1 needs --diloco_fragments > 1"),
     (["--diloco_fragments", "2", "--diloco_fragment_delay", "1"],
      "--diloco_fragment_delay 1 overlaps the exchange with inner steps: use it with "
      "--diloco_mode delayed"),
     (["--diloco_fragments", "2", "--diloco_mode", "delayed", "--diloco_fragment_delay", "3"],
-     "--diloco_fragment_delay 3: must be in [1, H/F = 2]"),
+     "--diloco_fragment_delay 3: must be in [1, H//F = 2]"),
     (["--diloco_fragments", "2", "--diloco_mode", "delayed", "--diloco_fragment_alpha", "1.5"],
      "--diloco_fragment_alpha 1.5: must be in [0, 1]"),
 ])

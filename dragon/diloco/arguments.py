@@ -49,12 +49,13 @@ class DiLoCoArguments:
     )
     diloco_fragments: int = _help(
         "Streaming DiLoCo: the weights in this many fragments (slices of BDH's neurons and of "
-        "the vocabulary), fragment f synced at inner steps f*H/F + kH, each with its own outer "
+        "the vocabulary), fragment f synced at inner steps floor(f*H/F) + kH, each with its own "
+        "outer "
         "optimizer. 1: the whole model every H steps.", default=1
     )
     diloco_fragment_delay: Optional[int] = _help(
         "Delayed mode with fragments: inner steps a fragment's exchange runs under before it "
-        "lands, 1 to H/F (default 1).", default=None
+        "lands, 1 to H//F (default 1).", default=None
     )
     diloco_fragment_alpha: float = _help(
         "Delayed mode with fragments: a landing fragment keeps this share of the local progress "
@@ -125,8 +126,9 @@ class DiLoCoArguments:
                              f"{self.diloco_compress}")
         if self.diloco_fragments != 1 or self.diloco_fragment_delay is not None:
             self._check_fragments()
-        if topk and self.diloco_mode != "sync" and self.diloco_fragments == 1:
-            raise ValueError(f"--diloco_topk {topk}: with --diloco_mode sync only")
+        if topk and self.diloco_mode == "delayed" and self.diloco_elastic:
+            raise ValueError(f"--diloco_topk {topk} with --diloco_mode delayed and "
+                             "--diloco_elastic is not supported; use --diloco_mode sync")
         if not self.diloco_outer_lr > 0:
             raise ValueError(f"--diloco_outer_lr {self.diloco_outer_lr}: must be > 0")
         if not 0 <= self.diloco_outer_momentum < 1:
@@ -159,9 +161,9 @@ class DiLoCoArguments:
             raise ValueError(f"--diloco_fragments {f}: must be >= 1")
         if f == 1:
             raise ValueError(f"--diloco_fragment_delay {delay} needs --diloco_fragments > 1")
-        if h is None or h % f:
-            raise ValueError(f"--diloco_fragments {f}: --diloco_inner_steps {h} must be a "
-                             "multiple of it (fragment f syncs at inner steps f*H/F + kH)")
+        if h is None or h < f:
+            raise ValueError(f"--diloco_fragments {f}: needs --diloco_inner_steps of at least "
+                             f"{f}, got {h} (fragment f syncs at inner steps floor(f*H/F) + kH)")
         if self.diloco_elastic:
             raise ValueError(f"--diloco_fragments {f} with --diloco_elastic is not supported; "
                              "drop one of them")
@@ -169,7 +171,7 @@ class DiLoCoArguments:
             raise ValueError(f"--diloco_fragment_delay {delay} overlaps the exchange with inner "
                              "steps: use it with --diloco_mode delayed")
         if self.diloco_mode == "delayed" and not 1 <= (delay or 1) <= h // f:
-            raise ValueError(f"--diloco_fragment_delay {delay}: must be in [1, H/F = {h // f}] "
+            raise ValueError(f"--diloco_fragment_delay {delay}: must be in [1, H//F = {h // f}] "
                              "(a fragment lands before the next one syncs)")
         if not 0 <= self.diloco_fragment_alpha <= 1:
             raise ValueError(

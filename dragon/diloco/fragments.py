@@ -11,11 +11,11 @@ model. A parameter BDH does not have (the transformer baselines) is cut into F e
 flattened values. Under ZeRO each rank holds its partition's share of every fragment, the same
 share on every island.
 
-The schedule. Fragment f syncs at inner steps f H/F + kH: its pseudo-gradient Delta_f =
+The schedule. Fragment f syncs at inner steps floor(f H/F) + kH: its pseudo-gradient Delta_f =
 theta_outer_f - theta_f is averaged over the islands (any codec of dragon.diloco.exchange, top-k
 with its error feedback included) and fragment f's own outer optimizer steps theta_outer_f.
 sync: the exchange blocks and theta_f becomes theta_outer_f. delayed: the exchange runs under the
-next `fragment_delay` inner steps (at most H/F, so one fragment is in flight at a time) and lands
+next `fragment_delay` inner steps (at most H//F, so one fragment is in flight at a time) and lands
 then: theta_f <- alpha theta_f + (1 - alpha) theta_outer_f, the paper's merge of the local
 progress made meanwhile. The merge, not the eager update of dragon's delayed mode, because the
 fragment lands inside its own window: eager updates need the late average of the window before,

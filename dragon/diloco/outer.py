@@ -5,11 +5,10 @@ Inside an island every step is an ordinary DeepSpeed step. Every H steps each ra
 pseudo-gradient Delta = theta_outer - theta_inner, in fp32, on its own part of DeepSpeed's fp32
 MASTER weights (its partition under ZeRO-1/2/3 and the bf16 optimizer, its stage's weights in
 a pipeline, the whole model under ZeRO-0), averages Delta with rank r of every other island
-(dragon.parallel.topology), steps an outer optimizer (Nesterov SGD by default) on theta_outer with
-the
-average as gradient (delayed mode: see below), and writes theta_outer back into the master
-weights and the module's working weights. theta_outer and the outer optimizer's state are fp32,
-on the master weights' device or on CPU (--diloco_outer_on_cpu).
+(dragon.parallel.topology), steps an outer optimizer (Nesterov SGD by default) on theta_outer
+with the average as gradient (delayed mode: see below), and writes theta_outer back into the
+master weights and the module's working weights. theta_outer and the outer optimizer's state
+are fp32, on the master weights' device or on CPU (--diloco_outer_on_cpu).
 
 Modes. sync: the all-reduce blocks. delayed: the all-reduce of outer step k runs while the inner
 steps of k+1 compute and is applied at step k+1, one outer step late, with the "eager updates" of
@@ -18,22 +17,28 @@ feeds it the average that just arrived (of step k-1) with this island's share of
 replaced by its fresh Delta_k/n (n islands). Each island's own progress thus passes through the
 outer optimizer, momentum included, as soon as it is made; only the other islands' part is late.
 At the first outer step no average has arrived yet, so the island steps on its fresh share alone;
-the last one replaces
-the fresh share with the blocking average of the last window and then averages theta_outer over
-the islands (their momenta differ), so training ends with every island on the same weights.
+the last one replaces the fresh share with the blocking average of the last window and then
+averages theta_outer over the islands (their momenta differ), so training ends with every island
+on the same weights. With top-k, an island's share is what it sent; the rest waits in its
+residual.
 
-Compression (the outer step stays fp32): bf16 all-reduces Delta in bf16; int8 quantizes Delta
-with one absmax scale per block of --diloco_int8_block values (0: per tensor) and all-gathers
-the int8 codes and scales, each rank summing the islands' dequantized Deltas in fp32 in island
-order. The relative error ||Q(Delta) - Delta|| / ||Delta|| of this island's Deltas is logged.
-Bytes on the wire per rank, for n islands and a payload of P bytes: fp32 and bf16 all-reduce
-2(n-1)/n * P, int8 all-gather (n-1) * P, so int8 beats a bf16 all-reduce only below 4 islands.
+Streaming DiLoCo (--diloco_fragments F > 1: the weights in fragments synced in turn) is
+dragon.diloco.fragments.FragmentedDiLoCo, which from_engine builds in its place.
+
+Compression (the outer step stays fp32; dragon.diloco.exchange): bf16 all-reduces Delta in
+bf16; int8 quantizes Delta with one absmax scale per block of --diloco_int8_block values (0: per
+tensor) and all-gathers the codes; int4 reduces 4-bit chunks and all-gathers the sums
+(dragon.diloco.quantized); top-k sends the largest entries and keeps the rest for later
+(dragon.diloco.sparse). The relative error ||Q(Delta) - Delta|| / ||Delta|| of this island's
+Deltas is logged. Bytes on the wire per rank, for n islands and a payload of P bytes: fp32, bf16
+and int4 2(n-1)/n * P, int8 and top-k (all-gathers) (n-1) * P.
 
 Metrics of an outer step (in each island's metrics.jsonl): outer_step; outer_grad_norm (of the
 islands' average applied at this step, over the whole model; in delayed mode the late one, and
 absent at the first step); outer_bytes_sent (the most any rank of the island sent: measured from
 /proc/self/io around the blocking exchange in sync mode, the ring model above in delayed mode,
-whose last step adds the average of theta_outer) and outer_payload_bytes (this rank's);
+whose last step adds the average of theta_outer), outer_peak_bytes (the most of any outer step
+before the last, so far) and outer_payload_bytes (this rank's);
 outer_comm_seconds (start to completion of the exchanges of averages applied; not the last
 step's average of theta_outer) and, delayed, outer_comm_hidden_seconds (the part of it that ran
 under inner steps); outer_compress_error; outer_seconds (the whole outer step);
@@ -43,14 +48,12 @@ theta_outer over the island's ranks (equal bits on every island after a sync out
 Inner optimizer state, LR schedule and data stream stay per island, as in DiLoCo.
 
 Elastic (--diloco_elastic): each outer step averages over the islands that reach it
-(dragon.diloco.membership), outer_quorum records how many; an island lost during the exchange is
-left
-out of a retry. The average is over the members only, so a lone island steps on its own Delta.
-Delayed: an average in flight that failed (an island died during it) is redone at the next outer
+(dragon.diloco.membership, dragon.diloco.elastic), outer_quorum records how many; an island
+lost during the exchange is left out of a retry. The average is over the members only, so a
+lone island steps on its own Delta. Delayed: an average in flight that failed (an island died during it) is redone at the next outer
 step from the survivors' kept Deltas, so the late average is the survivors' average.
 """
 
-import logging
 import math
 import time
 from dataclasses import dataclass
@@ -60,14 +63,13 @@ import torch
 import torch.distributed as dist
 
 from dragon.parallel.distributed import all_reduce_values
-from dragon.diloco.exchange import Exchange, Round, broadcast_object, flatten
+from dragon.diloco.exchange import Exchange, Round, flatten
 from dragon.diloco.master_weights import MasterWeights
 from dragon.diloco.membership import Membership
+from dragon.diloco.elastic import ElasticRounds
 from dragon.diloco.state import OuterState
 from dragon.errors import IslandLost
 from dragon.parallel.topology import Topology
-
-logger = logging.getLogger("dragon")
 
 
 @dataclass
@@ -99,7 +101,7 @@ class DiLoCoConfig:
                                nesterov=self.nesterov and momentum > 0)
 
 
-class DiLoCo(OuterState):
+class DiLoCo(OuterState, ElasticRounds):
     """The outer loop of one rank: call maybe_outer_step(step) after every inner step.
 
     `weights` is a MasterWeights (or anything with tensors(), publish(), replicas, excluded and
@@ -195,6 +197,7 @@ class DiLoCo(OuterState):
         exchange, late = round_.exchange, round_.late
         if self.residual is not None:
             self.residual = delta - exchange.sent
+            own = None if own is None else exchange.sent  # delayed: its share is what it sent
         del delta
         applied = []
         if self.mode == "sync":
@@ -265,23 +268,6 @@ class DiLoCo(OuterState):
                         numels or self.numels, measure_bytes=self.mode == "sync",
                         contributors=contributors, topk=self.config.topk)
 
-    def join(self) -> tuple[int, dict]:
-        """--diloco_join: wait to be let into the live islands' next outer step, take
-        theta_outer, the outer optimizer's state and the step from them, and take that outer step
-        with them (sync: their average; delayed: the gradient their first island applies), ending
-        it on their weights. Returns the step and the outer step's metrics."""
-        target, quorum = self.membership.admit(self.shape())
-        self.outer_step = target - 1
-        for stale in (self.previous, self.residual):  # what this island's checkpoint had
-            if stale is not None:
-                stale.zero_()
-        self.pending, self.contributed = None, False
-        metrics = self._outer_step(0, False, joining=quorum)
-        return self.joined_step, metrics
-
-    def shape(self) -> dict:
-        return {"parameters on this rank": sum(self.numels), "H": self.H, "islands": self.islands}
-
     def _adopt_island0_weights(self) -> None:
         """Every island starts from island 0's weights (rank r of each island holds the same shard).
         """
@@ -320,70 +306,6 @@ class DiLoCo(OuterState):
                 p.copy_(a.view_as(p))
         return average.bytes_sent
 
-    def _elastic_round(self, delta, own, step: int, final: bool, joining=None) -> Round:
-        """The exchange among this outer step's quorum (`joining`: the quorum a joiner was let
-        into), retried by the membership without an island lost during it; delayed, also the late
-        average and the eager gradient. Joiners take the shared state."""
-
-        def attempt(members: list[int], group, joiners: list[int]) -> Round:
-            late = self._late_average(group, members) if self.mode == "delayed" else None
-            contributors = len(members) - len(joiners)
-            exchange = self.exchange(delta.clone(), group, len(members), contributors)
-            gradient, at_step = None, step
-            if self.mode == "delayed":
-                gradient = self.eager_gradient(own, late, exchange, final, contributors)
-            if joiners:
-                at_step, gradient = self._share_state(group, members, joiners, step, gradient)
-            self.membership.publish(self.outer_step, at_step, self.shape())
-            self.group = group
-            return Round(exchange, late, gradient, contributors, at_step)
-
-        return self.membership.run_round(self.outer_step, attempt, joining, final)
-
-    def _late_average(self, group, members: list[int]):
-        """Delayed: the average in flight since the last outer step. When it failed on any member
-        (an island died during it), the members redo it from their kept pseudo-gradients: the late
-        average is then the survivors' average."""
-        failed = 0.0
-        if self.pending is not None:
-            try:
-                self.pending.result()
-            except RuntimeError:
-                failed = 1.0
-        flags = [failed, float(self.contributed)]
-        if group is not None:
-            t = torch.tensor(flags, dtype=torch.float64)
-            group.allreduce([t]).wait()
-            flags = t.tolist()
-        if flags[0] == 0:
-            return self.pending
-        logger.warning(f"outer step {self.outer_step}: the average in flight since the last outer "
-                       f"step failed; islands {members} redo it among themselves")
-        self.previous_share = max(int(flags[1]), 1)
-        redo = self.exchange(self.previous.clone(), group, len(members), self.previous_share)
-        redo.result()
-        return redo
-
-    def _share_state(self, group, members: list[int], joiners: list[int], step: int, gradient):
-        """Broadcast theta_outer, the outer optimizer's state, the step and (delayed) the outer
-        gradient from the first member that is not joining; the joiners take theta_outer and the
-        optimizer's state. Returns (step, gradient) as the sender has them."""
-        root = members.index(min(i for i in members if i not in joiners))
-        joining = self.topology.island in joiners
-        state = None if joining else {
-            "step": step,
-            "theta_outer": [p.detach().cpu() for p in self.outer_params],
-            "optimizer": self.optimizer.state_dict(),
-            "gradient": gradient,
-        }
-        state = broadcast_object(state, group, root)
-        if joining:
-            with torch.no_grad():
-                for p, v in zip(self.outer_params, state["theta_outer"]):
-                    p.copy_(v.view_as(p))
-            self.optimizer.load_state_dict(state["optimizer"])
-        return state["step"], state["gradient"]
-
     def _apply(self, average: torch.Tensor) -> None:
         """One outer optimizer step on theta_outer with `average` as its gradient."""
         for p, g in zip(self.outer_params, average.split(self.numels)):
@@ -416,12 +338,3 @@ class DiLoCo(OuterState):
         return [total, squares]
 
     # -------------------------------------------------------------- checkpoints
-
-    def close(self, ended_at: Optional[int] = None) -> None:
-        """Wait for every island after the last outer step (so the store outlives its users); an
-        elastic run's store runs on its own, and its islands may be gone: a run that `ended_at`
-        its last step says so to islands still joining."""
-        if self.membership is None:
-            self.topology.barrier()
-        elif ended_at is not None:
-            self.membership.end(ended_at)

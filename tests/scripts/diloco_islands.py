@@ -37,6 +37,7 @@ SCENARIOS = [
     dict(diloco_mode="sync", diloco_compress="int8", diloco_int8_block=256),
     dict(diloco_mode="sync", diloco_compress="int8", diloco_int8_block=0),
     dict(diloco_mode="delayed", diloco_compress="int8", diloco_int8_block=256),
+    dict(diloco_mode="delayed", diloco_compress="none", diloco_topk=0.05),
     # plain averaging
     dict(
         diloco_mode="delayed",
