@@ -50,8 +50,9 @@ Inner optimizer state, LR schedule and data stream stay per island, as in DiLoCo
 Elastic (--diloco_elastic): each outer step averages over the islands that reach it
 (dragon.diloco.membership, dragon.diloco.elastic), outer_quorum records how many; an island
 lost during the exchange is left out of a retry. The average is over the members only, so a
-lone island steps on its own Delta. Delayed: an average in flight that failed (an island died during it) is redone at the next outer
-step from the survivors' kept Deltas, so the late average is the survivors' average.
+lone island steps on its own Delta. Delayed: an average in flight that failed (an island died
+during it) is redone at the next outer step from the survivors' kept Deltas, so the late average
+is the survivors' average.
 """
 
 import math
