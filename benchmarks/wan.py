@@ -1,8 +1,9 @@
 """Training over a slow link: two nodes (network namespaces, tests/netns.py) joined by a veth
 pair shaped with tbf, one rank per node. The ZeRO-2 recipe as one data-parallel job across both
 nodes (the deepspeed launcher, --no_ssh, a launch per node) against two DiLoCo islands (one per
-node, a torchrun launch each, H inner steps, sync; fp32, bf16 or int8 pseudo-gradients), on the
-same model, data and global batch (2 x micro-batch 4 x 256 tokens).
+node, a torchrun launch each, H inner steps, sync or delayed; fp32, bf16, int8 or int4
+pseudo-gradients, the whole model or 4 fragments in turn), on the same model, data and global
+batch (2 x micro-batch 4 x 256 tokens).
 
     flock /tmp/dragon-cpu.lock python benchmarks/wan.py [--rates none,100mbit,50mbit,10mbit]
         [--configs dp,dp-1node,diloco-int4,...] [--steps 40] [--dp_shaped_steps 10]
@@ -34,12 +35,14 @@ MODEL = ("--n_layer 2 --n_embd 256 --n_head 4 --mlp_internal_dim_multiplier 16 -
          " --logging_steps 1 --eval_steps 100000 --save_steps 100000 --sample_max_new_tokens 0"
          " --disable_tqdm").split()
 TOKENS_PER_STEP = 2 * 4 * 256  # global: 2 nodes (ranks or islands) x micro-batch x block
-# config -> (--diloco_compress, --diloco_mode); None: data parallel across the two nodes, and
-# "dp-1node" the same job as 2 ranks on node 0 alone (what two nodes are compared with)
-CONFIGS = {"dp": None, "dp-1node": None, "diloco-fp32": ("none", "sync"),
-           "diloco-bf16": ("bf16", "sync"), "diloco-int8": ("int8", "sync"),
-           "diloco-int4": ("int4", "sync"), "diloco-fp32-delayed": ("none", "delayed"),
-           "diloco-int4-delayed": ("int4", "delayed")}
+# config -> (--diloco_compress, --diloco_mode, --diloco_fragments); None: data parallel across
+# the two nodes, and "dp-1node" the same job as 2 ranks on node 0 alone (what two nodes are
+# compared with)
+CONFIGS = {"dp": None, "dp-1node": None, "diloco-fp32": ("none", "sync", 1),
+           "diloco-bf16": ("bf16", "sync", 1), "diloco-int8": ("int8", "sync", 1),
+           "diloco-int4": ("int4", "sync", 1), "diloco-fp32-delayed": ("none", "delayed", 1),
+           "diloco-int4-delayed": ("int4", "delayed", 1), "diloco-int4-f4": ("int4", "sync", 4),
+           "diloco-int4-f4-delayed": ("int4", "delayed", 4)}
 
 
 def corpus(root: Path) -> Path:
@@ -76,7 +79,7 @@ def commands(config: str, cluster: Cluster, out: Path, data: Path, steps: int, h
                  "--deepspeed", REPO / "ds_configs/zero2.json", *args] for node in (0, 1)]
     diloco = ["--deepspeed", REPO / "ds_configs/zero2.json", "--diloco_islands", 2,
               "--diloco_inner_steps", h, "--diloco_compress", CONFIGS[config][0],
-              "--diloco_mode", CONFIGS[config][1],
+              "--diloco_mode", CONFIGS[config][1], "--diloco_fragments", CONFIGS[config][2],
               "--diloco_store", f"{cluster.address(0)}:29600"]
     return [["torchrun", "--nproc_per_node", 1, "--master_port", 29500, recipe, *args, *diloco,
              "--diloco_island_index", node] for node in (0, 1)]

@@ -216,6 +216,25 @@ def test_four_sync_fragments_on_pipeline_islands_with_topk(runs):
     assert losses(metrics)[-1] < losses(metrics)[0] - 0.3
 
 
+def test_two_sync_int8_fragments_on_zero3_islands(runs):
+    """2 islands of one ZeRO-3 rank (H 4), F = 2 synced in turn in int8: a fragment at steps 2, 6
+    (fragment 1) and 4 (fragment 0), both at the last step; theta_outer bit-identical on both
+    islands after each, the weights after the last; the loss falls."""
+    out = islands_run(runs, "fragments_zero3_int8", **dict(
+        DILOCO_ZERO3, extra=[*DILOCO_ZERO3["extra"], "--diloco_fragments", "2",
+                             "--diloco_compress", "int8"]))
+    records = [fragment_records(out, i) for i in (0, 1)]
+    assert [(m["step"], m["outer_fragment"]) for m in records[0]] == [(2, 1), (4, 0), (6, 1),
+                                                                      (8, 2)]
+    for a, b in zip(*records):
+        assert (a["outer_sum"], a["outer_sumsq"]) == (b["outer_sum"], b["outer_sumsq"])
+        assert 0 < a["outer_compress_error"] < 0.01
+    for key in ("weights_sum", "weights_sumsq"):
+        assert records[0][-1][key] == records[1][-1][key]
+    metrics = island_metrics(out, 0)
+    assert losses(metrics)[-1] < losses(metrics)[0] - 0.3
+
+
 # ------------------------------------------------------------------ bad input
 
 BASE = ["--diloco_islands", "2", "--diloco_inner_steps", "4"]

@@ -128,13 +128,17 @@ class FragmentedDiLoCo(DiLoCo):
         self.alpha = config.fragment_alpha if self.mode == "delayed" else 0.0
         if ids is None:
             ids = fragment_ids(weights.segments(), weights.shapes(), self.numels, self.F)
-        self.masks = [ids == f for f in range(self.F)]
+        self.ids = ids  # one byte a value; a fragment's mask is made when it is used
         whole = flatten(self.outer_params)
         # theta_outer as one flat tensor per fragment, each with its own outer optimizer
-        self.outer_params = [whole[m].to(self.device) for m in self.masks]
+        self.outer_params = [whole[self.mask(f)].to(self.device) for f in range(self.F)]
         self.optimizers = [self._make_optimizer([p]) for p in self.outer_params]
         self.optimizer = self.previous = None  # delayed mode merges; it keeps no share of its own
         self.in_flight: dict[int, InFlight] = {}
+
+    def mask(self, fragment: int) -> torch.Tensor:
+        """Which of this rank's values (over all its master tensors) are in `fragment`."""
+        return self.ids == fragment
 
     def offset(self, fragment: int) -> int:
         return fragment * self.H // self.F
@@ -161,7 +165,7 @@ class FragmentedDiLoCo(DiLoCo):
         self._write_fragments(landed, self.alpha)
         syncing = self.syncing(step, final)
         local = flatten(self.weights.tensors()) if syncing else None
-        started = [self._start(f, local[self.masks[f]]) for f in syncing]
+        started = [self._start(f, local[self.mask(f)]) for f in syncing]
         del local
         if self.mode == "sync" or final:  # blocking: each lands now, theta_f = theta_outer_f
             arrived += started
@@ -187,7 +191,7 @@ class FragmentedDiLoCo(DiLoCo):
         """Start fragment `fragment`'s exchange of theta_outer_f - theta_f (plus what top-k kept
         back)."""
         delta = self.outer_params[fragment].to("cpu", torch.float32) - local
-        mask = self.masks[fragment]
+        mask = self.mask(fragment)
         if self.residual is not None:
             delta += self.residual[mask]
         exchange = self.exchange(delta, self.group, self.islands, numels=[delta.numel()])
@@ -212,8 +216,8 @@ class FragmentedDiLoCo(DiLoCo):
         for f in fragments:
             outer = self.outer_params[f].to("cpu", torch.float32)
             if alpha:
-                outer = alpha * flat[self.masks[f]] + (1 - alpha) * outer
-            flat[self.masks[f]] = outer
+                outer = alpha * flat[self.mask(f)] + (1 - alpha) * outer
+            flat[self.mask(f)] = outer
         self._write(flat.split(self.numels))
 
     def _placed(self, averages: dict) -> torch.Tensor:
@@ -221,7 +225,7 @@ class FragmentedDiLoCo(DiLoCo):
         elsewhere)."""
         whole = torch.zeros(sum(self.numels))
         for f, average in averages.items():
-            whole[self.masks[f]] = average
+            whole[self.mask(f)] = average
         return whole
 
     # ----------------------------------------------------------- checkpoints
@@ -263,8 +267,8 @@ class FragmentedDiLoCo(DiLoCo):
         self._adopt_island0_weights()
         whole = flatten(self.weights.tensors())
         with torch.no_grad():
-            for p, m in zip(self.outer_params, self.masks):
-                p.copy_(whole[m])
+            for f, p in enumerate(self.outer_params):
+                p.copy_(whole[self.mask(f)])
         if self.residual is not None:
             self.residual.zero_()
         self.optimizers = [self._make_optimizer([p]) for p in self.outer_params]
