@@ -159,12 +159,12 @@ def fragment_records(out, island: int) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_four_delayed_int4_fragments_on_zero2_islands(runs, tmp_path):
+def test_four_delayed_int4_fragments_on_zero2_islands(runs, tmp_path, monkeypatch, text_file):
     """2 islands x 2 ZeRO-2 ranks, F = 4, H 4, 4-bit, each fragment in flight for one step: one
     fragment syncs per step at its offset and lands a step later; theta_outer is bit-identical on
     both islands after every landing and the weights after the last step; a fragment is a
     quarter of the payload; the loss falls. Resumed at step 4, with fragment 0 in flight, steps
-    5-8 repeat bit for bit."""
+    5-8 repeat bit for bit; a resume without --diloco_fragments 4 is refused in one line."""
     full_out = islands_run(runs, "fragments_zero2_int4", nproc=4, micro=2, extra=DELAYED_INT4)
     records = [fragment_records(full_out, i) for i in (0, 1)]
     assert [m["outer_fragment"] for m in records[0]] == [1, 2, 3, 0, 1, 2, 3, 4]  # 4: all
@@ -191,6 +191,10 @@ def test_four_delayed_int4_fragments_on_zero2_islands(runs, tmp_path):
         assert losses(resumed) == losses(full)[4:]
         for key in ("outer_sum", "weights_sum", "outer_landed"):
             assert [m.get(key) for m in resumed] == [m.get(key) for m in full[4:]], key
+    one = [*bad_input_base("zero2.json", resumed_out, text_file), *BASE,
+           "--mlp_internal_dim_multiplier", "8", "--resume_from_checkpoint", "latest"]
+    assert "holds DiLoCo state in 4 fragment(s); resume it with --diloco_fragments 4" in (
+        run_recipe_in_process(monkeypatch, "recipes/pretrain.py", one, {"WORLD_SIZE": "4"}))
 
 
 @pytest.mark.slow

@@ -68,6 +68,10 @@ class OuterState:
             self.forget_own_share()
 
     def _load(self, state: dict) -> None:
+        if state.get("fragments", 1) != 1:
+            raise ValueError(f"DiLoCo state of {state['fragments']} fragments does not fit "
+                             f"--diloco_fragments 1; resume with --diloco_fragments "
+                             f"{state['fragments']}")
         if state["numels"] != self.numels or state["mode"] != self.mode:
             raise ValueError(
                 f"DiLoCo state for mode {state['mode']} and {len(state['numels'])} tensors "
@@ -150,6 +154,15 @@ def check_diloco_state(tag_dir: str) -> list[str]:
         raise ValueError(f"--resume_from_checkpoint: {tag_dir} holds no DiLoCo state that says "
                          "where its values sit in the model; it resumes only on its own layout")
     return files
+
+
+def saved_fragments(tag_dir: str) -> Optional[int]:
+    """--diloco_fragments of the run that saved `tag_dir` (None: it holds no DiLoCo state)."""
+    files = sorted(glob.glob(os.path.join(tag_dir, f"{STATE_FILE}_*.pt")))
+    if not files:
+        return None
+    state = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)
+    return state.get("fragments", 1)
 
 
 def diloco_state_for(tag_dir: str, segments: list, numels: list[int]) -> Optional[dict]:

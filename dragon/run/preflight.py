@@ -70,6 +70,7 @@ def _check_resume(inputs: RecipeInputs, config, dp_world: int) -> None:
     inputs.resume, inputs.regrouped = resume_checks.resume_targets(args, diloco)
     resume_checks.check_output_dir(args, diloco)
     resume_checks.check_resume_sizes(config, inputs.resume)
+    resume_checks.check_resume_fragments(inputs.resume, diloco)
     stages = inputs.pipeline.pipeline_stages if inputs.pipeline else 0
     inputs.reshaped = resume_checks.check_reshape(inputs.resume, inputs.ds_config, dp_world,
                                                   stages, diloco, args.neuron_parallel)

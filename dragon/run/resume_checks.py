@@ -11,7 +11,7 @@ from dragon.checkpoint.checkpointer import resolve_resume
 from dragon.checkpoint.reshape import (Layout, regroup_message, reshape_message, saved_islands,
                                        saved_layout)
 from dragon.checkpoint.catalog import has_complete, list_checkpoints
-from dragon.diloco.state import check_diloco_state
+from dragon.diloco.state import check_diloco_state, saved_fragments
 from dragon.parallel.ds_config import zero_stage
 from dragon.diloco.arguments import DiLoCoArguments
 from dragon.run.args import TrainingArguments
@@ -145,3 +145,16 @@ def check_resume_sizes(config, resume: dict[int, tuple[str, str]]) -> None:
                 f"--resume_from_checkpoint: {os.path.join(load_dir, tag)} holds a model with "
                 f"{theirs}, this run builds {ours}; resume with the same sizes"
             )
+
+
+def check_resume_fragments(resume: dict[int, tuple[str, str]], diloco: DiLoCoArguments) -> None:
+    """Raise when a resume target's DiLoCo state is cut in another number of fragments."""
+    if not diloco.enabled:
+        return
+    for load_dir, tag in resume.values():
+        path = os.path.join(load_dir, tag)
+        saved = saved_fragments(path)
+        if saved is not None and saved != diloco.diloco_fragments:
+            raise ValueError(
+                f"--diloco_fragments {diloco.diloco_fragments}: {path} holds DiLoCo state in "
+                f"{saved} fragment(s); resume it with --diloco_fragments {saved}")
