@@ -199,13 +199,14 @@ def both_end_after_the_rejoin(survivor, joiner, out) -> tuple[list[dict], dict[i
     return mine, theirs
 
 
-def start_joiner_after_step_8(live, out, store, start_joiner, wait_for_keys=None):
+def start_joiner_after_step_8(live, out, store, start_joiner, wait_for_keys=None, every=4):
     """The joiner, started once `live` (island 0) has ended step 8 alone: a joiner that started
     up within the quorum timeout would be a member of step 8, as if island 1 had never left.
     Island 0's ranks stay stopped until the joiner has announced itself for one of its next two
     outer steps, so it joins a few steps on on any machine (island 0 alone outruns a start-up).
     `wait_for_keys(store, keys, joiner)` waits until one of the keys is in the store (default:
-    a client of the store in this process)."""
+    a client of the store in this process). `every`: inner steps from one outer step (or
+    fragment step) to the next."""
     metrics = out / "island0" / "metrics.jsonl"
     while 8 not in logged_steps(metrics, having="outer_step"):
         assert live.poll() is None, live.stderr.read()[-3000:]
@@ -216,7 +217,7 @@ def start_joiner_after_step_8(live, out, store, start_joiner, wait_for_keys=None
     try:
         # The joiner announces for the outer step after the last one island 0 published, which
         # is the last one it logged, or the one after when it stopped in between.
-        last = max(logged_steps(metrics, having="outer_step")) // 4
+        last = max(logged_steps(metrics, having="outer_step")) // every
         keys = [f"{step_key(last + k)}/joining/1" for k in (1, 2)]
         joiner = start_joiner()
         (wait_for_keys or wait_in_store)(store, keys, joiner)

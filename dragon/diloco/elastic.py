@@ -31,7 +31,8 @@ class ElasticRounds:
         return self.joined_step, metrics
 
     def shape(self) -> dict:
-        return {"parameters on this rank": sum(self.numels), "H": self.H, "islands": self.islands}
+        return {"parameters on this rank": sum(self.numels), "H": self.H, "islands": self.islands,
+                "fragments": self.config.fragments}
 
     def _elastic_round(self, delta, own, step: int, final: bool, joining=None) -> Round:
         """The exchange among this outer step's quorum (`joining`: the quorum a joiner was let
@@ -86,7 +87,7 @@ class ElasticRounds:
         state = None if joining else {
             "step": step,
             "theta_outer": [p.detach().cpu() for p in self.outer_params],
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self.outer_optimizer_state(),
             "gradient": gradient,
         }
         state = broadcast_object(state, group, root)
@@ -94,8 +95,14 @@ class ElasticRounds:
             with torch.no_grad():
                 for p, v in zip(self.outer_params, state["theta_outer"]):
                     p.copy_(v.view_as(p))
-            self.optimizer.load_state_dict(state["optimizer"])
+            self.load_outer_optimizer_state(state["optimizer"])
         return state["step"], state["gradient"]
+
+    def outer_optimizer_state(self):
+        return self.optimizer.state_dict()
+
+    def load_outer_optimizer_state(self, state) -> None:
+        self.optimizer.load_state_dict(state)
 
 
     def close(self, ended_at: Optional[int] = None) -> None:

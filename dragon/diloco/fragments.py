@@ -22,7 +22,9 @@ fragment lands inside its own window: eager updates need the late average of the
 and the merge keeps theta_outer one shared value that every island steps with the same average
 (bit-identical theta_outer on every island after every landing). The last step lands what is in
 flight and syncs every fragment at once, blocking, so training ends with every island on the same
-weights. Not with --diloco_elastic (refused in dragon.diloco.arguments).
+weights. Elastic islands (--diloco_elastic) in sync mode: each event of the schedule is a round
+among the islands that reach it, and a joiner takes every fragment's theta_outer and outer
+optimizer.
 
 Metrics of a step where a fragment syncs or lands: outer_step (such steps so far),
 outer_fragment (the one that syncs), outer_landed (the one that lands; both F at the last step:
@@ -157,6 +159,8 @@ class FragmentedDiLoCo(DiLoCo):
         return bool(self.syncing(step, final) or self.landing(step, final))
 
     def _outer_step(self, step: int, final: bool, joining=None) -> dict:
+        if self.membership is not None:
+            return self._elastic_step(step, final, joining)
         start = time.perf_counter()
         self.outer_step += 1
         landed = self.landing(step, final)
@@ -164,9 +168,7 @@ class FragmentedDiLoCo(DiLoCo):
         averages = {f: self._step_fragment(f, x.result()) for f, x in zip(landed, arrived)}
         self._write_fragments(landed, self.alpha)
         syncing = self.syncing(step, final)
-        local = flatten(self.weights.tensors()) if syncing else None
-        started = [self._start(f, local[self.mask(f)]) for f in syncing]
-        del local
+        started = self._start(syncing, self.group, self.islands)
         if self.mode == "sync" or final:  # blocking: each lands now, theta_f = theta_outer_f
             arrived += started
             averages.update({f: self._step_fragment(f, x.result())
@@ -187,17 +189,75 @@ class FragmentedDiLoCo(DiLoCo):
 
     # ----------------------------------------------------------- pieces
 
-    def _start(self, fragment: int, local: torch.Tensor) -> Exchange:
-        """Start fragment `fragment`'s exchange of theta_outer_f - theta_f (plus what top-k kept
-        back)."""
-        delta = self.outer_params[fragment].to("cpu", torch.float32) - local
+    def _start(self, fragments: list[int], group, islands: int, contributors=None,
+               keep_back: bool = True) -> list[Exchange]:
+        """Start the exchanges of theta_outer_f - theta_f (plus what top-k kept back) of these
+        fragments among `islands`; `keep_back`: top-k keeps what it did not send at once (an
+        elastic round does so once it succeeds)."""
+        if not fragments:
+            return []
+        local, started = flatten(self.weights.tensors()), []
+        for f in fragments:
+            delta = self._delta(f, local)
+            started.append(self.exchange(delta, group, islands, contributors, [delta.numel()]))
+            if keep_back and self.residual is not None:
+                self.residual[self.mask(f)] = delta - started[-1].sent
+        return started
+
+    def _delta(self, fragment: int, local: torch.Tensor) -> torch.Tensor:
+        """theta_outer_f - theta_f, plus what top-k kept back of fragment f (`local`: this rank's
+        weights, flat)."""
         mask = self.mask(fragment)
+        delta = self.outer_params[fragment].to("cpu", torch.float32) - local[mask]
         if self.residual is not None:
             delta += self.residual[mask]
-        exchange = self.exchange(delta, self.group, self.islands, numels=[delta.numel()])
-        if self.residual is not None:
-            self.residual[mask] = delta - exchange.sent
-        return exchange
+        return delta
+
+    def _elastic_step(self, step: int, final: bool, joining=None) -> dict:
+        """An event of the schedule among the islands that reach it (sync mode: every fragment
+        that syncs lands at once); a joiner first takes theta_outer, every fragment's outer
+        optimizer and the step from a live island, and every fragment's weights from
+        theta_outer, so that it sends zeros."""
+        start = time.perf_counter()
+        self.outer_step += 1
+
+        def attempt(members: list[int], group, joiners: list[int]):
+            at_step = step
+            if joiners:
+                at_step = self._share_state(group, members, joiners, step, None)[0]
+                if self.topology.island in joiners:
+                    self._write_fragments(list(range(self.F)), 0.0)
+            syncing = self.syncing(at_step, final)
+            started = self._start(syncing, group, len(members), len(members) - len(joiners),
+                                  keep_back=False)
+            averages = {f: x.result() for f, x in zip(syncing, started)}
+            self.membership.publish(self.outer_step, at_step, self.shape())
+            self.group = group
+            return syncing, started, averages, at_step
+
+        syncing, started, averages, self.joined_step = self.membership.run_round(
+            self.outer_step, attempt, joining, final)
+        if self.residual is not None:  # what top-k did not send, now that the round succeeded
+            local = flatten(self.weights.tensors())
+            for f, x in zip(syncing, started):
+                self.residual[self.mask(f)] = self._delta(f, local) - x.sent
+        for f in syncing:
+            self._step_fragment(f, averages[f])
+        self._write_fragments(syncing, 0.0)
+        metrics = {"outer_step": self.outer_step, "outer_quorum": len(self.membership.members),
+                   "outer_fragment": self.F if final else syncing[0], "outer_landed":
+                   self.F if final else syncing[0]}
+        applied = [Together(started, self._placed(averages))]
+        metrics.update(self._exchange_metrics(Together(started), applied, final))
+        metrics["outer_seconds"] = time.perf_counter() - start
+        return metrics
+
+    def outer_optimizer_state(self) -> list:
+        return [o.state_dict() for o in self.optimizers]
+
+    def load_outer_optimizer_state(self, state: list) -> None:
+        for optimizer, saved in zip(self.optimizers, state):
+            optimizer.load_state_dict(saved)
 
     def _step_fragment(self, fragment: int, average: torch.Tensor) -> torch.Tensor:
         """Fragment `fragment`'s outer optimizer steps on theta_outer_f with `average`."""
