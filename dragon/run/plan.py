@@ -73,6 +73,9 @@ def plan_lines(inputs, config, dp_world: int) -> list[str]:
         lines.append(
             f"DiLoCo: outer step every {diloco.diloco_inner_steps} steps, {diloco.diloco_mode}, "
             f"compression {diloco.diloco_compress}"
+            + (f", top-k {diloco.diloco_topk}" if diloco.diloco_topk else "")
+            + (f", {diloco.diloco_fragments} fragments in turn" if diloco.diloco_fragments > 1
+               else "")
             + (", elastic" if diloco.diloco_elastic else "")
         )
     lines.append("DeepSpeed config (resolved):")
