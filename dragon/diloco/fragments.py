@@ -28,12 +28,11 @@ optimizer.
 
 Metrics of a step where a fragment syncs or lands: outer_step (such steps so far),
 outer_fragment (the one that syncs), outer_landed (the one that lands; both F at the last step:
-all of them), outer_bytes_sent (what the
-exchanges started at this step send, the most of any rank of the island), outer_peak_bytes (the
-most of any such step of the schedule so far; the last step's sync of every fragment is
-not in it), and, as in dragon.diloco.outer, outer_payload_bytes, outer_compress_error,
-outer_grad_norm (of the averages that landed), outer_residual_norm, outer_seconds and the
-checksums.
+all of them), outer_bytes_sent (what the exchanges started at this step send, the most of any
+rank of the island), outer_peak_bytes (the most of any such step so far; the last step's sync of
+every fragment is not in it), and, as in dragon.diloco.outer, outer_payload_bytes,
+outer_compress_error, outer_grad_norm (of the averages that landed), outer_residual_norm,
+outer_quorum (elastic), outer_seconds and the checksums.
 """
 
 import math
