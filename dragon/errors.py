@@ -1,7 +1,7 @@
 """How a run ends before its last step: one exception per outcome, each with its exit code and one
 line for the user. Library code raises them and never ends the process itself:
 dragon.run.exits.run_recipe catches RunStopped once, and each recipe exits with what it returns,
-`sys.exit(run_recipe(main))`."""
+`end_process(run_recipe(main))`."""
 
 import os
 

@@ -16,7 +16,6 @@ logging, evaluation, save; then the export. Not here: DiLoCo and --neuron_parall
 """
 
 import os
-import sys
 
 import torch
 from accelerate.utils import DummyOptim, DummyScheduler
@@ -34,7 +33,7 @@ from dragon.parallel.topology import Topology
 from dragon.run.accelerator import (check_accelerate_inputs, make_accelerator, tracked,
                                     tracker_config)
 from dragon.run.data import run_data
-from dragon.run.exits import run_recipe
+from dragon.run.exits import end_process, run_recipe
 from dragon.run.evaluation import evaluation_metrics
 from dragon.run.faults import skip_nonfinite_updates
 from dragon.run.inputs import initial_model
@@ -126,4 +125,4 @@ def train(accelerator, engine, run, data, checkpointer, args) -> None:
 
 if __name__ == "__main__":
     # an early end (a refusal, a preemption, a failure) exits with one line and its code
-    sys.exit(run_recipe(main))
+    end_process(run_recipe(main))

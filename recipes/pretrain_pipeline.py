@@ -18,7 +18,6 @@ one line and an exit code.
 """
 
 import os
-import sys
 from typing import Optional
 
 import deepspeed
@@ -40,7 +39,7 @@ from dragon.parallel.pipeline import bdh_pipeline, carrying, stage_layer
 from dragon.parallel.topology import enter_island
 from dragon.run.data import run_data
 from dragon.run.lock import check_every_rank_sees
-from dragon.run.exits import run_recipe
+from dragon.run.exits import end_process, run_recipe
 from dragon.run.faults import skip_nonfinite_updates
 from dragon.run.loop import TrainingRun
 from dragon.history import metrics_path
@@ -179,4 +178,4 @@ def train(engine, pipe, run, data, outer, checkpointer, args) -> None:
 
 if __name__ == "__main__":
     # an early end (a refusal, a preemption, a failure) exits with one line and its code
-    sys.exit(run_recipe(main))
+    end_process(run_recipe(main))

@@ -24,6 +24,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_STARTED = False  # whether this process started a process group (init_distributed)
+
+
+def started_distributed() -> bool:
+    """Whether init_distributed ran in this process (its groups may be torn down since)."""
+    return _STARTED
+
+
 def init_distributed(timeout_s: float = 600.0) -> None:
     """Start DeepSpeed's process group (gloo on CPU, nccl on CUDA) with a bounded timeout.
 
@@ -45,6 +53,8 @@ def init_distributed(timeout_s: float = 600.0) -> None:
     else:
         accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     deepspeed.init_distributed(timeout=timedelta(seconds=timeout_s))
+    global _STARTED
+    _STARTED = True
     # The interpreter's last garbage collection walks every object torch, DeepSpeed and
     # transformers created, for over a second per rank; frozen objects are skipped, and the
     # operating system frees the memory. Files are closed by their owners before exit.
