@@ -50,8 +50,7 @@ class DiLoCoArguments:
     diloco_fragments: int = _help(
         "Streaming DiLoCo: the weights in this many fragments (slices of BDH's neurons and of "
         "the vocabulary), fragment f synced at inner steps floor(f*H/F) + kH, each with its own "
-        "outer "
-        "optimizer. 1: the whole model every H steps.", default=1
+        "outer optimizer. 1: the whole model every H steps.", default=1
     )
     diloco_fragment_delay: Optional[int] = _help(
         "Delayed mode with fragments: inner steps a fragment's exchange runs under before it "

@@ -104,7 +104,6 @@ class ElasticRounds:
     def load_outer_optimizer_state(self, state) -> None:
         self.optimizer.load_state_dict(state)
 
-
     def close(self, ended_at: Optional[int] = None) -> None:
         """Wait for every island after the last outer step (so the store outlives its users); an
         elastic run's store runs on its own, and its islands may be gone: a run that `ended_at`

@@ -296,7 +296,7 @@ class FragmentedDiLoCo(DiLoCo):
             "outer_step": self.outer_step, "mode": self.mode, "numels": self.numels,
             "fragments": self.F, "segments": None,  # resumes on its own layout only
             "outer_params": [p.detach().cpu().clone() for p in self.outer_params],
-            "optimizers": [o.state_dict() for o in self.optimizers],
+            "optimizers": self.outer_optimizer_state(),
             "residual": None if self.residual is None else self.residual.clone(),
             "in_flight": {f: (x.exchange.result().clone(), x.lands_at)
                           for f, x in self.in_flight.items()},
@@ -315,8 +315,7 @@ class FragmentedDiLoCo(DiLoCo):
                 p.copy_(saved)
             if self.residual is not None:
                 self.residual.copy_(state["residual"])
-        for optimizer, saved in zip(self.optimizers, state["optimizers"]):
-            optimizer.load_state_dict(saved)
+        self.load_outer_optimizer_state(state["optimizers"])
         self.outer_step, self.peak_bytes = state["outer_step"], state["peak_bytes"]
         self.in_flight = {f: InFlight(_Resolved(average), at)
                           for f, (average, at) in state["in_flight"].items()}

@@ -144,13 +144,20 @@ class _Resolved:
         return self.average
 
 
+def _state_files(tag_dir: str) -> tuple[list[str], Optional[dict]]:
+    """A checkpoint's DiLoCo state files, and the first one's state read lazily (None: none)."""
+    files = sorted(glob.glob(os.path.join(tag_dir, f"{STATE_FILE}_*.pt")))
+    first = (torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)
+             if files else None)
+    return files, first
+
+
 def check_diloco_state(tag_dir: str) -> list[str]:
     """The DiLoCo state files of a checkpoint that can move to another layout (none: a run
     without DiLoCo); ValueError in one line for a state that does not say where its values sit
     in the model."""
-    files = sorted(glob.glob(os.path.join(tag_dir, f"{STATE_FILE}_*.pt")))
-    if files and torch.load(files[0], map_location="cpu", weights_only=False,
-                               mmap=True).get("segments") is None:
+    files, first = _state_files(tag_dir)
+    if first is not None and first.get("segments") is None:
         raise ValueError(f"--resume_from_checkpoint: {tag_dir} holds no DiLoCo state that says "
                          "where its values sit in the model; it resumes only on its own layout")
     return files
@@ -158,11 +165,8 @@ def check_diloco_state(tag_dir: str) -> list[str]:
 
 def saved_fragments(tag_dir: str) -> Optional[int]:
     """--diloco_fragments of the run that saved `tag_dir` (None: it holds no DiLoCo state)."""
-    files = sorted(glob.glob(os.path.join(tag_dir, f"{STATE_FILE}_*.pt")))
-    if not files:
-        return None
-    state = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)
-    return state.get("fragments", 1)
+    first = _state_files(tag_dir)[1]
+    return None if first is None else first.get("fragments", 1)
 
 
 def diloco_state_for(tag_dir: str, segments: list, numels: list[int]) -> Optional[dict]:
