@@ -78,7 +78,7 @@ def main():
     check_every_rank_sees(run_dir)  # node-local disks would split the checkpoints: refused
     model = initial_model(inputs)
     # --neuron_parallel K: each rank keeps N/K neurons of every head; data parallel over the rest
-    neurons = NeuronGroups(args.neuron_parallel) if args.neuron_parallel > 1 else None
+    neurons = NeuronGroups(inputs.layout.neurons) if inputs.layout.neurons > 1 else None
     if neurons:
         neurons.split(model)
     dp_rank, dp_world = (neurons.dp_rank, neurons.dp_world) if neurons else (rank(), world_size())

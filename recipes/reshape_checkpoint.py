@@ -18,7 +18,8 @@ import torch
 from transformers import HfArgumentParser
 
 from dragon.checkpoint.export import model_from_checkpoint, resolve_checkpoint
-from dragon.checkpoint.reshape import Layout, check_convertible, convert, saved_layout
+from dragon.checkpoint.reshape import check_convertible, convert, saved_layout
+from dragon.parallel.layout import Layout
 from dragon.checkpoint.universal import fp32_weights
 
 
@@ -40,7 +41,8 @@ def main():
         tag_dir = resolve_checkpoint(args.checkpoint, "latest")
         load_dir, tag = os.path.split(os.path.normpath(tag_dir))
         saved = saved_layout(load_dir, tag)
-        check_convertible(saved, Layout(args.zero_stage, saved.data_parallel))
+        check_convertible(saved, Layout(zero_stage=args.zero_stage,
+                                        data_parallel=saved.data_parallel))
     except ValueError as e:
         sys.exit(f"error: {e}")
     if saved.zero_stage == args.zero_stage == 0:

@@ -39,7 +39,7 @@ def tiny_bdh() -> BDHForCausalLM:
 
 def test_a_fragment_holds_whole_neurons_and_tokens_and_a_quarter_of_the_model():
     """F = 4 on BDH: neuron n of every head (its encoder and encoder_v columns, its decoder row)
-    and token v (its embedding row, its lm_head column) lie in one fragment, n F / N and v F / V;
+    and token v (its embedding row, its lm_head column) lie in one fragment, n mod F and v F / V;
     the fragments are the same size. Cut as ZeRO cuts (a flat partition through the middle of
     parameters), every value keeps its fragment."""
     model = tiny_bdh()
@@ -50,7 +50,7 @@ def test_a_fragment_holds_whole_neurons_and_tokens_and_a_quarter_of_the_model():
     assert torch.bincount(whole.long()).tolist() == [sum(numels) // 4] * 4
     ids = dict(zip(named, whole.split(numels)))
     nh, D, N = shapes["layer.encoder"]
-    neuron = torch.arange(N) * 4 // N
+    neuron = torch.arange(N) % 4
     for name in ("layer.encoder", "layer.encoder_v"):
         assert torch.equal(ids[name].view(nh, D, N).long(), neuron.expand(nh, D, N))
     assert torch.equal(ids["layer.decoder"].view(nh, N, -1).long(),

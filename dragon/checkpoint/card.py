@@ -3,6 +3,7 @@ start) and the README.md model card of every Hugging Face export."""
 
 import json
 import os
+from dataclasses import asdict
 import sys
 from typing import Optional
 
@@ -32,6 +33,7 @@ def run_info(inputs, islands: int, dp_world: int, tokens_per_step: int) -> dict:
         "tokens_per_step": tokens_per_step,
         "max_steps": inputs.train.max_steps,
         "carry_state": inputs.train.carry_state,
+        "layout": asdict(inputs.layout),
     }
 
 

@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -37,26 +36,11 @@ from dragon.checkpoint import universal
 from dragon.model.bdh import BDHConfig
 from dragon.checkpoint.pipeline import stage_files, write_pipeline, zero0_states_of_pipeline
 from dragon.checkpoint.retention import CONVERSIONS
+from dragon.parallel.layout import Layout
 
 logger = logging.getLogger("dragon")
 UNIVERSAL, ZERO0, PIPELINE = CONVERSIONS  # retention deletes them with their checkpoint
 SUFFIX = {"universal": UNIVERSAL, "zero0": ZERO0, "pipeline": PIPELINE}  # form -> tag suffix
-
-
-@dataclass(frozen=True)
-class Layout:
-    zero_stage: int
-    data_parallel: int
-    pipeline: bool = False
-    global_batch: int = field(default=0, compare=False)  # samples per step
-    bf16: bool = field(default=False, compare=False)
-    stages: int = 1  # of a pipeline
-    neuron_parallel: int = 1  # ranks that split the neurons (--neuron_parallel)
-
-    def __str__(self) -> str:
-        kind = f"a pipeline of {self.stages} stages with " if self.pipeline else ""
-        split = f" x {self.neuron_parallel} neuron shares" if self.neuron_parallel > 1 else ""
-        return f"{kind}ZeRO-{self.zero_stage} on {self.data_parallel} data-parallel rank(s){split}"
 
 
 def saved_layout(load_dir: str, tag: str) -> Layout:
@@ -75,13 +59,14 @@ def saved_layout(load_dir: str, tag: str) -> Layout:
     stages = len(stage_files(tag_dir)) if pipeline else 1
     # a pipeline's engine counts its stages as model-parallel ranks; elsewhere they split neurons
     neurons = 1 if pipeline else int(state.get("mp_world_size") or 1)
-    return Layout(stage, int(state["dp_world_size"]), pipeline, batch, bf16, stages, neurons)
+    return Layout(stages=stages, neurons=neurons, data_parallel=int(state["dp_world_size"]),
+                  zero_stage=stage, pipeline=pipeline, bf16=bf16, global_batch=batch)
 
 
 def reshape_message(saved: Layout, launch: Layout) -> Optional[str]:
     """None when the checkpoint loads as it is; the one line a conversion prints; ValueError for
     a pair not converted."""
-    if max(saved.neuron_parallel, launch.neuron_parallel) > 1 and saved != launch:
+    if max(saved.neurons, launch.neurons) > 1 and saved != launch:
         raise ValueError(f"--resume_from_checkpoint: the checkpoint was saved as {saved} and this "
                          f"launch is {launch}; a checkpoint of split neurons resumes only on the "
                          "layout it was saved with (export it and start from the export instead)")

@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from dragon.diloco.outer import DiLoCoConfig
-from dragon.parallel.topology import island_size
 
 
 def _help(text: str, **kwargs):
@@ -199,14 +198,6 @@ class DiLoCoArguments:
     @property
     def enabled(self) -> bool:
         return self.diloco_inner_steps is not None
-
-    def island_world(self, launch_world: int) -> int:
-        """Ranks per island for a launch of `launch_world` ranks (ValueError when it does not
-        split).
-        """
-        if not self.enabled:
-            return launch_world
-        return island_size(self.diloco_islands, launch_world, self.diloco_island_index is not None)
 
     def check_training(self, args) -> None:
         """Checks against TrainingArguments: checkpoints fall on outer steps only."""

@@ -2,9 +2,12 @@
 turn, so that the bytes of an outer step are spread over the window instead of sent at once.
 
 The cut. BDH's layers share one block of weights, so a fragment cannot be a set of layers (the
-paper's choice). A fragment here is a slice of the neurons: neurons [f N/F, (f+1) N/F) of every
-head, which is their columns of `encoder` and `encoder_v` (nh, D, N) and their rows of `decoder`
-(nh N, D); everything one neuron reads and writes travels together. `embed` (V, D) and `lm_head`
+paper's choice). A fragment here is a set of neurons: neuron n of every head is in fragment
+n mod F, with its columns of `encoder` and `encoder_v` (nh, D, N) and its rows of `decoder`
+(nh N, D); everything one neuron reads and writes travels together. Interleaved, not in runs,
+so that the ranks that split the neurons (--neuron_parallel K, each holding a run of N/K) each
+hold 1/F of every fragment and the cut is the same for every K: an island of K shares syncs
+what an unsplit island syncs, each rank sending 1/K of it. `embed` (V, D) and `lm_head`
 (D, V) are cut the same way along the vocabulary, tokens [f V/F, (f+1) V/F): every fragment is
 then the same size (peak bandwidth 1/F of the whole) and each still holds whole units of the
 model. A parameter BDH does not have (the transformer baselines) is cut into F equal runs of its
@@ -52,16 +55,20 @@ VOCAB_ROWS = "embed.weight"  # (V, D)
 VOCAB_COLUMNS = "lm_head"  # (D, V)
 
 
+INTERLEAVED, RUNS = "interleaved", "runs"  # neuron n in fragment n mod F, or n F / N (older)
+
+
 def element_fragments(name: str, shape: tuple, start: int, numel: int, neurons: int,
-                      fragments: int) -> torch.Tensor:
+                      fragments: int, cut: str = INTERLEAVED) -> torch.Tensor:
     """The fragment of each of `numel` values of parameter `name` (of `shape`) from flattened
-    offset `start` on, as int8."""
+    offset `start` on, as int8 (`neurons`: per head on this rank)."""
     e = torch.arange(start, start + numel, dtype=torch.int64)
     leaf = name.split(".")[-1]
-    if leaf in NEURON_SLICED:
-        unit, units = e % shape[-1], shape[-1]
-    elif leaf == NEURON_ROWS:
-        unit, units = (e // shape[-1]) % neurons, neurons
+    if leaf in NEURON_SLICED or leaf == NEURON_ROWS:
+        neuron = e % shape[-1] if leaf in NEURON_SLICED else (e // shape[-1]) % neurons
+        if cut == INTERLEAVED:  # a share of N/K neurons starts at a multiple of F
+            return (neuron % fragments).to(torch.int8)
+        unit, units = neuron, neurons
     elif name.endswith(VOCAB_ROWS):
         unit, units = e // shape[-1], shape[0]
     elif leaf == VOCAB_COLUMNS:
@@ -71,7 +78,8 @@ def element_fragments(name: str, shape: tuple, start: int, numel: int, neurons: 
     return (unit * fragments // units).to(torch.int8)
 
 
-def fragment_ids(segments: list, shapes: dict, numels: list[int], fragments: int) -> torch.Tensor:
+def fragment_ids(segments: list, shapes: dict, numels: list[int], fragments: int,
+                 cut: str = INTERLEAVED) -> torch.Tensor:
     """The fragment of every value of this rank's master tensors, one int8 vector over them all
     (dragon.diloco.master_weights.MasterWeights.segments says where each piece sits; padding
     belongs to fragment 0)."""
@@ -81,7 +89,7 @@ def fragment_ids(segments: list, shapes: dict, numels: list[int], fragments: int
     for pieces, numel in zip(segments, numels):
         for name, at, offset, count in pieces:
             ids[base + offset:base + offset + count] = element_fragments(
-                name, shapes[name], at, count, neurons, fragments)
+                name, shapes[name], at, count, neurons, fragments, cut)
         base += numel
     return ids
 
@@ -127,6 +135,7 @@ class FragmentedDiLoCo(DiLoCo):
         super().__init__(weights, config, topology, outer_optimizer)
         self.F, self.delay = config.fragments, config.fragment_delay
         self.alpha = config.fragment_alpha if self.mode == "delayed" else 0.0
+        self.cut = INTERLEAVED
         if ids is None:
             ids = fragment_ids(weights.segments(), weights.shapes(), self.numels, self.F)
         self.ids = ids  # one byte a value; a fragment's mask is made when it is used
@@ -294,7 +303,8 @@ class FragmentedDiLoCo(DiLoCo):
         for here: the save point is the same on every island) and where they land."""
         return {
             "outer_step": self.outer_step, "mode": self.mode, "numels": self.numels,
-            "fragments": self.F, "segments": None,  # resumes on its own layout only
+            "fragments": self.F, "cut": self.cut,
+            "segments": None,  # resumes on its own layout only
             "outer_params": [p.detach().cpu().clone() for p in self.outer_params],
             "optimizers": self.outer_optimizer_state(),
             "residual": None if self.residual is None else self.residual.clone(),
@@ -310,6 +320,10 @@ class FragmentedDiLoCo(DiLoCo):
                 f"DiLoCo state of {state.get('fragments', 1)} fragments, mode {state['mode']} "
                 f"does not fit --diloco_fragments {self.F}, mode {self.mode} on this layout; "
                 "resume with the run's own --diloco_fragments, mode, ZeRO stage and island size")
+        if state.get("cut", RUNS) != self.cut:  # saved before the cut was interleaved
+            self.cut = state.get("cut", RUNS)
+            self.ids = fragment_ids(self.weights.segments(), self.weights.shapes(), self.numels,
+                                    self.F, self.cut)
         with torch.no_grad():
             for p, saved in zip(self.outer_params, state["outer_params"]):
                 p.copy_(saved)

@@ -11,8 +11,9 @@ class MasterWeights:
     tensors(): the fp32 master tensors this rank owns, read fresh each time (a checkpoint load
     copies into them). publish(): after writing them, update the weights the next forward uses.
     replicas: how many ranks of the island hold the same tensors (norms divide by it); excluded:
-    (tensor index, start, numel) of copies that another stage also holds (a pipeline's tied
-    weights), left out of norms.
+    (tensor index, start, numel) of copies that another rank also holds (a pipeline's tied
+    weights; under --neuron_parallel the replicated weights on every share but the first), left
+    out of norms.
     """
 
     def __init__(self, engine):
@@ -46,7 +47,7 @@ class MasterWeights:
             raise NotImplementedError(
                 f"DiLoCo: DeepSpeed optimizer {type(opt).__name__} is not supported"
             )
-        self.excluded = self._pipeline_copies()
+        self.excluded = self._pipeline_copies() + self._neuron_group_copies()
 
     def tensors(self) -> list[torch.Tensor]:
         opt = self.engine.optimizer
@@ -116,15 +117,31 @@ class MasterWeights:
                 for n, p in self.engine.module.named_parameters()}
 
     def fingerprint(self) -> list[float]:
-        """[sum, sum of squares] in float64 of the weights the next forward uses, on this rank."""
+        """[sum, sum of squares] in float64 of the weights the next forward uses, on this rank
+        (under --neuron_parallel the replicated ones on the first share only)."""
         total, squares = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+        split = getattr(self.engine.module, "neuron_split", None)
+        first_share = split is None or dist.get_rank(group=split[0]) == 0
         for p in self.engine.module.parameters():
+            if not (first_share or getattr(p, "tensor_model_parallel", False)):
+                continue  # a replicated weight: the first share counts it
             for t in (p.data, getattr(p, "ds_tensor", None)):
                 if t is not None and t.numel():
                     t = t.detach().double().cpu()
                     total += t.sum()
                     squares += t.pow(2).sum()
         return [total.item(), squares.item()]
+
+    def _neuron_group_copies(self) -> list[tuple[int, int, int]]:
+        """The pieces of replicated weights (embedding, head) on a rank that holds a neuron share
+        other than the first: every rank of the neuron group holds them."""
+        split = getattr(self.engine.module, "neuron_split", None)
+        if split is None or dist.get_rank(group=split[0]) == 0:
+            return []
+        sharded = {n for n, p in self.engine.module.named_parameters()
+                   if getattr(p, "tensor_model_parallel", False)}
+        return [(k, offset, numel) for k, pieces in enumerate(self.segments())
+                for name, _, offset, numel in pieces if name not in sharded]
 
     def _pipeline_copies(self) -> list[tuple[int, int, int]]:
         replicated = [
@@ -156,4 +173,6 @@ def _data_parallel_size(engine) -> int:
     grid = getattr(engine, "grid", None)
     if grid is not None:
         return grid.data_parallel_size
+    if getattr(engine, "dp_world_size", None):  # the mpu's data-parallel size, if one was given
+        return engine.dp_world_size
     return dist.get_world_size() if dist.is_initialized() else 1

@@ -25,8 +25,6 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from dragon.parallel.distributed import launcher_world_size
-
 _PREFIX = "dragon-diloco"
 
 
@@ -94,31 +92,6 @@ class Topology:
             self.cross_group.barrier().wait()
 
 
-def island_size(islands: int, launch_world: int, one_launch_per_island: bool = False) -> int:
-    """Ranks per island; one-line ValueError when the launch cannot be split into `islands`."""
-    if islands < 1:
-        raise ValueError(f"--diloco_islands {islands}: must be >= 1")
-    if one_launch_per_island:
-        return launch_world  # this launch is one island
-    if launch_world % islands:
-        raise ValueError(
-            f"--diloco_islands {islands}: the world size {launch_world} is not divisible by it"
-        )
-    return launch_world // islands
-
-
-def pipeline_data_parallel(island_world: int, stages: int, islands: int = 1) -> int:
-    """Data-parallel degree of one island's pipeline; one-line ValueError when stages do not divide
-    it.
-    """
-    what = "island size" if islands > 1 else "world size"
-    if stages < 1 or island_world % stages:
-        raise ValueError(
-            f"--pipeline_stages {stages}: the {what} {island_world} is not divisible by it"
-        )
-    return island_world // stages
-
-
 def _parse_store(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -171,7 +144,7 @@ def _split_launch(islands: int, launch_rank: int, launch_world: int, timeout_s: 
     """One launch holds every island: this rank's block of ranks becomes its island's own world,
     started through the launcher's store under a per-island prefix."""
     timeout = timedelta(seconds=timeout_s)
-    size = island_size(islands, launch_world)
+    size = launch_world // islands  # dragon.parallel.layout checked that it divides
     island, island_rank = divmod(launch_rank, size)
     host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
     agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None) == "True"  # torchrun's
@@ -200,31 +173,3 @@ def _split_launch(islands: int, launch_rank: int, launch_world: int, timeout_s: 
         timeout=timeout,
     )
     return Topology(islands, island, island_rank, size, store=store, timeout_s=timeout_s)
-
-
-def data_parallel_world(args, diloco, pipe_args=None) -> tuple[int, int]:
-    """(data-parallel ranks of one island, islands) for this launch (the recipe's
-    TrainingArguments, DiLoCoArguments and PipelineArguments or None)."""
-    world, islands = launcher_world_size(), 1
-    if diloco.enabled:  # every island is a world of its own; data is split over all of them
-        diloco.check_training(args)
-        world, islands = diloco.island_world(world), diloco.diloco_islands
-    if args.neuron_parallel > 1:
-        return neuron_data_parallel(world, args, diloco.enabled, pipe_args is not None), islands
-    if pipe_args is None:
-        return world, islands
-    return pipeline_data_parallel(world, pipe_args.pipeline_stages, islands), islands
-
-
-def neuron_data_parallel(world: int, args, diloco: bool, pipeline: bool) -> int:
-    """Data-parallel degree under --neuron_parallel K (the recipe's TrainingArguments); one-line
-    ValueError for what it does not combine with yet."""
-    k = args.neuron_parallel
-    for refused, what in ((pipeline, "the pipeline recipe"), (diloco, "DiLoCo islands"),
-                          (args.carry_state, "--carry_state")):
-        if refused:
-            raise ValueError(f"--neuron_parallel {k}: not yet with {what}; use recipes/pretrain.py "
-                             "without it, or --neuron_parallel 1")
-    if world % k:
-        raise ValueError(f"--neuron_parallel {k}: the world size {world} is not divisible by it")
-    return world // k

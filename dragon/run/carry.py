@@ -22,9 +22,10 @@ from dragon.model.bdh import BDHConfig
 STATE_FILE = "carried_state"  # <name>_<rank>.pt in every checkpoint of a run with --carry_state
 
 
-def state_bytes_per_row(config: BDHConfig) -> int:
-    """One row's carried state: n_layer x n_head x N x D fp32 numbers."""
-    return 4 * config.n_layer * config.n_head * config.n_neurons * config.n_embd
+def state_bytes_per_row(config: BDHConfig, neurons: int = 1) -> int:
+    """One row's carried state on a rank: n_layer x n_head x N x D fp32 numbers, of which a rank
+    holds 1/K under --neuron_parallel K (`neurons`)."""
+    return 4 * config.n_layer * config.n_head * config.n_neurons * config.n_embd // neurons
 
 
 def available_memory_bytes() -> int:
@@ -38,13 +39,14 @@ def available_memory_bytes() -> int:
     return available // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
 
-def check_state_fits(config: BDHConfig, rows: int, available: Optional[int] = None) -> int:
+def check_state_fits(config: BDHConfig, rows: int, available: Optional[int] = None,
+                     neurons: int = 1) -> int:
     """The bytes of `rows` rows' states; raises when they alone exceed the memory available."""
-    need = rows * state_bytes_per_row(config)
+    need = rows * state_bytes_per_row(config, neurons)
     available = available_memory_bytes() if available is None else available
     if need > available:
         raise ValueError(
-            f"--carry_state: {rows} rows x {state_bytes_per_row(config) / 2**20:,.1f} MiB of "
+            f"--carry_state: {rows} rows x {need / rows / 2**20:,.1f} MiB of "
             f"state = {need / 2**30:,.2f} GiB per rank, more than the {available / 2**30:,.2f} "
             "GiB available; lower the micro batch size or gradient accumulation, or the model"
         )

@@ -127,7 +127,7 @@ def check_data_fits(inputs, config, dp_world: int, islands: int) -> None:
             "state twice; use --activation_checkpoint_interval 0"
         )
     rows = micro * accum + (args.per_device_eval_batch_size if args.eval_carried else 0)
-    check_state_fits(config, rows)
+    check_state_fits(config, rows, neurons=inputs.layout.neurons)
 
 
 def _check_streaming(data_args, args) -> None:

@@ -12,6 +12,7 @@ from dragon.data.text import DataArguments
 from dragon.model.baseline import is_bdh
 from dragon.model.bdh import BDHConfig, BDHForCausalLM
 from dragon.diloco.arguments import DiLoCoArguments
+from dragon.parallel.layout import Layout
 from dragon.run.args import ModelArguments, PipelineArguments, TrainingArguments
 
 
@@ -33,6 +34,7 @@ class RecipeInputs:
     reshaped: dict[int, str] = field(default_factory=dict)  # island -> what the resume converts
     # island -> (the line of a resume by another number of islands, whether it is a new island)
     regrouped: dict[int, tuple[str, bool]] = field(default_factory=dict)
+    layout: Layout = field(default_factory=Layout)  # islands x stages x neurons x data parallel
 
     def resume_target(self, island: int) -> Optional[ResumeTarget]:
         """What island `island` resumes from (--resume_from_checkpoint), or None."""

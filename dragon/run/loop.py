@@ -57,10 +57,10 @@ class TrainingRun:
                         f"{len(inputs.valid_set):,} valid samples of {block + 1} tokens, "
                         f"{self.tokens_per_step:,} tokens per step")
             if data.carried:
-                self._describe_carried_state(config, micro)
+                self._describe_carried_state(config, micro, inputs.layout.neurons)
 
-    def _describe_carried_state(self, config, micro: int) -> None:
-        row, rows = state_bytes_per_row(config), micro * self.accum
+    def _describe_carried_state(self, config, micro: int, neurons: int) -> None:
+        row, rows = state_bytes_per_row(config, neurons), micro * self.accum
         every = self.args.state_reset_steps
         logger.info(
             f"carried state: {row / 2**20:,.2f} MiB per row x {rows} rows = "

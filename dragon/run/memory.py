@@ -31,6 +31,7 @@ from dragon.model import baseline
 from dragon.model.cost import parameter_count
 from dragon.model.baseline import is_bdh
 from dragon.model.bdh import BDHConfig, BDHForCausalLM
+from dragon.parallel.layout import Layout
 from dragon.parallel.neurons import keep_share
 
 ADAM_BYTES, FP32 = 8, 4
@@ -109,15 +110,14 @@ def estimate(
     config: BDHConfig,
     ds_config: dict,
     block: int,
-    dp_world: int,
-    stages: int = 1,
+    layout: Layout,
     outer_states: int = 0,
     carried_rows: int = 0,
-    neuron_parallel: int = 1,
 ) -> dict[str, int]:
-    """Estimated bytes per rank, by part; `outer_states` fp32 copies of the master weights for
-    DiLoCo (theta_outer plus its optimizer's buffers), `carried_rows` rows of carried state,
-    `neuron_parallel` ranks that split the neurons."""
+    """Estimated bytes per rank of `layout`, by part; `outer_states` fp32 copies of the master
+    weights for DiLoCo (theta_outer plus its optimizer's buffers), `carried_rows` rows of
+    carried state."""
+    dp_world, stages, neuron_parallel = layout.data_parallel, layout.stages, layout.neurons
     zero = ds_config.get("zero_optimization", {})
     stage = int(zero.get("stage", 0))
     offload = zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
@@ -137,7 +137,7 @@ def estimate(
     if carried_rows:
         from dragon.run.carry import state_bytes_per_row
 
-        parts["carried state"] = carried_rows * state_bytes_per_row(config)
+        parts["carried state"] = carried_rows * state_bytes_per_row(config, neuron_parallel)
     if host:
         parts["host: offloaded model states"] = host
     return parts

@@ -5,13 +5,15 @@ the run (dragon.run.inputs.RecipeInputs)."""
 
 import os
 import warnings
+from dataclasses import replace
 
 from dragon.errors import InputRefused
 from dragon.model.baseline import is_bdh
 from dragon.parallel.ds_config import load_ds_config, resolve_ds_config, zero_stage
 from dragon.parallel.neurons import check_split
 from dragon.run import resume_checks
-from dragon.parallel.topology import data_parallel_world
+from dragon.parallel.distributed import launcher_world_size
+from dragon.parallel.layout import Layout, plan_layout
 from dragon.run.args import parse_arguments
 from dragon.run.data import check_data_fits, load_data
 from dragon.run.inputs import RecipeInputs, model_config
@@ -27,8 +29,11 @@ def preflight(pipeline: bool = False) -> RecipeInputs:
         )
     try:
         model_args, data_args, args, diloco, pipe_args = parse_arguments(pipeline)
-        dp_world, islands = data_parallel_world(args, diloco, pipe_args)
+        layout = launch_layout(args, diloco, pipe_args)
+        dp_world, islands = layout.data_parallel, layout.islands
         ds_config = resolve_ds_config(load_ds_config(args.deepspeed)[1], args, dp_world)
+        layout = replace(layout, zero_stage=zero_stage(ds_config), global_batch=ds_config[
+            "train_batch_size"], bf16=bool(ds_config.get("bf16", {}).get("enabled", False)))
         if pipeline and zero_stage(ds_config) > 1:
             raise ValueError(
                 f"--deepspeed {args.deepspeed}: ZeRO stage {zero_stage(ds_config)} cannot shard a "
@@ -39,18 +44,43 @@ def preflight(pipeline: bool = False) -> RecipeInputs:
                               pipe_args)
         if is_bdh(config):
             check_split(config.n_neurons, args.neuron_parallel)
+            _check_fragments_split(config.n_neurons, args.neuron_parallel, diloco)
         else:
             _check_baseline(model_args.model_type, args, diloco)
         inputs = RecipeInputs(model_args, data_args, args, diloco, pipe_args, ds_config,
-                              train_set, valid_set, tokenizer, resume={}, config=config)
+                              train_set, valid_set, tokenizer, resume={}, config=config,
+                              layout=layout)
         check_data_fits(inputs, config, dp_world, islands)
         _check_resume(inputs, config, dp_world)
     except ValueError as e:  # DataError and config errors are ValueErrors with one-line messages
         raise InputRefused(str(e)) from None
     if pipeline:
         _warn_about_the_bubble(ds_config["gradient_accumulation_steps"], pipe_args.pipeline_stages)
-    show_plan_or_begin(inputs, config, dp_world)
+    show_plan_or_begin(inputs, config)
     return inputs
+
+
+def launch_layout(args, diloco, pipe_args) -> Layout:
+    """The layout of this launch from the recipe's arguments (zero stage and batch still 0)."""
+    diloco.check_training(args)
+    islands = diloco.diloco_islands if diloco.enabled else 1
+    one_launch = diloco.enabled and diloco.diloco_island_index is not None
+    stages = pipe_args.pipeline_stages if pipe_args is not None else 1
+    if args.neuron_parallel > 1 and pipe_args is not None:
+        raise ValueError(f"--neuron_parallel {args.neuron_parallel}: not yet with the pipeline "
+                         "recipe; use recipes/pretrain.py for it, or --neuron_parallel 1 here")
+    return plan_layout(launcher_world_size(), islands, one_launch, stages, args.neuron_parallel,
+                       pipe_args is not None)
+
+
+def _check_fragments_split(n_neurons: int, k: int, diloco) -> None:
+    """Fragments interleave the neurons (n mod F): each of K shares must start at a multiple of
+    F for every share to hold the same part of every fragment."""
+    f = diloco.diloco_fragments if diloco.enabled else 1
+    if k > 1 and f > 1 and (n_neurons // k) % f:
+        raise ValueError(f"--diloco_fragments {f}: each of the {k} neuron shares holds "
+                         f"{n_neurons // k} neurons per head, not a multiple of it; use a "
+                         f"divisor of {n_neurons // k}")
 
 
 def _check_baseline(model_type: str, args, diloco) -> None:
@@ -71,9 +101,8 @@ def _check_resume(inputs: RecipeInputs, config, dp_world: int) -> None:
     resume_checks.check_output_dir(args, diloco)
     resume_checks.check_resume_sizes(config, inputs.resume)
     resume_checks.check_resume_fragments(inputs.resume, diloco)
-    stages = inputs.pipeline.pipeline_stages if inputs.pipeline else 0
-    inputs.reshaped = resume_checks.check_reshape(inputs.resume, inputs.ds_config, dp_world,
-                                                  stages, diloco, args.neuron_parallel)
+    inputs.reshaped = resume_checks.check_reshape(inputs.resume, inputs.ds_config, inputs.layout,
+                                                  diloco)
 
 
 def _warn_about_the_bubble(micro_batches: int, stages: int) -> None:

@@ -8,11 +8,11 @@ import warnings
 from typing import Optional
 
 from dragon.checkpoint.checkpointer import resolve_resume
-from dragon.checkpoint.reshape import (Layout, regroup_message, reshape_message, saved_islands,
+from dragon.parallel.layout import Layout
+from dragon.checkpoint.reshape import (regroup_message, reshape_message, saved_islands,
                                        saved_layout)
 from dragon.checkpoint.catalog import has_complete, list_checkpoints
 from dragon.diloco.state import check_diloco_state, saved_fragments
-from dragon.parallel.ds_config import zero_stage
 from dragon.diloco.arguments import DiLoCoArguments
 from dragon.run.args import TrainingArguments
 from dragon.run.lock import take_run_lock
@@ -70,16 +70,12 @@ def _with_checkpoints(root: str, island: int, launch_dir: str) -> Optional[str]:
 
 
 def check_reshape(
-    resume: dict, ds_config: dict, dp_world: int, stages: int, diloco: DiLoCoArguments,
-    neuron_parallel: int = 1,
+    resume: dict, ds_config: dict, layout: Layout, diloco: DiLoCoArguments
 ) -> dict[int, str]:
-    """island -> the line a resume on another layout prints (dragon.checkpoint.reshape; `stages`:
-    of the
-    pipeline, 0 without one); switches the engine to DeepSpeed's universal checkpoint loading
-    when one converts for ZeRO-1/2/3."""
-    bf16 = bool(ds_config.get("bf16", {}).get("enabled", False))
-    launch = Layout(zero_stage(ds_config), dp_world, stages > 0, bf16=bf16, stages=max(stages, 1),
-                    neuron_parallel=neuron_parallel)
+    """island -> the line a resume on another layout prints (dragon.checkpoint.reshape; `layout`:
+    this launch's); switches the engine to DeepSpeed's universal checkpoint loading when one
+    converts for ZeRO-1/2/3."""
+    launch = layout.one_island()
     reshaped = {}
     for island, (load_dir, tag) in resume.items():
         saved = saved_layout(load_dir, tag)
