@@ -347,10 +347,11 @@ def test_export_never_replaces_a_users_files_silently(runs, tmp_path):
          "--neuron_parallel 3: N=2048 neurons per head must split into 3 even shares (valid: "
          "divisors of 1024)"),
         (["--neuron_parallel", "2"], {"WORLD_SIZE": "3"},
-         "--neuron_parallel 2: the world size 3 is not divisible by it"),
-        (["--neuron_parallel", "2", "--carry_state"], {"WORLD_SIZE": "2"},
-         "--neuron_parallel 2: not yet with --carry_state; use recipes/pretrain.py without it, "
-         "or --neuron_parallel 1"),
+         "--neuron_parallel 2: the world size 3 is not divisible by it (valid: a divisor of 3)"),
+        (["--neuron_parallel", "2", "--diloco_inner_steps", "4", "--diloco_islands", "2",
+          "--diloco_fragments", "3"], {"WORLD_SIZE": "4"},
+         "--diloco_fragments 3: each of the 2 neuron shares holds 1024 neurons per head, not a "
+         "multiple of it; use a divisor of 1024"),
     ],
 )
 def test_bad_input_stops_before_start(monkeypatch, text_file, tmp_path, argv, env, expected):

@@ -41,8 +41,10 @@ def test_the_dry_run_prints_the_checked_plan(monkeypatch, capsys, tmp_path, text
     nothing is written."""
     base = bad_input_base("zero2.json", tmp_path / "a", text_file)
     out = dry_run(monkeypatch, capsys, "recipes/pretrain.py", [*base, "--max_steps", "10"], 2)
-    assert "topology: 1 island(s) x 1 pipeline stage(s) x 2 data-parallel rank(s)" in out
+    assert "layout: 1 island(s) x 1 pipeline stage(s) x 1 neuron share(s) x 2 data-parallel " \
+        "rank(s), ZeRO-2" in out
     assert "  rank 1: data rank 1 of 2" in out
+    assert "  data-parallel groups: [0, 1]" in out
     assert "tokens per step" in out and "10 steps = " in out
     assert '"train_batch_size": 16' in out and '"auto"' not in out and '"stage": 2' in out
     assert re.search(r"model states: [\d.,]+ MiB\n  activations: [\d.,]+ MiB\n  total", out)
@@ -52,9 +54,12 @@ def test_the_dry_run_prints_the_checked_plan(monkeypatch, capsys, tmp_path, text
     extra = ["--pipeline_stages", "2", "--diloco_islands", "2", "--diloco_inner_steps", "4"]
     extra += ["--gradient_accumulation_steps", "2"]
     out = dry_run(monkeypatch, capsys, PIPE, [*base, *extra], 8)
-    assert "topology: 2 island(s) x 2 pipeline stage(s) x 2 data-parallel rank(s)" in out
+    assert "layout: 2 island(s) x 2 pipeline stage(s) x 1 neuron share(s) x 2 data-parallel " \
+        "rank(s), ZeRO-1" in out
     assert "  rank 5: island 1, stage 0, data rank 1 of 2" in out
     assert "  rank 6: island 1, stage 1, data rank 0 of 2" in out
+    assert "  island 1: launch ranks 4-7" in out
+    assert "    stage 1: ranks 2-3" in out and "    stage 1 data-parallel groups: [2, 3]" in out
     assert "DiLoCo: outer step every 4 steps" in out
     assert "DiLoCo theta_outer and outer optimizer:" in out
 
@@ -70,9 +75,10 @@ def test_the_dry_run_shows_each_rank_s_share_of_the_neurons(monkeypatch, capsys,
                       [*base, "--neuron_parallel", str(k)], k)
         parts[k] = {name: float(mib.replace(",", "")) for name, mib in
                     re.findall(r"  (model states|activations): ([\d.,]+) MiB", out)}
-    assert "topology: 1 island(s) x 1 pipeline stage(s) x 1 data-parallel rank(s) x 2 neuron " \
-        "shares" in out
-    assert "  rank 1: neurons 1 of 2 (N/2 = 1024 per head), data rank 0 of 1" in out
+    assert "layout: 1 island(s) x 1 pipeline stage(s) x 2 neuron share(s) x 1 data-parallel " \
+        "rank(s), ZeRO-2" in out
+    assert "  rank 1: neurons 1 of 2, data rank 0 of 1" in out
+    assert "  neuron groups: [0, 1]" in out and "each neuron share: N/2 = 1024 neurons" in out
     assert 0.45 < parts[2]["activations"] / parts[1]["activations"] < 0.6
     assert 0.45 < parts[2]["model states"] / parts[1]["model states"] < 0.6
 
