@@ -66,7 +66,7 @@ def test_islands_of_two_neuron_shares_equal_islands_of_one_rank(mode, extra, run
     outer = [[m for m in island_metrics(split, i) if "outer_step" in m] for i in (0, 1)]
     for key in ("weights_sum", "weights_sumsq", "outer_sum", "outer_sumsq"):
         assert outer[0][-1][key] == outer[1][-1][key], key  # identical islands at the end
-    assert (final_logits(split) - final_logits(one)).abs().max() < 1e-4
+    assert (final_logits(split) - final_logits(one)).abs().max() < 50 * tolerance
 
 
 @pytest.mark.slow
