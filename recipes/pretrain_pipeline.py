@@ -28,7 +28,7 @@ from dragon.checkpoint.checkpointer import Checkpointer, RNGState
 from dragon.checkpoint.export import export_run, print_sample
 from dragon.checkpoint.retention import attach_retention
 from dragon.checkpoint.writes import SaveFailed
-from dragon.diloco.outer import DiLoCo
+from dragon.diloco.build import outer_loop
 from dragon.model.attention import BDHCache
 from dragon.model.sparsity import SparsityProbe
 from dragon.parallel.distributed import (
@@ -102,7 +102,7 @@ def main():
     # Optional: after every engine.save_checkpoint, a completion marker once every rank wrote its
     # files, and pruning to the last --save_total_limit plus the best by --metric_for_best_model.
     attach_retention(engine, args.retention_policy(), RECORDED_METRICS, metrics_path(run_dir))
-    outer = DiLoCo.from_engine(engine, inputs.diloco.config(), topology)  # None without DiLoCo
+    outer = outer_loop(engine, inputs.diloco.config(), topology)  # None without DiLoCo
 
     # The run's state: this data rank's blocks (every stage of it reads the same ones), the
     # attention states of this stage's layers (--carry_state), RNG, the outer loop.

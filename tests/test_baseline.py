@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, job_env, losses
+from conftest import LOSS_ATOL, REPO, job_env, losses, read_jsonl
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -46,3 +46,29 @@ def test_a_baseline_of_the_bdh_s_size_trains_resumes_and_exports(model_type, run
     assert job.returncode == 0, job.stderr[-3000:]
     ours, final = (load_file(d / "model.safetensors") for d in (tmp_path / "hf", out / "final"))
     assert ours.keys() == final.keys() and all(torch.equal(ours[k], final[k]) for k in ours)
+
+
+@pytest.mark.slow
+def test_a_baseline_trains_under_diloco(runs):
+    """The transformer baselines under DiLoCo, as BDH: one island whose outer step is the
+    identity (lr 1, no momentum) trains as plain GPT-2 does (within 2e-5); 2 Llama islands
+    with 2 int8 fragments in delayed mode (a parameter BDH has not is cut into equal runs of its
+    values) learn and end on identical weights."""
+    gpt2 = ["--model_type", "gpt2", "--match_params", "--dropout", "0.1"]
+    _, plain, _ = runs("baseline_gpt2", extra=gpt2)
+    _, outer, _ = runs("baseline_gpt2_one_island", extra=[
+        *gpt2, "--diloco_inner_steps", "2", "--diloco_outer_lr", "1", "--diloco_outer_momentum",
+        "0"])
+    assert losses(outer) == pytest.approx(losses(plain), abs=LOSS_ATOL)
+    assert [m["outer_step"] for m in outer if "outer_step" in m] == [1, 2, 3, 4]
+
+    out, _, _ = runs("baseline_llama_islands", nproc=2, extra=[
+        "--model_type", "llama", "--match_params", "--diloco_islands", "2",
+        "--diloco_inner_steps", "4", "--diloco_fragments", "2", "--diloco_mode", "delayed",
+        "--diloco_compress", "int8", "--diloco_checksum", "--diloco_outer_momentum", "0.3"])
+    metrics = [read_jsonl(out / f"island{i}" / "metrics.jsonl") for i in (0, 1)]
+    assert losses(metrics[0])[-1] < losses(metrics[0])[0] - 0.3
+    last = [[m for m in island if "outer_step" in m][-1] for island in metrics]
+    for key in ("weights_sum", "weights_sumsq", "outer_sum", "outer_sumsq"):
+        assert last[0][key] == last[1][key], key
+    assert AutoModelForCausalLM.from_pretrained(out / "final").config.model_type == "llama"

@@ -1,6 +1,7 @@
 """DiLoCo: islands that train apart and meet every H steps for an outer step.
 
 - arguments: the --diloco_* command-line arguments (DiLoCoArguments)
+- build: outer_loop(engine, ...), the outer loop a recipe runs (DiLoCo or FragmentedDiLoCo)
 - outer: DiLoCo, the outer loop of one rank
 - fragments: streaming DiLoCo, the weights in fragments synced in turn (--diloco_fragments)
 - exchange: one exchange of a flat pseudo-gradient among islands (fp32, bf16, int8, int4, top-k)

@@ -23,7 +23,7 @@ on the same weights. With top-k, an island's share is what it sent; the rest wai
 residual.
 
 Streaming DiLoCo (--diloco_fragments F > 1: the weights in fragments synced in turn) is
-dragon.diloco.fragments.FragmentedDiLoCo, which from_engine builds in its place.
+dragon.diloco.fragments.FragmentedDiLoCo (dragon.diloco.build chooses between them).
 
 Compression (the outer step stays fp32; dragon.diloco.exchange): bf16 all-reduces Delta in
 bf16; int8 quantizes Delta with one absmax scale per block of --diloco_int8_block values (0: per
@@ -65,7 +65,6 @@ import torch.distributed as dist
 
 from dragon.parallel.distributed import all_reduce_values
 from dragon.diloco.exchange import Exchange, Round, flatten
-from dragon.diloco.master_weights import MasterWeights
 from dragon.diloco.membership import Membership
 from dragon.diloco.elastic import ElasticRounds
 from dragon.diloco.state import OuterState
@@ -142,19 +141,6 @@ class DiLoCo(OuterState, ElasticRounds):
         self.contributed = True  # `previous` is this island's share of it
         self.outer_step = 0
         self.peak_bytes = 0  # the most any outer step before the last sent
-
-    @classmethod
-    def from_engine(
-        cls, engine, config: Optional[DiLoCoConfig], topology: Topology, outer_optimizer=None
-    ) -> Optional["DiLoCo"]:
-        """The outer loop for a DeepSpeed engine; None when DiLoCo is off (no config)."""
-        if config is None:
-            return None
-        if config.fragments > 1:
-            from dragon.diloco.fragments import FragmentedDiLoCo
-
-            cls = FragmentedDiLoCo
-        return cls(MasterWeights(engine), config, topology, outer_optimizer)
 
     def is_boundary(self, step: int, final: bool = False) -> bool:
         """Whether a checkpoint may be taken after inner step `step`."""

@@ -86,8 +86,7 @@ def _check_fragments_split(n_neurons: int, k: int, diloco) -> None:
 def _check_baseline(model_type: str, args, diloco) -> None:
     """One line for what BDH has and a transformer baseline has not."""
     for refused, what in ((args.neuron_parallel > 1, "--neuron_parallel (BDH's neurons)"),
-                          (args.carry_state or args.eval_carried, "carried state (BDH's)"),
-                          (diloco.enabled, "DiLoCo islands (not yet)")):
+                          (args.carry_state or args.eval_carried, "carried state (BDH's)")):
         if refused:
             raise ValueError(f"--model_type {model_type}: not with {what}; drop it, or train "
                              "--model_type bdh")
