@@ -95,8 +95,9 @@ def main():
     run_dir = inputs.run_dir(topology.island)  # <output_dir>, or <output_dir>/island<i>
     check_every_rank_sees(run_dir)  # node-local disks would split the checkpoints: refused
     model = initial_model(inputs)
+    # --neuron_parallel K: each stage's K adjacent ranks split its copy of the shared block
     pipe = bdh_pipeline(model, pipe_args.pipeline_stages, pipe_args.partition_method,
-                        pipe_args.activation_checkpoint_interval)
+                        pipe_args.activation_checkpoint_interval, inputs.layout.neurons)
     engine, lr_schedule = deepspeed_engine(pipe, inputs)
     save_dir = os.path.join(run_dir, "checkpoints")
     # Optional: after every engine.save_checkpoint, a completion marker once every rank wrote its

@@ -37,6 +37,7 @@ from dragon.model.bdh import BDHConfig
 from dragon.checkpoint.pipeline import stage_files, write_pipeline, zero0_states_of_pipeline
 from dragon.checkpoint.retention import CONVERSIONS
 from dragon.parallel.layout import Layout
+from dragon.parallel.pipeline import pipeline_neuron_shares
 
 logger = logging.getLogger("dragon")
 UNIVERSAL, ZERO0, PIPELINE = CONVERSIONS  # retention deletes them with their checkpoint
@@ -56,9 +57,9 @@ def saved_layout(load_dir: str, tag: str) -> Layout:
     pipeline = bool(glob.glob(os.path.join(tag_dir, "layer_*-model_states.pt")))
     batch = int(config.get("train_batch_size", 0))
     bf16 = bool(config.get("bf16", {}).get("enabled", False))
-    stages = len(stage_files(tag_dir)) if pipeline else 1
-    # a pipeline's engine counts its stages as model-parallel ranks; elsewhere they split neurons
-    neurons = 1 if pipeline else int(state.get("mp_world_size") or 1)
+    # a pipeline's engine counts its stages (x its neuron shares) as model-parallel ranks
+    neurons = pipeline_neuron_shares(tag_dir) if pipeline else int(state.get("mp_world_size") or 1)
+    stages = len(stage_files(tag_dir)) // neurons if pipeline else 1
     return Layout(stages=stages, neurons=neurons, data_parallel=int(state["dp_world_size"]),
                   zero_stage=stage, pipeline=pipeline, bf16=bf16, global_batch=batch)
 

@@ -138,8 +138,9 @@ class MasterWeights:
         split = getattr(self.engine.module, "neuron_split", None)
         if split is None or dist.get_rank(group=split[0]) == 0:
             return []
-        sharded = {n for n, p in self.engine.module.named_parameters()
-                   if getattr(p, "tensor_model_parallel", False)}
+        sharded = {n for n, p in self.engine.module.named_parameters()  # or a tied copy, left
+                   if getattr(p, "tensor_model_parallel", False)  # out as one already
+                   or getattr(p, "ds_pipe_replicated", False)}
         return [(k, offset, numel) for k, pieces in enumerate(self.segments())
                 for name, _, offset, numel in pieces if name not in sharded]
 

@@ -91,10 +91,16 @@ def neuron_span(n_neurons: int, k: int, index: int) -> tuple[int, int]:
 def keep_share(model: nn.Module, index: int, k: int) -> None:
     """Keep, in place, share `index` of `k` of every head's neurons of a whole BDH model: the
     columns of `encoder` and `encoder_v`, the rows of `decoder`, the RoPE frequencies."""
-    config, layer = model.config, model.layer
+    keep_layer_share(model.layer, model.config, index, k)
+
+
+def keep_layer_share(layer: nn.Module, config: Any, index: int, k: int) -> None:
+    """keep_share for the shared block itself (a BDHLayer, or a pipeline stage's copy of it); a
+    pipeline's marks on the weights (ds_pipe_replicated) stay."""
     nh, D, N = config.n_head, config.n_embd, config.n_neurons
     check_split(N, k)
     first, end = neuron_span(N, k, index)
+    replicated = getattr(layer.encoder, "ds_pipe_replicated", None)
     with torch.no_grad():
         layer.encoder = nn.Parameter(layer.encoder[:, :, first:end].clone())
         layer.encoder_v = nn.Parameter(layer.encoder_v[:, :, first:end].clone())
@@ -102,6 +108,8 @@ def keep_share(model: nn.Module, index: int, k: int) -> None:
         layer.decoder = nn.Parameter(rows.clone())
     for p in (layer.encoder, layer.encoder_v, layer.decoder):
         p.tensor_model_parallel = True  # DeepSpeed's gradient norm counts each shard once
+        if replicated is not None:
+            p.ds_pipe_replicated = replicated
     layer.attn.neurons = (first, end)
     layer.attn.freqs = layer.attn.frequencies(device=layer.attn.freqs.device)
 
@@ -111,9 +119,14 @@ def split_neurons(model: nn.Module, group: Any, index: int, k: int) -> None:
     same weights as an unsplit model) and connect its layer to `group`, the K ranks that hold
     the shares."""
     keep_share(model, index, k)
-    model.layer.enter_neurons = EnterNeurons(group)
-    model.layer.sum_neurons = SumNeurons(group)
+    connect_layer(model.layer, group)
     model.neuron_split = (group, k)
+
+
+def connect_layer(layer: nn.Module, group: Any) -> None:
+    """Where the split layer's N-wide part begins and ends, the collectives over `group`."""
+    layer.enter_neurons = EnterNeurons(group)
+    layer.sum_neurons = SumNeurons(group)
 
 
 def whole_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict:

@@ -5,12 +5,15 @@ Every BDH layer uses the same `encoder`, `encoder_v` and `decoder`, so the layer
 its gradient across the stages that hold it, every step. The loss is the plain model's.
 """
 
+import glob
 import os
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
 import torch
+import torch.distributed as dist
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from deepspeed.runtime.utils import partition_balanced, partition_uniform
 from torch import nn
 
@@ -24,6 +27,7 @@ from dragon.model.bdh import (
     lm_logits,
 )
 from dragon.model.cost import parameter_count
+from dragon.parallel.neurons import connect_layer, join_shares, keep_layer_share
 
 SHARED_KEY = "bdh_shared_block"
 SHARED_WEIGHTS = ["encoder", "encoder_v", "decoder"]
@@ -154,18 +158,25 @@ def bdh_pipeline(
     num_stages: int,
     partition_method: str = "compute",
     activation_checkpoint_interval: int = 0,
+    neurons: int = 1,
 ) -> PipelineModule:
-    """A PipelineModule holding `model`'s weights (call after the process group exists)."""
+    """A PipelineModule holding `model`'s weights (call after the process group exists); with
+    `neurons` = K > 1 each stage's K adjacent ranks split its copy of the shared block's neurons
+    (DeepSpeed's (pipe, data, model) topology: the model axis is the neuron share)."""
     config = model.config
     check_pipeline(config, num_stages, partition_method)
     parts = partition(config, num_stages, partition_method)
     ds_method = f"type:{StageLayer.__name__}" if partition_method == "compute" else partition_method
+    shape = {"num_stages": num_stages}
+    if neurons > 1:  # tied copies are then tied within each share, across the stages
+        data = dist.get_world_size() // (num_stages * neurons)
+        shape = {"topology": PipeModelDataParallelTopology(num_stages, neurons, data)}
     pipe = PipelineModule(
         layers=pipeline_specs(config, parts),
-        num_stages=num_stages,
         loss_fn=causal_lm_loss,
         partition_method=ds_method,
         activation_checkpoint_interval=activation_checkpoint_interval,
+        **shape,
     )
     if [int(p) for p in pipe.parts] != parts:
         raise RuntimeError(
@@ -174,13 +185,23 @@ def bdh_pipeline(
     start, stop = parts[pipe.stage_id], parts[pipe.stage_id + 1]
     stage_layer(pipe).layers_on_stage = len(range(max(start, 1), min(stop, config.n_layer + 1)))
     stage_layer(pipe).first_layer = max(start, 1) - 1
-    # DeepSpeed sums gradient norms over a pipeline's stages but, Megatron-style, counts a
-    # parameter outside the first stage only if it is marked model-parallel; unmarked, the
-    # head's gradient would be left out of clipping. Every parameter lives on one stage except
-    # the shared block's later copies, which DeepSpeed marks ds_pipe_replicated.
-    for p in pipe.parameters():
-        p.model_parallel = not getattr(p, "ds_pipe_replicated", False)
     load_into_pipeline(pipe, model)
+    share = pipe._grid.get_slice_parallel_rank()
+    if neurons > 1:
+        group = pipe._grid.get_slice_parallel_group()
+        keep_layer_share(stage_layer(pipe), config, share, neurons)
+        connect_layer(stage_layer(pipe), group)
+        pipe.neuron_split = (group, neurons)
+    # DeepSpeed sums gradient norms over a pipeline's stages and neuron shares but,
+    # Megatron-style, counts a parameter outside the first rank of them only if it is marked
+    # model-parallel; unmarked, the head's gradient would be left out of clipping. Every
+    # parameter lives on one stage except the shared block's later copies, which DeepSpeed marks
+    # ds_pipe_replicated; the embedding and head are on every share of their stage.
+    for p in pipe.parameters():
+        copy = getattr(p, "ds_pipe_replicated", False)
+        sharded = getattr(p, "tensor_model_parallel", False)
+        p.model_parallel = not copy and (sharded or share == 0)
+        p.tensor_model_parallel = sharded and not copy  # DeepSpeed counts either mark
     return pipe
 
 
@@ -198,31 +219,41 @@ def load_into_pipeline(pipe: PipelineModule, model: BDHForCausalLM) -> None:
 
 
 def is_pipeline_checkpoint(tag_dir: str) -> bool:
-    return os.path.isfile(os.path.join(tag_dir, "layer_00-model_states.pt"))
+    return bool(glob.glob(os.path.join(tag_dir, "layer_00-*model_states.pt")))
+
+
+def pipeline_neuron_shares(tag_dir: str) -> int:
+    """K of a pipeline checkpoint whose stages split the neurons (layer files per share:
+    layer_XX-model_YY-model_states.pt), 1 otherwise."""
+    return max(1, len(glob.glob(os.path.join(tag_dir, "layer_00-model_*-model_states.pt"))))
 
 
 def model_from_pipeline_checkpoint(tag_dir: str, config: BDHConfig) -> BDHForCausalLM:
-    """A BDHForCausalLM (fp32) from a pipeline checkpoint's layer files."""
+    """A BDHForCausalLM (fp32) from a pipeline checkpoint's layer files (with neuron shares,
+    each share's shared block joined into every neuron)."""
+    k = pipeline_neuron_shares(tag_dir)
 
-    def layer_file(i: int) -> Optional[str]:
-        path = os.path.join(tag_dir, f"layer_{i:02d}-model_states.pt")
+    def layer_file(i: int, share: int = 0) -> Optional[str]:
+        model = f"-model_{share:02d}" if k > 1 else ""
+        path = os.path.join(tag_dir, f"layer_{i:02d}{model}-model_states.pt")
         return path if os.path.isfile(path) else None
 
     def load(path: str) -> dict:
         return torch.load(path, map_location="cpu", weights_only=True)
 
     n = config.n_layer
-    owners = [path for path in map(layer_file, range(1, n + 1)) if path]
-    if not (layer_file(0) and layer_file(n + 1) and owners):
+    owner = next((i for i in range(1, n + 1) if layer_file(i)), None)
+    if not (layer_file(0) and layer_file(n + 1) and owner):
         raise ValueError(
             f"{tag_dir}: not a BDH pipeline checkpoint with n_layer={n} "
             f"(need layer_00, a layer_01..layer_{n:02d} and layer_{n + 1:02d} files)"
         )
-    shared = load(owners[0])
+    shares = [{f"layer.{name}": t for name, t in load(layer_file(owner, s)).items()
+               if name in SHARED_WEIGHTS} for s in range(k)]
     state = {
         "embed.weight": load(layer_file(0))["embed.weight"],
         "lm_head": load(layer_file(n + 1))["lm_head"],
-        **{f"layer.{name}": shared[name] for name in SHARED_WEIGHTS},
+        **join_shares(shares, config),
     }
     model = BDHForCausalLM(config)
     model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)

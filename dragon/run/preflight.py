@@ -66,9 +66,6 @@ def launch_layout(args, diloco, pipe_args) -> Layout:
     islands = diloco.diloco_islands if diloco.enabled else 1
     one_launch = diloco.enabled and diloco.diloco_island_index is not None
     stages = pipe_args.pipeline_stages if pipe_args is not None else 1
-    if args.neuron_parallel > 1 and pipe_args is not None:
-        raise ValueError(f"--neuron_parallel {args.neuron_parallel}: not yet with the pipeline "
-                         "recipe; use recipes/pretrain.py for it, or --neuron_parallel 1 here")
     return plan_layout(launcher_world_size(), islands, one_launch, stages, args.neuron_parallel,
                        pipe_args is not None)
 
