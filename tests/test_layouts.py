@@ -1,10 +1,15 @@
 """Layouts that compose (dragon.parallel.layout): the layout value itself, and neuron parallelism
 inside DiLoCo islands and with carried state, each against the same run without the split."""
 
+import shutil
+from pathlib import Path
+
 import pytest
-from conftest import CARRY, LOSS_ATOL, losses
+import torch
+from conftest import CARRY, LOSS_ATOL, launch, losses
 from test_diloco import final_logits, island_metrics, islands_run
 
+from dragon.model.bdh import BDHForCausalLM
 from dragon.parallel.layout import Layout, plan_layout
 
 
@@ -80,3 +85,75 @@ def test_a_split_model_carries_its_share_of_the_state(runs):
     for key in ("loss", "eval_loss", "eval_loss_carried"):
         assert losses(split, key) == pytest.approx(losses(one, key), abs=LOSS_ATOL), key
     assert losses(split, "grad_norm") == pytest.approx(losses(one, "grad_norm"), rel=1e-4)
+
+
+# ---- neurons x pipeline, and the whole grid ------------------------------------------------
+
+PIPE = "recipes/pretrain_pipeline.py"
+PIPE_NEURONS = ["--pipeline_stages", "2", *SPLIT]
+
+
+def resume_copy(out, tmp_path, islands=(None,)) -> Path:
+    """A new run directory holding only the step-4 checkpoint of `out` (of each island)."""
+    resumed = tmp_path / f"{out.name}_resumed"
+    for island in islands:
+        where = Path(f"island{island}") if island is not None else Path()
+        shutil.copytree(out / where / "checkpoints" / "step4",
+                        resumed / where / "checkpoints" / "step4")
+        (resumed / where / "checkpoints" / "latest").write_text("step4")
+    return resumed
+
+
+@pytest.mark.slow
+def test_a_pipeline_of_neuron_shares_equals_one_process(runs, tmp_path):
+    """2 stages x K=2 (4 ranks, each stage's copy of the shared block split in two, tied within
+    each share) equal the ZeRO recipe on one process over 8 steps within 2e-5: losses,
+    evaluations, BDH's sparsity, the export; recipes/export.py joins the shares of the
+    checkpoint into the same model exactly. Resumed at step 4 with dropout on, steps 5-8 repeat
+    bit for bit."""
+    single_out, single, _ = runs("single_accum", launcher="python", nproc=1, micro=4,
+                                 extra=["--gradient_accumulation_steps", "4"])
+    out, split, _ = runs("pipe2_neurons", nproc=4, config="pipeline_zero0.json", script=PIPE,
+                         extra=[*PIPE_NEURONS, "--gradient_accumulation_steps", "4"])
+    for key in ("loss", "eval_loss", "sparsity/layer1/xy"):
+        assert losses(split, key) == pytest.approx(losses(single, key), abs=LOSS_ATOL), key
+    assert (final_logits(out) - final_logits(single_out)).abs().max() < 1e-4
+    exported = launch("python", 1, "recipes/export.py", [
+        "--checkpoint", str(out / "checkpoints" / "step8"), "--output", str(tmp_path / "hf")])
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    ids = torch.arange(64).view(2, 32)
+    with torch.no_grad():
+        exported_logits = BDHForCausalLM.from_pretrained(tmp_path / "hf")(ids).logits
+    assert torch.equal(exported_logits, final_logits(out))
+
+    dropout = [*PIPE_NEURONS, "--gradient_accumulation_steps", "4", "--dropout", "0.2"]
+    out, full, _ = runs("pipe2_neurons_dropout", nproc=4, config="pipeline_zero0.json",
+                        script=PIPE, extra=dropout)
+    _, resumed, _ = runs("pipe2_neurons_resumed", nproc=4, config="pipeline_zero0.json",
+                         script=PIPE, out=resume_copy(out, tmp_path),
+                         extra=[*dropout, "--resume_from_checkpoint", "latest"])
+    assert [m["step"] for m in resumed] == [5, 6, 7, 8]
+    assert losses(resumed) == losses(full)[4:]
+
+
+@pytest.mark.slow
+def test_the_whole_grid_trains_resumes_and_ends_on_identical_islands(runs, tmp_path):
+    """8 ranks = 2 DiLoCo islands (delayed, int8) x 2 pipeline stages (ZeRO-1, dropout on) x
+    K=2: the loss falls, the islands end on identical weights and theta_outer, and resumed at
+    step 4 both islands repeat steps 5-8 bit for bit."""
+    grid = [*PIPE_NEURONS, "--gradient_accumulation_steps", "2", "--dropout", "0.2", *ISLANDS,
+            "--diloco_mode", "delayed", "--diloco_compress", "int8"]
+    out = islands_run(runs, "grid", nproc=8, config="pipeline_zero1.json", script=PIPE,
+                      extra=grid)
+    metrics = [island_metrics(out, i) for i in (0, 1)]
+    assert losses(metrics[0])[-1] < losses(metrics[0])[0] - 0.3
+    last = [[m for m in island if "outer_step" in m][-1] for island in metrics]
+    for key in ("weights_sum", "weights_sumsq", "outer_sum", "outer_sumsq"):
+        assert last[0][key] == last[1][key], key
+    resumed = islands_run(runs, "grid_resumed", nproc=8, config="pipeline_zero1.json",
+                          script=PIPE, out=resume_copy(out, tmp_path, (0, 1)),
+                          extra=[*grid, "--resume_from_checkpoint", "latest"])
+    for island in (0, 1):
+        again = island_metrics(resumed, island)
+        assert [m["step"] for m in again if "loss" in m] == [5, 6, 7, 8]
+        assert losses(again) == losses(metrics[island])[4:]
