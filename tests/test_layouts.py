@@ -94,12 +94,15 @@ PIPE_NEURONS = ["--pipeline_stages", "2", *SPLIT]
 
 
 def resume_copy(out, tmp_path, islands=(None,)) -> Path:
-    """A new run directory holding only the step-4 checkpoint of `out` (of each island)."""
+    """A new run directory holding only the step-4 checkpoint of `out` (of each island), beside
+    the run's files (config.json, run.json)."""
     resumed = tmp_path / f"{out.name}_resumed"
     for island in islands:
         where = Path(f"island{island}") if island is not None else Path()
         shutil.copytree(out / where / "checkpoints" / "step4",
                         resumed / where / "checkpoints" / "step4")
+        for file in (out / where / "checkpoints").glob("*.json"):
+            shutil.copy(file, resumed / where / "checkpoints")
         (resumed / where / "checkpoints" / "latest").write_text("step4")
     return resumed
 
@@ -157,3 +160,27 @@ def test_the_whole_grid_trains_resumes_and_ends_on_identical_islands(runs, tmp_p
         again = island_metrics(resumed, island)
         assert [m["step"] for m in again if "loss" in m] == [5, 6, 7, 8]
         assert losses(again) == losses(metrics[island])[4:]
+
+
+# ---- resume on another layout ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_neuron_split_checkpoint_resumes_on_another_split(k, runs, tmp_path):
+    """A K=2 checkpoint (ZeRO-2, 2 ranks) resumed at step 4 with K=1 (one rank, ZeRO-3) and K=4
+    (4 ranks, ZeRO-1): the shares' weights and Adam moments are joined into the whole model and
+    re-split, and steps 5-8, the evaluation and the export continue the uninterrupted run within
+    2e-5."""
+    out, full, _ = runs("neurons_zero2", config="zero2.json", micro=8, extra=SPLIT)
+    config = "zero3.json" if k == 1 else "zero1.json"
+    resumed_out, resumed, proc = runs(
+        f"neurons_resumed_at_{k}", nproc=k, config=config, micro=8, out=resume_copy(out, tmp_path),
+        extra=["--neuron_parallel", str(k), "--resume_from_checkpoint", "latest"])
+    assert "resume: converting the checkpoint from ZeRO-2 on 1 data-parallel rank(s) x 2 neuron " \
+        "shares" in proc.stderr + proc.stdout
+    assert [m["step"] for m in resumed if "loss" in m] == [5, 6, 7, 8]
+    for key in ("loss", "eval_loss"):
+        assert losses(resumed, key) == pytest.approx(losses(full, key)[-len(losses(resumed, key)):],
+                                                     abs=LOSS_ATOL), key
+    assert (final_logits(resumed_out) - final_logits(out)).abs().max() < 1e-4

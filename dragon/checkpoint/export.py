@@ -10,7 +10,6 @@ their checkpoints.
 """
 
 import os
-import re
 import tempfile
 import time
 
@@ -22,6 +21,7 @@ from dragon.checkpoint.checkpointer import tag_for
 from dragon.checkpoint.writes import GuardedWrites, SaveFailed
 from dragon.errors import TrainingFailed
 from dragon.parallel.distributed import rank
+from dragon.checkpoint.neuron_shares import neuron_shares, share_as_its_own
 from dragon.parallel.neurons import join_shares, whole_tensors
 from dragon.history import MetricHistory, metrics_path
 from dragon.model.baseline import is_bdh
@@ -114,7 +114,7 @@ def model_from_checkpoint(tag_dir: str):
     shares = neuron_shares(tag_dir)
     if len(shares) > 1:  # --neuron_parallel: each share's model merged, then their neurons joined
         with tempfile.TemporaryDirectory() as tmp:
-            states = [_fp32_state(_share_as_its_own(tag_dir, share, tmp)) for share in shares]
+            states = [_fp32_state(share_as_its_own(tag_dir, share, tmp)) for share in shares]
         return _model_from_state(join_shares(states, config), config, tag_dir)
     return _model_from_state(_fp32_state(tag_dir), config, tag_dir)
 
@@ -130,25 +130,6 @@ def _fp32_state(tag_dir: str) -> dict[str, torch.Tensor]:
     # ZeRO-0 fp32: the module's weights are the master weights
     module_file = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
     return torch.load(module_file, map_location="cpu", weights_only=False)["module"]
-
-
-def neuron_shares(tag_dir: str) -> list[str]:
-    """The model-parallel ranks' marks in a tag directory's DeepSpeed files ("mp_rank_00", ...):
-    one unless --neuron_parallel split the neurons."""
-    found = {m.group(0) for name in os.listdir(tag_dir) if (m := re.search(r"mp_rank_\d+", name))}
-    return sorted(found) or ["mp_rank_00"]
-
-
-def _share_as_its_own(tag_dir: str, share: str, tmp: str) -> str:
-    """A tag directory in `tmp` whose links show one share's files as a lone model's (named
-    mp_rank_00), which is the layout zero_to_fp32 reads."""
-    linked = os.path.join(tmp, share, os.path.basename(tag_dir))
-    os.makedirs(linked)
-    for name in os.listdir(tag_dir):
-        if share in name:
-            os.symlink(os.path.join(os.path.abspath(tag_dir), name),
-                       os.path.join(linked, name.replace(share, "mp_rank_00")))
-    return linked
 
 
 def is_hf_directory(path: str) -> bool:

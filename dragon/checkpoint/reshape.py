@@ -36,6 +36,7 @@ from dragon.checkpoint import universal
 from dragon.model.bdh import BDHConfig
 from dragon.checkpoint.pipeline import stage_files, write_pipeline, zero0_states_of_pipeline
 from dragon.checkpoint.retention import CONVERSIONS
+from dragon.checkpoint.neuron_shares import universal_from_shares
 from dragon.parallel.layout import Layout
 from dragon.parallel.pipeline import pipeline_neuron_shares
 
@@ -67,12 +68,8 @@ def saved_layout(load_dir: str, tag: str) -> Layout:
 def reshape_message(saved: Layout, launch: Layout) -> Optional[str]:
     """None when the checkpoint loads as it is; the one line a conversion prints; ValueError for
     a pair not converted."""
-    if max(saved.neurons, launch.neurons) > 1 and saved != launch:
-        raise ValueError(f"--resume_from_checkpoint: the checkpoint was saved as {saved} and this "
-                         f"launch is {launch}; a checkpoint of split neurons resumes only on the "
-                         "layout it was saved with (export it and start from the export instead)")
     if saved == launch or (saved.zero_stage == launch.zero_stage == 0 and not saved.pipeline
-                           and not launch.pipeline):
+                           and not launch.pipeline and saved.neurons == launch.neurons == 1):
         return None  # ZeRO-0: one file with everything, loaded on any number of ranks
     check_convertible(saved, launch)
     ranks = lambda x: x.data_parallel * x.stages  # noqa: E731
@@ -95,6 +92,16 @@ def check_convertible(saved: Layout, launch: Layout) -> None:
             f"{launch}; resuming across that change is not supported yet (ZeRO-0 to 3 on any "
             "number of ranks are, and pipelines of any shape with ZeRO-0; ZeRO-0 in fp32)"
         )
+    if saved.neurons != launch.neurons:
+        fits = f"--neuron_parallel {saved.neurons} on the layout it was saved with"
+        if any(x.pipeline for x in (saved, launch)):
+            raise ValueError(f"--resume_from_checkpoint: the checkpoint was saved as {saved}; a "
+                             f"pipeline changes its neuron split not yet: resume it with {fits}")
+        if launch.zero_stage in (0, 3) and launch.neurons > 1:
+            # ZeRO-0 loads one whole file; ZeRO-3 cuts a share only with DeepSpeed's AutoTP group
+            raise ValueError(f"--resume_from_checkpoint: the checkpoint was saved as {saved}; "
+                             f"--neuron_parallel {launch.neurons} takes it on ZeRO-1 or 2 "
+                             f"(--deepspeed ds_configs/zero2.json), or resume it with {fits}")
 
 
 def convert(load_dir: str, tag: str, form: str, parts: Optional[list[int]] = None) -> str:
@@ -108,6 +115,9 @@ def convert(load_dir: str, tag: str, form: str, parts: Optional[list[int]] = Non
         if saved.pipeline:
             make = lambda out: universal.from_zero0_states(  # noqa: E731
                 zero0_states_of_pipeline(tag_dir), out, tag_dir)
+        elif saved.neurons > 1:  # the shares joined into the whole model
+            config = BDHConfig.from_pretrained(load_dir)
+            make = lambda out: universal_from_shares(tag_dir, out, config)  # noqa: E731
         elif saved.zero_stage == 0:
             make = lambda out: universal.from_zero0(tag_dir, out)  # noqa: E731
         else:

@@ -97,12 +97,17 @@ def normalize(out: str) -> None:
     optim["param_groups"] = groups
     optim.setdefault("optimizer_state_dict", {"state": {0: {"step": step}}, "param_groups": groups})
     torch.save(optim, os.path.join(zero, "optimizer_state.pt"))
-    _write_states(states, out)
+    write_states(states, out)
 
 
-def _write_states(states: dict, out: str) -> None:
+def write_states(states: dict, out: str) -> None:
     for name in (STATES, STATES_ZERO3):
         torch.save(states, os.path.join(out, name))
+
+
+def is_zero0(tag_dir: str) -> bool:
+    """Whether a tag directory is a ZeRO-0 checkpoint (no optimizer partitions)."""
+    return not glob.glob(os.path.join(tag_dir, "*optim_states.pt"))
 
 
 def from_zero0(tag_dir: str, out: str) -> None:
@@ -136,7 +141,7 @@ def from_zero0_states(states: dict, out: str, tag_dir: str) -> None:
          "optimizer_state_dict": {"state": {0: {"step": step}}, "param_groups": groups}},
         os.path.join(out, "zero", "optimizer_state.pt"),
     )
-    _write_states(dict(states, optimizer=None), out)
+    write_states(dict(states, optimizer=None), out)
     normalize(out)  # adds what the ZeRO-1/2 loader checks (the DeepSpeed version)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
 from torch import nn
 
 SHARDED = ("layer.encoder", "layer.encoder_v", "layer.decoder")
@@ -106,12 +107,23 @@ def keep_layer_share(layer: nn.Module, config: Any, index: int, k: int) -> None:
         layer.encoder_v = nn.Parameter(layer.encoder_v[:, :, first:end].clone())
         rows = layer.decoder.view(nh, N, D)[:, first:end].reshape(nh * (end - first), D)
         layer.decoder = nn.Parameter(rows.clone())
-    for p in (layer.encoder, layer.encoder_v, layer.decoder):
+    for p, cut in zip((layer.encoder, layer.encoder_v, layer.decoder), universal_cut(config)):
         p.tensor_model_parallel = True  # DeepSpeed's gradient norm counts each shard once
+        setattr(p, DS_AUTOTP_UC_META, cut)
         if replicated is not None:
             p.ds_pipe_replicated = replicated
     layer.attn.neurons = (first, end)
     layer.attn.freqs = layer.attn.frequencies(device=layer.attn.freqs.device)
+
+
+def universal_cut(config: Any) -> list[dict]:
+    """How a share is cut from the whole encoder, encoder_v and decoder, in the terms of
+    DeepSpeed's universal checkpoint loader (the share K' of a launch takes its own from a whole
+    model's checkpoint): the last axis of (nh, D, N), and each head's rows of (nh N, D)."""
+    nh, D, N = config.n_head, config.n_embd, config.n_neurons
+    by_neuron = {"partition_dim": 2, "logical_shape": (nh, D, N)}
+    by_head_rows = {"partition_dim": 0, "logical_shape": (nh * N, D), "sub_param_sizes": [N] * nh}
+    return [by_neuron, dict(by_neuron), by_head_rows]
 
 
 def split_neurons(model: nn.Module, group: Any, index: int, k: int) -> None:
@@ -142,7 +154,7 @@ def join_shares(shares: list[dict[str, torch.Tensor]], config: Any) -> dict:
     nh, D, N = config.n_head, config.n_embd, config.n_neurons
     k = len(shares)
     whole = {name: t for name, t in shares[0].items() if not name.endswith("attn.freqs")}
-    for name in SHARDED:
+    for name in (n for n in SHARDED if n in shares[0]):
         if name.endswith("decoder"):
             parts = [s[name].reshape(nh, N // k, D) for s in shares]
             whole[name] = torch.cat(parts, dim=1).reshape(nh * N, D)

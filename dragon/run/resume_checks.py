@@ -89,6 +89,9 @@ def check_reshape(
         if message is not None:
             if diloco.enabled and (saved.pipeline or launch.pipeline):
                 raise ValueError(f"{message[len('resume: '):]}: not yet with DiLoCo pipelines")
+            if diloco.enabled and saved.neurons != launch.neurons:
+                raise ValueError(f"{message[len('resume: '):]}: not yet with DiLoCo islands; "
+                                 f"resume it with --neuron_parallel {saved.neurons}")
             if diloco.enabled:
                 check_diloco_state(os.path.join(load_dir, tag))
             reshaped[island] = message
