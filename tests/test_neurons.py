@@ -89,7 +89,7 @@ def test_a_killed_split_run_resumes_exactly_and_exports_the_whole_model(tmp_path
     """SIGKILLed between checkpoints and resumed from latest (dropout on, each rank its own masks
     for its neurons): the uninterrupted losses bit for bit. recipes/export.py of the last
     checkpoint (each share's ZeRO files merged, then the neurons joined) equals the engine's
-    final/ export exactly; a launch without the split is refused in one line."""
+    final/ export exactly; a launch without the split resumes it, joined."""
     from test_checkpoints import finish, kill_when, logged_steps, start
 
     steps, extra = 12, ["--save_steps", "4"]
@@ -119,9 +119,6 @@ def test_a_killed_split_run_resumes_exactly_and_exports_the_whole_model(tmp_path
          "--output_dir", str(out), "--train_file", str(text_file), *TINY, "--max_steps", "16",
          "--resume_from_checkpoint", "latest"],
         cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=300)
-    assert job.returncode != 0
-    assert [line for line in job.stderr.splitlines() if line.startswith("error:")] == [
-        "error: --resume_from_checkpoint: the checkpoint was saved as ZeRO-2 on 1 data-parallel "
-        "rank(s) x 2 neuron shares and this launch is ZeRO-2 on 1 data-parallel rank(s); a "
-        "checkpoint of split neurons resumes only on the layout it was saved with (export it and "
-        "start from the export instead)"]
+    assert job.returncode == 0, job.stderr[-3000:]  # one process takes the joined shares
+    assert "resume: converting the checkpoint from ZeRO-2 on 1 data-parallel rank(s) x 2 neuron " \
+        "shares to ZeRO-2 on 1 data-parallel rank(s)" in job.stderr
