@@ -184,3 +184,27 @@ def test_a_neuron_split_checkpoint_resumes_on_another_split(k, runs, tmp_path):
         assert losses(resumed, key) == pytest.approx(losses(full, key)[-len(losses(resumed, key)):],
                                                      abs=LOSS_ATOL), key
     assert (final_logits(resumed_out) - final_logits(out)).abs().max() < 1e-4
+
+
+@pytest.mark.slow
+def test_a_fragmented_diloco_run_resumes_on_zero3_islands(runs, tmp_path):
+    """2 islands x 2 ZeRO-2 ranks, 2 fragments in delayed mode, resumed at step 4 (fragment 0's
+    exchange in flight) on ZeRO-3 islands: every fragment's theta_outer, outer momentum and the
+    average in flight are laid out for the new partition, and steps 5-8 continue the
+    uninterrupted run within 2e-5 on both islands, which end identical."""
+    fragments = [*ISLANDS[:2], "--diloco_inner_steps", "4", "--diloco_checksum",
+                 "--diloco_fragments", "2", *DELAYED, "--diloco_outer_momentum", "0.5"]
+    out = islands_run(runs, "fragments_fp32_zero2", nproc=4, micro=2, extra=fragments)
+    resumed = islands_run(runs, "fragments_fp32_on_zero3", nproc=4, micro=2, config="zero3.json",
+                          out=resume_copy(out, tmp_path, (0, 1)),
+                          extra=[*fragments, "--resume_from_checkpoint", "latest"])
+    for island in (0, 1):
+        full, again = island_metrics(out, island), island_metrics(resumed, island)
+        assert [m["step"] for m in again if "loss" in m] == [5, 6, 7, 8]
+        assert losses(again) == pytest.approx(losses(full)[4:], abs=LOSS_ATOL)
+        sums = {m["step"]: m["outer_sum"] for m in full if m["step"] > 4 and "outer_sum" in m}
+        assert {m["step"]: pytest.approx(m["outer_sum"], abs=1e-4) for m in again
+                if "outer_sum" in m} == sums
+    last = [[m for m in island_metrics(resumed, i) if "outer_step" in m][-1] for i in (0, 1)]
+    for key in ("weights_sum", "outer_sum"):
+        assert last[0][key] == last[1][key], key

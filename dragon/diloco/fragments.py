@@ -47,7 +47,7 @@ import torch
 
 from dragon.diloco.exchange import Exchange, flatten
 from dragon.diloco.outer import DiLoCo
-from dragon.diloco.state import _Resolved
+from dragon.diloco.state import _Resolved, relay, saved_states
 
 NEURON_SLICED = ("encoder", "encoder_v")  # (nh, D, N): the neuron is the last index
 NEURON_ROWS = "decoder"  # (nh N, D): row h N + n is neuron n of head h
@@ -304,7 +304,7 @@ class FragmentedDiLoCo(DiLoCo):
         return {
             "outer_step": self.outer_step, "mode": self.mode, "numels": self.numels,
             "fragments": self.F, "cut": self.cut,
-            "segments": None,  # resumes on its own layout only
+            "segments": self.weights.segments(),  # the partition, for a resume on another
             "outer_params": [p.detach().cpu().clone() for p in self.outer_params],
             "optimizers": self.outer_optimizer_state(),
             "residual": None if self.residual is None else self.residual.clone(),
@@ -333,6 +333,49 @@ class FragmentedDiLoCo(DiLoCo):
         self.outer_step, self.peak_bytes = state["outer_step"], state["peak_bytes"]
         self.in_flight = {f: InFlight(_Resolved(average), at)
                           for f, (average, at) in state["in_flight"].items()}
+
+    def _relaid_state(self, tag_dir: str) -> Optional[dict]:
+        """This rank's state from the fragment states the ranks of another partition of the
+        weights saved: every fragment's vectors put back in place over each saved rank's values,
+        laid out again for this rank's (dragon.diloco.state.relay), and cut by this rank's ids."""
+        saved = saved_states(tag_dir)
+        if not saved:
+            return None
+        shapes, first = self.weights.shapes(), saved[0]
+        cut = first.get("cut", RUNS)
+        ids = fragment_ids(self.weights.segments(), shapes, self.numels, self.F, cut)
+        old = [fragment_ids(s["segments"], shapes, s["numels"], self.F, cut) for s in saved]
+        at = {id(s): i for i, s in enumerate(saved)}
+
+        def moved(vectors_of) -> list[Optional[torch.Tensor]]:
+            """Per fragment, vectors_of(state) (F masked vectors, None where a fragment has
+            none) laid out for this rank."""
+            def placed(state: dict) -> list[torch.Tensor]:
+                flat = torch.zeros(sum(state["numels"]))
+                for f, vector in enumerate(vectors_of(state)):
+                    if vector is not None:
+                        flat[old[at[id(state)]] == f] = vector.float()
+                return list(flat.split(state["numels"]))
+            whole = torch.cat(relay(saved, self.weights.segments(), self.numels, placed))
+            present = [v is not None for v in vectors_of(first)]
+            return [whole[ids == f] if present[f] else None for f in range(self.F)]
+
+        optimizers = [dict(o) for o in first["optimizers"]]  # a fragment not stepped yet: none
+        buffers = moved(lambda s: [o["state"].get(0, {}).get("momentum_buffer")
+                                   for o in s["optimizers"]])
+        for optimizer, buffer in zip(optimizers, buffers):
+            if buffer is not None:
+                optimizer["state"] = {0: dict(optimizer["state"][0], momentum_buffer=buffer)}
+        landing = moved(lambda s: [s["in_flight"][f][0] if f in s["in_flight"] else None
+                                   for f in range(self.F)])
+        residual = None
+        if first.get("residual") is not None:
+            residual = torch.cat(relay(saved, self.weights.segments(), self.numels,
+                                       lambda s: list(s["residual"].split(s["numels"]))))
+        return dict(first, numels=self.numels, segments=self.weights.segments(), optimizers=
+                    optimizers, outer_params=moved(lambda s: s["outer_params"]), residual=residual,
+                    in_flight={f: (landing[f], lands) for f, (_, lands) in
+                               first["in_flight"].items()})
 
     def restart(self) -> None:
         """Start afresh from the current weights (a checkpoint saved without DiLoCo)."""

@@ -57,7 +57,7 @@ class OuterState:
         average in flight), or one of a run without DiLoCo (the outer loop starts afresh)."""
         self.check_same_step(saved.step)
         if saved.relaid:
-            state = diloco_state_for(saved.tag_dir, self.weights.segments(), self.numels)
+            state = self._relaid_state(saved.tag_dir)
         else:
             state = saved.rank_file(STATE_FILE)
         if state is None:
@@ -66,6 +66,10 @@ class OuterState:
         self._load(state)
         if saved.borrowed:
             self.forget_own_share()
+
+    def _relaid_state(self, tag_dir: str) -> Optional[dict]:
+        """This rank's state from one saved on another partition of the weights (None: none)."""
+        return diloco_state_for(tag_dir, self.weights.segments(), self.numels)
 
     def _load(self, state: dict) -> None:
         if state.get("fragments", 1) != 1:
@@ -169,28 +173,39 @@ def saved_fragments(tag_dir: str) -> Optional[int]:
     return None if first is None else first.get("fragments", 1)
 
 
+def saved_states(tag_dir: str) -> list[dict]:
+    """Every rank's DiLoCo state saved in `tag_dir`, each saying where its values sit."""
+    return [torch.load(f, map_location="cpu", weights_only=False)
+            for f in check_diloco_state(tag_dir)]
+
+
+def relay(saved: list[dict], segments: list, numels: list[int], tensors_of) -> list[torch.Tensor]:
+    """Flat tensors that the ranks of another layout saved (tensors_of(state) -> one per master
+    tensor of that rank) laid out again for master tensors `segments` of `numels` values: each
+    flat tensor goes through the parameters."""
+    found: dict[str, dict[int, torch.Tensor]] = {}  # name -> {offset in it: piece}
+    for state in saved:
+        for flat, pieces in zip(tensors_of(state), state["segments"]):
+            for name, at, offset, numel in pieces:
+                found.setdefault(name, {})[at] = flat[offset:offset + numel]
+    whole = {name: torch.cat([p[k] for k in sorted(p)]) for name, p in found.items()}
+    out = [torch.zeros(n) for n in numels]
+    for flat, pieces in zip(out, segments):
+        for name, at, offset, numel in pieces:
+            flat[offset:offset + numel] = whole[name][at:at + numel]
+    return out
+
+
 def diloco_state_for(tag_dir: str, segments: list, numels: list[int]) -> Optional[dict]:
     """This rank's DiLoCo state (DiLoCo.state_dict's form) for master tensors laid out as
     `segments` (MasterWeights.segments), gathered from the states every rank of another layout
     saved in `tag_dir` (None: it has none): each flat tensor goes through the parameters."""
-    saved = [torch.load(f, map_location="cpu", weights_only=False)
-             for f in check_diloco_state(tag_dir)]
+    saved = saved_states(tag_dir)
     if not saved:
         return None
 
     def moved(tensors_of) -> list[torch.Tensor]:
-        """Lay out again the flat tensors tensors_of(state) -> [one per master tensor]."""
-        found: dict[str, dict[int, torch.Tensor]] = {}  # name -> {offset in it: piece}
-        for state in saved:
-            for flat, pieces in zip(tensors_of(state), state["segments"]):
-                for name, at, offset, numel in pieces:
-                    found.setdefault(name, {})[at] = flat[offset:offset + numel]
-        whole = {name: torch.cat([p[k] for k in sorted(p)]) for name, p in found.items()}
-        out = [torch.zeros(n) for n in numels]
-        for flat, pieces in zip(out, segments):
-            for name, at, offset, numel in pieces:
-                flat[offset:offset + numel] = whole[name][at:at + numel]
-        return out
+        return relay(saved, segments, numels, tensors_of)
 
     def flat_vector(key):  # one vector over every master tensor (delayed mode)
         if saved[0].get(key) is None or isinstance(saved[0][key], str):
