@@ -9,13 +9,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_recipe(out: Path, nproc: int, args: list[str], metrics_dir: str = "") -> list[dict]:
-    """recipes/pretrain.py --output_dir out *args on nproc CPU ranks (one thread each); the
-    records of <out>/<metrics_dir>/metrics.jsonl."""
+def run_recipe(out: Path, nproc: int, args: list[str], metrics_dir: str = "",
+               script: str = "recipes/pretrain.py") -> list[dict]:
+    """`script` (the ZeRO recipe) --output_dir out *args on nproc CPU ranks (one thread each);
+    the records of <out>/<metrics_dir>/metrics.jsonl."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     port = 29700 + zlib.crc32(str(out).encode()) % 200
     cmd = ["torchrun", "--nproc_per_node", str(nproc), "--master_port", str(port)]
-    cmd += ["recipes/pretrain.py", "--output_dir", str(out), *args]
+    cmd += [script, "--output_dir", str(out), *args]
     subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True)
     path = out / metrics_dir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]

@@ -11,7 +11,7 @@ recipe's (recipes/pretrain.py), and so are its losses for the same arguments.
 Top to bottom: the inputs (checked before any process group starts), the Accelerator, the model
 and its optimizer prepared into a DeepSpeed engine, the run's state and its checkpointer, then the
 loop: batch, forward, backward (which steps at the accumulation boundary), the LR schedule,
-logging, evaluation, save; then the export. Not here: DiLoCo and --neuron_parallel
+the DiLoCo outer step, logging, evaluation, save; then the export. Not here: --neuron_parallel
 (recipes/pretrain.py).
 """
 
@@ -29,7 +29,8 @@ from dragon.checkpoint.writes import SaveFailed
 from dragon.history import metrics_path
 from dragon.parallel.distributed import (all_reduce_mean, init_distributed,
                                          rank, world_size)
-from dragon.parallel.topology import Topology
+from dragon.diloco.build import outer_loop
+from dragon.parallel.topology import enter_island
 from dragon.run.accelerator import (check_accelerate_inputs, make_accelerator, tracked,
                                     tracker_config)
 from dragon.run.data import run_data
@@ -49,8 +50,10 @@ def main():
     inputs = preflight()
     check_accelerate_inputs(inputs)
     args = inputs.train
+    # With DiLoCo each island is a torch.distributed world of its own, entered before accelerate.
+    topology = enter_island(inputs.diloco, args.dist_timeout)
     init_distributed(args.dist_timeout)  # gloo on CPU, nccl on CUDA; accelerate joins it
-    run_dir = args.output_dir
+    run_dir = inputs.run_dir(topology.island)  # <output_dir>, or <output_dir>/island<i>
     check_every_rank_sees(run_dir)  # node-local disks would split the checkpoints: refused
     accelerator = make_accelerator(inputs, run_dir)
     model = initial_model(inputs)
@@ -65,33 +68,44 @@ def main():
     # every accelerator.save_state goes through engine.save_checkpoint: the completion marker
     # once every rank wrote its files, then the last --save_total_limit plus the best are kept
     attach_retention(engine, args.retention_policy(), RECORDED_METRICS, metrics_path(run_dir))
+    outer = outer_loop(engine, inputs.diloco.config(), topology)  # None without DiLoCo
 
     # The run's state, every piece saved by every rank beside DeepSpeed's files.
-    data = run_data(inputs, rank(), world_size(), rank(), world_size(), engine,
+    data_rank, data_world = topology.data_shard(rank(), world_size())
+    data = run_data(inputs, data_rank, data_world, rank(), world_size(), engine,
                     model.config.num_hidden_layers)
     shared, per_rank = data.checkpoint_pieces()
-    torch.manual_seed(args.seed + rank())  # every rank its own dropout masks
-    state = {**shared, **per_rank, "rng_state": RNGState(args.seed + rank())}
+    torch.manual_seed(args.seed + topology.launch_rank)  # every rank its own dropout masks
+    state = {**shared, **per_rank, "rng_state": RNGState(args.seed + topology.launch_rank)}
     if lr_schedule:  # the steps it was planned for: a resume keeps them
         state["lr_schedule"] = lr_schedule
+    if outer:
+        state["diloco_state"] = outer
     checkpointer = AcceleratorCheckpointer(accelerator, engine, save_dir, state)
-    target = inputs.resume_target(0)
+    target = inputs.resume_target(topology.island)
     step = checkpointer.resume(target) if target else 0
-    run = TrainingRun(engine, inputs, model.config, Topology(), data, world_size(), step)
+    run = TrainingRun(engine, inputs, model.config, topology, data, world_size(), step, outer)
+    if inputs.diloco.diloco_join:  # elastic: take the live islands' weights, outer state, step
+        run.joined(*outer.join(), resumed=target is not None)
     if rank() == 0:
-        write_run_files(save_dir, inputs, model.config, 1, world_size(), run.run_tokens_per_step)
+        write_run_files(save_dir, inputs, model.config, topology.islands, world_size(),
+                        run.run_tokens_per_step)
     accelerator.init_trackers("dragon", config=tracker_config(args))
 
-    train(accelerator, engine, run, data, checkpointer, args)
+    train(accelerator, engine, run, data, outer, checkpointer, args)
     run.close()
-    final_dir = export_run(engine, inputs, model.config, save_dir, run.step)
-    if rank() == 0 and args.sample_max_new_tokens > 0:
-        print_sample(final_dir, inputs.tokenizer, args.sample_prompt, args.sample_max_new_tokens)
+    if outer:
+        outer.close(ended_at=run.step)  # every island is past its last outer step, on theta_outer
+    if topology.island == 0:  # with DiLoCo, island 0 exports for every island
+        final_dir = export_run(engine, inputs, model.config, save_dir, run.step)
+        if rank() == 0 and args.sample_max_new_tokens > 0:
+            print_sample(final_dir, inputs.tokenizer, args.sample_prompt,
+                         args.sample_max_new_tokens)
     accelerator.end_training()  # the trackers finish their files; the process group ends
 
 
-def train(accelerator, engine, run, data, checkpointer, args) -> None:
-    """The loop: batch, forward, backward, step, logging, evaluation, save."""
+def train(accelerator, engine, run, data, outer, checkpointer, args) -> None:
+    """The loop: batch, forward, backward, step, outer step, logging, evaluation, save."""
     engine.train()
     while not run.done:
         losses = []
@@ -109,7 +123,9 @@ def train(accelerator, engine, run, data, checkpointer, args) -> None:
         # A preemption signal or a non-finite step, as every rank sees it.
         verdict = run.check(grad_norm)
 
-        record = run.train_metrics(grad_norm) if run.due(args.logging_steps) else {}
+        record = outer.maybe_outer_step(step, final=run.done) if outer else {}
+        if run.due(args.logging_steps):
+            record.update(run.train_metrics(grad_norm))
         if run.due(args.eval_steps) and not verdict.stop:  # a stop saves at once
             record.update(evaluation_metrics(engine, data, signalled=run.signalled))
         run.log(record)  # metrics.jsonl

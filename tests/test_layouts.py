@@ -208,3 +208,19 @@ def test_a_fragmented_diloco_run_resumes_on_zero3_islands(runs, tmp_path):
     last = [[m for m in island_metrics(resumed, i) if "outer_step" in m][-1] for i in (0, 1)]
     for key in ("weights_sum", "outer_sum"):
         assert last[0][key] == last[1][key], key
+
+
+@pytest.mark.slow
+def test_the_accelerate_recipe_with_diloco_islands_equals_the_zero_recipe(runs):
+    """2 DiLoCo islands of one rank under `accelerate launch` train as the ZeRO recipe's 2
+    islands under torchrun: losses, evaluations and outer gradient norms of both islands within
+    2e-5, the same outer steps, the export the same model."""
+    ours = islands_run(runs, "islands_sync", extra=ISLANDS)
+    out, _, _ = runs("accelerate_islands", launcher="accelerate", config="zero2.yaml",
+                     script="recipes/pretrain_accelerate.py", extra=ISLANDS)
+    for island in (0, 1):
+        a, b = island_metrics(ours, island), island_metrics(out, island)
+        for key in ("loss", "eval_loss", "outer_grad_norm"):
+            assert losses(b, key) == pytest.approx(losses(a, key), abs=LOSS_ATOL), key
+        assert losses(b, "outer_step") == losses(a, "outer_step") == [1, 2, 3, 4]
+    assert (final_logits(out) - final_logits(ours)).abs().max() < 1e-4

@@ -19,7 +19,6 @@ def check_accelerate_inputs(inputs) -> None:
     dragon.run.preflight.RecipeInputs)."""
     args, target = inputs.train, inputs.resume_target(0)
     refused = [
-        (inputs.diloco.enabled, "DiLoCo islands"),
         (args.neuron_parallel > 1, "--neuron_parallel"),
         ("optimizer" not in inputs.ds_config,
          f"--deepspeed {args.deepspeed}: it names no optimizer (every file in ds_configs/ does)"),
