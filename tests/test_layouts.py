@@ -224,3 +224,25 @@ def test_the_accelerate_recipe_with_diloco_islands_equals_the_zero_recipe(runs):
             assert losses(b, key) == pytest.approx(losses(a, key), abs=LOSS_ATOL), key
         assert losses(b, "outer_step") == losses(a, "outer_step") == [1, 2, 3, 4]
     assert (final_logits(out) - final_logits(ours)).abs().max() < 1e-4
+
+
+@pytest.mark.slow
+def test_a_zero1_pipeline_resumes_on_zero2_without_the_pipeline(runs, tmp_path):
+    """A 2-stage ZeRO-1 pipeline (its Adam state partitioned per stage) resumed at step 4 by the
+    ZeRO recipe on 2 ZeRO-2 ranks: the stages' weights and moments become the whole model's
+    universal checkpoint, and steps 5-8, the evaluation and the export continue the pipeline's
+    uninterrupted run within 2e-5. A K=2 pipeline resumes the same way at K=1."""
+    for name, flags in (("pipe2_zero1", []), ("pipe2_zero1_neurons", SPLIT)):
+        extra = ["--pipeline_stages", "2", "--gradient_accumulation_steps", "4", *flags]
+        out, full, _ = runs(name, nproc=2 * (len(flags) // 2 + 1), config="pipeline_zero1.json",
+                            script=PIPE, extra=extra)
+        resumed_out, resumed, proc = runs(
+            f"{name}_as_zero2", micro=2, out=resume_copy(out, tmp_path),
+            extra=["--gradient_accumulation_steps", "4", "--resume_from_checkpoint", "latest"])
+        assert "resume: converting the checkpoint from a pipeline of 2 stages with ZeRO-1" in \
+            proc.stderr + proc.stdout
+        assert [m["step"] for m in resumed if "loss" in m] == [5, 6, 7, 8]
+        for key in ("loss", "eval_loss"):
+            assert losses(resumed, key) == pytest.approx(
+                losses(full, key)[-len(losses(resumed, key)):], abs=LOSS_ATOL), (name, key)
+        assert (final_logits(resumed_out) - final_logits(out)).abs().max() < 1e-4

@@ -1,8 +1,11 @@
-"""A checkpoint of split neurons (--neuron_parallel K) as the whole model's universal checkpoint.
+"""A checkpoint of split neurons (--neuron_parallel K), or of a ZeRO-1 pipeline's stages, as the
+whole model's universal checkpoint.
 
 Each of the K shares' DeepSpeed files (mp_rank_0k in their names) is a lone model's checkpoint of
-its share of the neurons. Each is converted on its own (dragon.checkpoint.universal), then every
-parameter's fp32 weight and Adam moments are joined by neuron (dragon.parallel.neurons
+its share of the neurons; each stage's, its stage's parameters (the shared block, the embedding
+on the first, the head on the last; every stage's copy of the block steps on the same gradient,
+so the first stage's is taken). Each is converted on its own (dragon.checkpoint.universal), then
+every parameter's fp32 weight and Adam moments are joined by neuron (dragon.parallel.neurons
 .join_shares; the replicated embedding and head from share 0) into one universal folder of the
 whole model. That folder resumes on any layout: one share (K = 1) as any unsplit checkpoint does,
 and K' shares because the split marks each sharded parameter with the cut DeepSpeed's universal
@@ -11,15 +14,17 @@ loader takes its share by (dragon.parallel.neurons.universal_cut).
 
 import os
 import re
+import shutil
 import tempfile
 
 import torch
 from deepspeed.checkpoint.constants import CHECKPOINT_PARALLEL_DIMS
 
 from dragon.checkpoint import universal
-from dragon.model.bdh import BDHConfig
+from dragon.model.bdh import BDHConfig, BDHForCausalLM
 from dragon.model.attention import rope_frequencies
 from dragon.parallel.neurons import SHARDED, join_shares
+from dragon.parallel.pipeline import SHARED_KEY, SHARED_WEIGHTS
 
 
 def neuron_shares(tag_dir: str) -> list[str]:
@@ -41,44 +46,53 @@ def share_as_its_own(tag_dir: str, share: str, tmp: str) -> str:
     return linked
 
 
-def universal_from_shares(tag_dir: str, out: str, config: BDHConfig) -> None:
-    """The whole model's normalized universal folder from a checkpoint of K neuron shares."""
-    shares = neuron_shares(tag_dir)
+def universal_from_shares(tag_dir: str, out: str, config: BDHConfig, stages: int = 1) -> None:
+    """The whole model's normalized universal folder from a checkpoint whose model-parallel
+    ranks (mp_rank_XX, stage-major) are `stages` pipeline stages x K neuron shares."""
+    parts = neuron_shares(tag_dir)
+    k = len(parts) // stages
     with tempfile.TemporaryDirectory() as tmp:
         folders = []
-        for share in shares:
-            folder = os.path.join(tmp, f"{share}_universal")
-            lone = share_as_its_own(tag_dir, share, tmp)
+        for part in parts:
+            folder = os.path.join(tmp, f"{part}_universal")
+            lone = share_as_its_own(tag_dir, part, tmp)
             _one_model_parallel_rank(lone)
             if universal.is_zero0(tag_dir):
                 universal.from_zero0(lone, folder)
             else:
                 universal.from_deepspeed(lone, folder)
             folders.append(folder)
-        first = folders[0]
-        states = torch.load(universal.model_states_file(first), map_location="cpu",
-                            weights_only=False)
-        names = list(universal.parameter_shapes(states))
-        zero = os.path.join(out, "zero")
+        # where each of the whole model's parameters is: (its name there, the parts' folders)
+        where = {f"layer.{n}": (f"tied_modules.{SHARED_KEY}.{n}", folders[:k])  # stage 0's copy
+                 for n in SHARED_WEIGHTS} if stages > 1 else {}
+        if stages > 1:
+            where["embed.weight"] = ("0.embed.weight", folders[:1])
+            where["lm_head"] = (f"{config.n_layer + 1}.lm_head", folders[-k:][:1])
+        names = [n for n, _ in BDHForCausalLM(config).named_parameters()] if stages > 1 else \
+            list(universal.parameter_shapes(_states(folders[0])))
+        zero, weights = os.path.join(out, "zero"), {}
         for name in names:
+            saved_as, held_by = where.get(name, (name, folders))
             os.makedirs(os.path.join(zero, name))
             for key in ("fp32", *universal.MOMENTS):
-                parts = [{name: _param(folder, name, key)} for folder in folders]
-                whole = join_shares(parts, config)[name] if name in SHARDED else parts[0][name]
+                shares = [{name: _param(folder, saved_as, key)} for folder in held_by]
+                whole = join_shares(shares, config)[name] if name in SHARDED else shares[0][name]
                 torch.save({"param": whole, "cat_dim": 0}, os.path.join(zero, name, f"{key}.pt"))
-            torch.save(torch.load(os.path.join(first, "zero", name, "step.pt"),
-                                  weights_only=False), os.path.join(zero, name, "step.pt"))
-        optimizer = torch.load(os.path.join(first, "zero", "optimizer_state.pt"),
-                               weights_only=False)
-        torch.save(optimizer, os.path.join(zero, "optimizer_state.pt"))
-        module = [torch.load(universal.model_states_file(f), map_location="cpu",
-                             weights_only=False)["module"] for f in folders]
-        states["module"] = join_shares(module, config)
-        if "layer.attn.freqs" in module[0]:  # the buffer as a whole model holds it
-            states["module"]["layer.attn.freqs"] = rope_frequencies(config.n_neurons)
-        states["mp_world_size"] = 1
-        states["param_shapes"] = [{n: states["module"][n].shape for n in names}]
+                if key == "fp32":
+                    weights[name] = whole
+            shutil.copy(os.path.join(held_by[0], "zero", saved_as, "step.pt"),
+                        os.path.join(zero, name, "step.pt"))
+        shutil.copy(os.path.join(folders[0], "zero", "optimizer_state.pt"), zero)
+        states = _states(folders[0])
+        states["module"] = dict(weights, **{"layer.attn.freqs": rope_frequencies(config.n_neurons)})
+        states.update(mp_world_size=1, buffer_names=["layer.attn.freqs"],
+                      param_shapes=[{n: weights[n].shape for n in names}])
+        states.pop(CHECKPOINT_PARALLEL_DIMS, None)
         universal.write_states(states, out)
+
+
+def _states(folder: str) -> dict:
+    return torch.load(universal.model_states_file(folder), map_location="cpu", weights_only=False)
 
 
 def _one_model_parallel_rank(linked: str) -> None:
@@ -89,7 +103,7 @@ def _one_model_parallel_rank(linked: str) -> None:
             path = os.path.join(linked, name)
             states = torch.load(path, map_location="cpu", weights_only=False)
             os.remove(path)
-            dims = dict(states.get(CHECKPOINT_PARALLEL_DIMS) or {}, tp_degree=1)
+            dims = dict(states.get(CHECKPOINT_PARALLEL_DIMS) or {}, tp_degree=1, pp_degree=1)
             torch.save(dict(states, mp_world_size=1, **{CHECKPOINT_PARALLEL_DIMS: dims}), path)
 
 

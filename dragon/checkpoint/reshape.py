@@ -85,18 +85,18 @@ def reshape_message(saved: Layout, launch: Layout) -> Optional[str]:
 def check_convertible(saved: Layout, launch: Layout) -> None:
     """ValueError in one line for a pair no conversion covers."""
     kept_elsewhere = any(x.zero_stage == 0 and x.bf16 for x in (saved, launch))
-    zero_pipeline = any(x.pipeline and x.zero_stage > 0 for x in (saved, launch))
-    if kept_elsewhere or zero_pipeline:
+    # a pipeline's engine names its parameters by stage: it loads the ZeRO-0 pipeline form only
+    into_pipeline = launch.pipeline and (launch.zero_stage > 0 or launch.neurons > 1 or
+                                         saved.neurons > 1 or saved.zero_stage > 0)
+    if kept_elsewhere or into_pipeline:
         raise ValueError(
             f"--resume_from_checkpoint: the checkpoint was saved as {saved} and this launch is "
-            f"{launch}; resuming across that change is not supported yet (ZeRO-0 to 3 on any "
-            "number of ranks are, and pipelines of any shape with ZeRO-0; ZeRO-0 in fp32)"
+            f"{launch}; resuming across that change is not supported yet: resume it on its own "
+            "layout, or with recipes/pretrain.py (ZeRO-1/2/3 on any number of ranks and any "
+            "--neuron_parallel; pipelines of any shape take ZeRO-0 fp32 checkpoints)"
         )
     if saved.neurons != launch.neurons:
         fits = f"--neuron_parallel {saved.neurons} on the layout it was saved with"
-        if any(x.pipeline for x in (saved, launch)):
-            raise ValueError(f"--resume_from_checkpoint: the checkpoint was saved as {saved}; a "
-                             f"pipeline changes its neuron split not yet: resume it with {fits}")
         if launch.zero_stage in (0, 3) and launch.neurons > 1:
             # ZeRO-0 loads one whole file; ZeRO-3 cuts a share only with DeepSpeed's AutoTP group
             raise ValueError(f"--resume_from_checkpoint: the checkpoint was saved as {saved}; "
@@ -112,12 +112,14 @@ def convert(load_dir: str, tag: str, form: str, parts: Optional[list[int]] = Non
     target = os.path.join(load_dir, tag + UNIVERSAL)
     if not os.path.isdir(target):
         saved = saved_layout(load_dir, tag)
-        if saved.pipeline:
+        if saved.neurons > 1 or (saved.pipeline and saved.zero_stage > 0):
+            # the shares and stages joined into the whole model
+            config = BDHConfig.from_pretrained(load_dir)
+            make = lambda out: universal_from_shares(tag_dir, out, config,  # noqa: E731
+                                                     saved.stages)
+        elif saved.pipeline:
             make = lambda out: universal.from_zero0_states(  # noqa: E731
                 zero0_states_of_pipeline(tag_dir), out, tag_dir)
-        elif saved.neurons > 1:  # the shares joined into the whole model
-            config = BDHConfig.from_pretrained(load_dir)
-            make = lambda out: universal_from_shares(tag_dir, out, config)  # noqa: E731
         elif saved.zero_stage == 0:
             make = lambda out: universal.from_zero0(tag_dir, out)  # noqa: E731
         else:
