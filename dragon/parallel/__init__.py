@@ -1,5 +1,6 @@
 """The parallel layout: process groups, islands, the pipeline and the DeepSpeed config.
 
+- layout: islands x stages x neuron shares x data parallel and ZeRO, one value (Layout)
 - distributed: process-group start-up under any launcher, small all-reduces
 - topology: islands x data ranks, each island its own torch.distributed world (enter_island)
 - pipeline: BDH as a DeepSpeed PipelineModule (bdh_pipeline, carrying)
