@@ -86,14 +86,14 @@ def check_convertible(saved: Layout, launch: Layout) -> None:
     """ValueError in one line for a pair no conversion covers."""
     kept_elsewhere = any(x.zero_stage == 0 and x.bf16 for x in (saved, launch))
     # a pipeline's engine names its parameters by stage: it loads the ZeRO-0 pipeline form only
-    into_pipeline = launch.pipeline and (launch.zero_stage > 0 or launch.neurons > 1 or
-                                         saved.neurons > 1 or saved.zero_stage > 0)
+    into_pipeline = launch.pipeline and (launch.zero_stage > 0 or launch.neurons > 1)
     if kept_elsewhere or into_pipeline:
         raise ValueError(
             f"--resume_from_checkpoint: the checkpoint was saved as {saved} and this launch is "
             f"{launch}; resuming across that change is not supported yet: resume it on its own "
             "layout, or with recipes/pretrain.py (ZeRO-1/2/3 on any number of ranks and any "
-            "--neuron_parallel; pipelines of any shape take ZeRO-0 fp32 checkpoints)"
+            "--neuron_parallel), or a ZeRO-0 fp32 pipeline (--deepspeed "
+            "ds_configs/pipeline_zero0.json) of one neuron share"
         )
     if saved.neurons != launch.neurons:
         fits = f"--neuron_parallel {saved.neurons} on the layout it was saved with"
