@@ -32,6 +32,8 @@ def run_info(inputs, islands: int, dp_world: int, tokens_per_step: int) -> dict:
         "tokens_per_step": tokens_per_step,
         "max_steps": inputs.train.max_steps,
         "carry_state": inputs.train.carry_state,
+        # `python recipes/<recipe> run.json [--flag value ...]` repeats the run (flags override)
+        "arguments": inputs.arguments(),
     }
 
 
