@@ -220,3 +220,16 @@ def run_recipe_in_process(
     message = str(stop.value)
     assert message.startswith("error: ") and "\n" not in message, message
     return message
+
+
+def dry_run_in_process(monkeypatch, script: str, argv: list[str], env: dict) -> None:
+    """Run a recipe's --dry_run in this process under the launcher variables `env` (WORLD_SIZE
+    for the world it plans); it must end with exit code 0, its plan printed."""
+    import runpy
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(sys, "argv", [script, *argv, "--dry_run"])
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(str(REPO / script), run_name="__main__")
+    assert stop.value.code in (0, None), (script, stop.value)

@@ -2,13 +2,12 @@
 line, and a run's run.json repeats the run."""
 
 import json
-import runpy
 
 import pytest
 import yaml
 
-from conftest import REPO, STEPS, TINY, bad_input_base, launch, losses, read_jsonl, \
-    run_recipe_in_process
+from conftest import STEPS, TINY, bad_input_base, dry_run_in_process, launch, losses, \
+    read_jsonl, run_recipe_in_process
 
 FIRST = 4  # losses compared
 
@@ -77,11 +76,6 @@ def test_config_file_in_every_recipe(monkeypatch, capsys, tmp_path, text_file):
     base = bad_input_base("pipeline_zero1.json", tmp_path / "out", text_file)
     config.write_text(json.dumps(as_mapping(base)))
     env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
     for script in ("recipes/pretrain_pipeline.py", "recipes/pretrain_accelerate.py"):
-        monkeypatch.setattr("sys.argv", [script, str(config), "--dry_run"])
-        with pytest.raises(SystemExit) as stop:
-            runpy.run_path(str(REPO / script), run_name="__main__")
-        assert stop.value.code in (0, None), (script, stop.value)
+        dry_run_in_process(monkeypatch, script, [str(config)], env)
         assert "dry run:" in capsys.readouterr().out, script
