@@ -79,3 +79,16 @@ def test_config_file_in_every_recipe(monkeypatch, capsys, tmp_path, text_file):
     for script in ("recipes/pretrain_pipeline.py", "recipes/pretrain_accelerate.py"):
         dry_run_in_process(monkeypatch, script, [str(config)], env)
         assert "dry run:" in capsys.readouterr().out, script
+
+
+def test_config_file_after_the_deepspeed_launchers_local_rank(tmp_path):
+    """The deepspeed launcher puts --local_rank=N before every argument; flags after the file
+    win, and a flag may name its own .json value (--deepspeed x.json) without being the file."""
+    from dragon.run.args import parse_arguments
+
+    config = tmp_path / "run.yaml"
+    config.write_text("output_dir: out\nlearning_rate: 1e-3\nmax_steps: 8\nbf16: true\n")
+    _, _, args, _, _ = parse_arguments(argv=["--local_rank=3", str(config), "--max_steps", "2",
+                                             "--deepspeed", "ds_configs/zero2.json"])
+    assert (args.local_rank, args.learning_rate, args.max_steps, args.bf16) == (3, 1e-3, 2, True)
+    assert args.deepspeed == "ds_configs/zero2.json" and args.output_dir == "out"
