@@ -5,8 +5,9 @@ command's arguments parse and plan (`--dry_run` under the world size its launche
 launch/train.sh's 2 CPU processes), with the plan's output directory moved to a temporary one.
 
 A block that cannot be checked here is preceded in the Markdown by
-`<!-- docs-test: skip: REASON -->`. Not done yet: running the blocks that can run on CPU as
-written (shrunk); the tools (plot, sample, export, lm_eval) get only their paths checked.
+`<!-- docs-test: skip: REASON -->`. A recipe command of at most 2 processes under python, torchrun
+or launch/train.sh also trains as written, shrunk (conftest.SHRINK, the test corpus). Not done
+yet: the tools (plot, sample, export, lm_eval) and larger launches get only the checks above.
 """
 
 import re
@@ -16,7 +17,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, dry_run_in_process
+import subprocess
+
+from conftest import REPO, SHRINK, SHRUNK_STEPS, dry_run_in_process, job_env, losses, \
+    read_jsonl
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SKIP = re.compile(r"<!-- docs-test: skip: (\S.*) -->")
@@ -102,3 +106,19 @@ def test_recipe_command_plans(monkeypatch, tmp_path, case):
             accelerate["deepspeed_config"]["deepspeed_config_file"]
     dry_run_in_process(monkeypatch, words[at],
                        [*words[at + 1:], "--output_dir", str(tmp_path / "out")], env)
+
+
+RUNNABLE = {" ".join(words): words for _, _, words in RECIPE_CASES
+            if world_size(words) <= 2 and "--dry_run" not in words and "HOST" not in " ".join(words)
+            and words[0] in ("python", "torchrun", "bash")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("words", RUNNABLE.values(), ids=list(RUNNABLE))
+def test_cpu_command_trains_shrunk(tmp_path, text_file, words):
+    out = tmp_path / "out"
+    proc = subprocess.run([*words, *SHRINK, "--train_file", str(text_file), "--output_dir",
+                           str(out)], cwd=REPO, env=job_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(losses(read_jsonl(out / "metrics.jsonl"))) == SHRUNK_STEPS

@@ -2,10 +2,9 @@
 its header names (the header's own `Plan:` command), its header states that plan's memory and
 tokens per step, and it trains 4 steps on CPU shrunk.
 
-The shrink (SHRINK, plus per config the world in WORLDS) keeps a config's layout (ZeRO stage,
-recipe, --neuron_parallel, pipeline stages, DiLoCo mode, codec and fragments) and makes it small:
-a tiny BDH, 64-byte sequences, 2 micro-batches of 2, fp32 (bf16 is slow on these CPUs), the
-small test corpus, 4 steps, an evaluation and a save at the end, and 1 or 2 ranks.
+The shrink (conftest.SHRINK, plus per config the world in WORLDS) keeps a config's layout (ZeRO
+stage, recipe, --neuron_parallel, pipeline stages, DiLoCo mode, codec and fragments) and makes it
+small, at 1 or 2 ranks.
 """
 
 import re
@@ -14,19 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, dry_run_in_process, launch, losses, read_jsonl
+from conftest import REPO, SHRINK, SHRUNK_STEPS as STEPS, dry_run_in_process, launch, losses, \
+    read_jsonl
 
 CONFIGS = sorted((REPO / "recipes" / "configs").glob("*.yaml"))
 GPU_BYTES = 80 * 10**9  # the 80 GB class every config assumes
 MIB = 2**20
-STEPS = 4
-SHRINK = (
-    "--n_layer 2 --n_embd 32 --n_head 2 --mlp_internal_dim_multiplier 8 --block_size 64"
-    " --per_device_train_batch_size 2 --gradient_accumulation_steps 2 --bf16 false"
-    f" --max_steps {STEPS} --warmup_steps 1 --logging_steps 1 --eval_steps {STEPS}"
-    f" --save_steps {STEPS} --max_eval_samples 16 --per_device_eval_batch_size 4"
-    " --sample_max_new_tokens 0 --disable_tqdm"
-).split()
 # name -> (ranks, flags): the layout at 1 or 2 ranks; the quickstart keeps its own sizes.
 WORLDS = {
     "bdh_25m_1gpu": (1, SHRINK),
