@@ -112,6 +112,17 @@ TINY = (
     " --sample_max_new_tokens 0 --disable_tqdm"
 ).split()
 STEPS = 8
+# What a test appends to a command of the guide or a named config to run it small on CPU, with
+# its layout kept: a tiny BDH, 64-byte sequences, 2 micro-batches of 2, fp32 (bf16 is slow on
+# these CPUs), 4 steps with an evaluation and a save at the end, no sample.
+SHRUNK_STEPS = 4
+SHRINK = (
+    "--n_layer 2 --n_embd 32 --n_head 2 --mlp_internal_dim_multiplier 8 --block_size 64"
+    " --per_device_train_batch_size 2 --gradient_accumulation_steps 2 --bf16 false"
+    f" --max_steps {SHRUNK_STEPS} --warmup_steps 1 --logging_steps 1 --eval_steps {SHRUNK_STEPS}"
+    f" --save_steps {SHRUNK_STEPS} --max_eval_samples 16 --per_device_eval_batch_size 4"
+    " --sample_max_new_tokens 0 --disable_tqdm"
+).split()
 # Stateful training, evaluated on few enough validation blocks for one stream per row.
 CARRY = ["--carry_state", "--max_eval_samples", "64"]
 # fp32 on CPU: ranks sum gradients in a different order than one rank does, and ZeRO stages
@@ -220,3 +231,16 @@ def run_recipe_in_process(
     message = str(stop.value)
     assert message.startswith("error: ") and "\n" not in message, message
     return message
+
+
+def dry_run_in_process(monkeypatch, script: str, argv: list[str], env: dict) -> None:
+    """Run a recipe's --dry_run in this process under the launcher variables `env` (WORLD_SIZE
+    for the world it plans); it must end with exit code 0, its plan printed."""
+    import runpy
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(sys, "argv", [script, *argv, "--dry_run"])
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(str(REPO / script), run_name="__main__")
+    assert stop.value.code in (0, None), (script, stop.value)

@@ -34,6 +34,8 @@ def run_info(inputs, islands: int, dp_world: int, tokens_per_step: int) -> dict:
         "max_steps": inputs.train.max_steps,
         "carry_state": inputs.train.carry_state,
         "layout": asdict(inputs.layout),
+        # `python recipes/<recipe> run.json [--flag value ...]` repeats the run (flags override)
+        "arguments": inputs.arguments(),
     }
 
 

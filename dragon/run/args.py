@@ -1,11 +1,13 @@
 """Argument dataclasses the recipes share, named as in transformers' TrainingArguments / run_clm.py.
 """
 
+import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
 from transformers import HfArgumentParser, SchedulerType
 
+from dragon.run.config_file import apply_config_file, split_config_file
 from dragon.run.faults import NAN_POLICIES, SAVE_FAILURES
 from dragon.run.metrics import RECORDED_METRICS
 from dragon.model.attention import DEFAULT_CHUNK_SIZE
@@ -256,10 +258,16 @@ class PipelineArguments:
     )
 
 
-def parse_arguments(pipeline: bool = False) -> tuple:
+def parse_arguments(pipeline: bool = False, argv: Optional[list[str]] = None) -> tuple:
     """(ModelArguments, DataArguments, TrainingArguments, DiLoCoArguments, PipelineArguments or
-    None) from the command line; the pipeline recipe's only have the last."""
+    None) from the command line (or `argv`); the pipeline recipe's only have the last. A YAML or
+    JSON file (a run's run.json too) as the first argument gives values that the flags after it
+    override (dragon.run.config_file)."""
     types = (ModelArguments, DataArguments, TrainingArguments, DiLoCoArguments)
     parser = HfArgumentParser(types + ((PipelineArguments,) if pipeline else ()))
-    model_args, data_args, args, diloco, *rest = parser.parse_args_into_dataclasses()
+    path, argv = split_config_file(sys.argv[1:] if argv is None else argv)
+    if path:
+        apply_config_file(parser, path)
+    model_args, data_args, args, diloco, *rest = parser.parse_args_into_dataclasses(args=argv)
     return model_args, data_args, args, diloco, rest[0] if pipeline else None
+

@@ -1,7 +1,7 @@
 """The checked inputs of a run (dragon.run.preflight builds them), and the model they start from.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -13,6 +13,7 @@ from dragon.model.baseline import is_bdh
 from dragon.model.bdh import BDHConfig, BDHForCausalLM
 from dragon.diloco.arguments import DiLoCoArguments
 from dragon.parallel.layout import Layout
+from dragon.run.config_file import LAUNCHER_ARGUMENTS
 from dragon.run.args import ModelArguments, PipelineArguments, TrainingArguments
 
 
@@ -43,6 +44,14 @@ class RecipeInputs:
         regrouped, new_island = self.regrouped.get(island, (None, False))
         return ResumeTarget(*self.resume[island], reshaped=self.reshaped.get(island),
                             regrouped=regrouped, new_island=new_island)
+
+    def arguments(self) -> dict:
+        """The arguments this run resolved, as a config file holds them (not the launcher's):
+        run.json records them so that `recipes/<recipe>.py run.json` repeats the run."""
+        values = {}
+        for group in (self.model, self.data, self.train, self.diloco, self.pipeline):
+            values.update(asdict(group) if group is not None else {})
+        return {k: v for k, v in values.items() if k not in LAUNCHER_ARGUMENTS}
 
     def run_dir(self, island: int) -> str:
         """Where island `island` writes metrics.jsonl and checkpoints/ (<output_dir> without
