@@ -4,7 +4,7 @@ tokens per step, and it trains 4 steps on CPU shrunk.
 
 The shrink (conftest.SHRINK, plus per config the world in WORLDS) keeps a config's layout (ZeRO
 stage, recipe, --neuron_parallel, pipeline stages, DiLoCo mode, codec and fragments) and makes it
-small, at 1 or 2 ranks.
+small, at 1 to 4 ranks.
 """
 
 import re
@@ -19,15 +19,16 @@ from conftest import REPO, SHRINK, SHRUNK_STEPS as STEPS, dry_run_in_process, la
 CONFIGS = sorted((REPO / "recipes" / "configs").glob("*.yaml"))
 GPU_BYTES = 80 * 10**9  # the 80 GB class every config assumes
 MIB = 2**20
-# name -> (ranks, flags): the layout at 1 or 2 ranks; the quickstart keeps its own sizes.
+# name -> (ranks, flags): the layout at 1 to 4 ranks; the quickstart keeps its own sizes.
 WORLDS = {
     "bdh_25m_1gpu": (1, SHRINK),
     "bdh_100m_8gpu_zero2": (2, SHRINK),
     "bdh_1b_8gpu_neurons": (2, SHRINK + ["--neuron_parallel", "2"]),
-    "bdh_1b_4x8gpu_pipeline": (2, SHRINK),  # 2 stages x 1 data-parallel rank
-    # 2 islands of 1 rank, an outer step every 4 steps with its 4 fragments, delayed, int4
-    "bdh_1b_diloco_4islands": (2, SHRINK + ["--diloco_islands", "2", "--diloco_inner_steps",
-                                            str(STEPS)]),
+    # 2 stages x K=2 x 1 data-parallel rank
+    "bdh_1b_4x8gpu_pipeline": (4, SHRINK + ["--neuron_parallel", "2"]),
+    # 2 islands of K=2 ranks, an outer step every 4 steps with its 4 fragments, delayed, int4
+    "bdh_1b_diloco_4islands": (4, SHRINK + ["--neuron_parallel", "2", "--diloco_islands", "2",
+                                            "--diloco_inner_steps", str(STEPS)]),
     "quickstart_cpu": (2, f"--max_steps {STEPS} --logging_steps 1 --eval_steps {STEPS}"
                           f" --save_steps {STEPS} --max_eval_samples 16"
                           " --sample_max_new_tokens 0 --disable_tqdm".split()),
