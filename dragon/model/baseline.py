@@ -50,6 +50,15 @@ def parameter_count(config: PretrainedConfig) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def matmul_weight_count(config: PretrainedConfig) -> int:
+    """The weights that multiply activations in a matmul: every Linear's (and GPT-2's Conv1D's)
+    matrix, so not the embedding tables, biases or norm scales."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    return sum(p.numel() for p in model.parameters() if p.dim() >= 2 and id(p) not in tables)
+
+
 def matched_config(model_type: str, target: int, vocab_size: int, positions: int, n_layer: int,
                    n_head: int, dropout: float) -> PretrainedConfig:
     """The config of n_layer layers and n_head heads whose width (a multiple of 2 x n_head) gives

@@ -71,11 +71,10 @@ def model_profile(config: BDHConfig, seq_len: int, form: str = "") -> ModelProfi
 
 
 def transformer_profile(config, seq_len: int) -> ModelProfile:
-    """A --model_type baseline's FLOPs per token: every weight outside the embedding tables once
-    (a multiply-add each), plus causal attention's scores and weighted sum over on average half
-    of seq_len positions per layer; backward twice the forward."""
+    """A --model_type baseline's FLOPs per token: one multiply-add for every weight of a matmul
+    (not the embedding tables, biases or norm scales, whose elementwise work is not counted, as
+    BDH's LayerNorms are not), plus causal attention's scores and weighted sum over on average
+    half of seq_len positions per layer; backward twice the forward."""
     D, L = config.hidden_size, config.num_hidden_layers
-    parameters = baseline.parameter_count(config)
-    tables = (config.vocab_size + getattr(config, "n_positions", 0)) * D
-    forward = 2.0 * (parameters - tables + L * seq_len * D)
-    return ModelProfile(parameters, forward, 2.0 * forward)
+    forward = 2.0 * (baseline.matmul_weight_count(config) + L * seq_len * D)
+    return ModelProfile(baseline.parameter_count(config), forward, 2.0 * forward)
