@@ -54,7 +54,9 @@ def main() -> int:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the lines above already say why
             try:
-                print(f"a resume takes {os.path.join(*find_resume_checkpoint(save_dir))}")
+                # the same check as the lines above, so both name the same checkpoint
+                taken = find_resume_checkpoint(save_dir, checksums=not args.no_checksums)
+                print(f"a resume takes {os.path.join(*taken)}")
             except ValueError as e:
                 print(str(e))
     return 1 if damaged else 0

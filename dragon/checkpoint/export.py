@@ -192,14 +192,14 @@ def resolve_checkpoint(path: str, checkpoint: str = "best", metric: str = "eval_
         return latest
     complete = {n: s for n, s in list_checkpoints(save_dir).items()
                 if is_complete(os.path.join(save_dir, n))
-                and damage_of(os.path.join(save_dir, n)) is None}
+                and damage_of(os.path.join(save_dir, n), checksums=True) is None}
     history = MetricHistory(metrics_path(path)).load()
     best = RetentionPolicy(metric_for_best_model=metric).best(complete, history)
     return os.path.join(*load_dir_and_tag(save_dir, best)) if best else latest
 
 
 def _whole(tag_dir: str) -> str:
-    problem = damage_of(tag_dir)
+    problem = damage_of(tag_dir, checksums=True)
     if problem:
         raise ValueError(f"{tag_dir} is damaged ({problem}); name another checkpoint")
     return tag_dir
