@@ -1,13 +1,15 @@
 """One resolver for every tool's checkpoint path (dragon.checkpoint.export.resolve_checkpoint):
 a run directory, its checkpoints/, a tag directory (DeepSpeed's stepN, accelerate's checkpoint_N
 and its pytorch_model) all resolve to the same checkpoint, with one line that says what was found
-and what was taken; sample.py gives the same text from every form."""
+and what was taken; sample.py gives the same text from every form, and verify_checkpoints.py
+takes every form."""
 
 import runpy
+import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, job_env
 from test_checkpoints import STEPS, uninterrupted_run
 
 from dragon.checkpoint.export import resolve_checkpoint
@@ -40,3 +42,9 @@ def test_every_path_form_resolves_to_the_same_checkpoint(kind, capsys, monkeypat
         runpy.run_path(str(REPO / "recipes/sample.py"), run_name="__main__")
         texts.add(capsys.readouterr().out)
     assert len(texts) == 1, texts
+    for path in forms(kind, out):  # the verifier takes every form, each whole
+        checked = subprocess.run([sys.executable, str(REPO / "recipes/verify_checkpoints.py"),
+                                  "--run", str(path)], capture_output=True, text=True,
+                                 env=job_env())
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+        assert checked.stdout.splitlines()[0].endswith(": whole"), checked.stdout
