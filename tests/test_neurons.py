@@ -123,5 +123,5 @@ def test_a_killed_split_run_resumes_exactly_and_exports_the_whole_model(tmp_path
     assert [line for line in job.stderr.splitlines() if line.startswith("error:")] == [
         "error: --resume_from_checkpoint: the checkpoint was saved as ZeRO-2 on 1 data-parallel "
         "rank(s) x 2 neuron shares and this launch is ZeRO-2 on 1 data-parallel rank(s); a "
-        "checkpoint of split neurons resumes only on the layout it was saved with (export it and "
-        "start from the export instead)"]
+        "checkpoint of split neurons resumes only on the layout it was saved with: resume it "
+        "with --neuron_parallel 2 (or export it and start from the export)"]

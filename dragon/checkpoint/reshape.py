@@ -82,9 +82,12 @@ def reshape_message(saved: Layout, launch: Layout) -> Optional[str]:
     """None when the checkpoint loads as it is; the one line a conversion prints; ValueError for
     a pair not converted."""
     if max(saved.neuron_parallel, launch.neuron_parallel) > 1 and saved != launch:
+        fix = (f"--neuron_parallel {saved.neuron_parallel}"
+               if saved.neuron_parallel != launch.neuron_parallel else "the same ranks and config")
         raise ValueError(f"--resume_from_checkpoint: the checkpoint was saved as {saved} and this "
                          f"launch is {launch}; a checkpoint of split neurons resumes only on the "
-                         "layout it was saved with (export it and start from the export instead)")
+                         f"layout it was saved with: resume it with {fix} (or export it and start "
+                         "from the export)")
     if saved == launch or (saved.zero_stage == launch.zero_stage == 0 and not saved.pipeline
                            and not launch.pipeline):
         return None  # ZeRO-0: one file with everything, loaded on any number of ranks
