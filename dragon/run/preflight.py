@@ -74,6 +74,7 @@ def _check_resume(inputs: RecipeInputs, config, dp_world: int) -> None:
     stages = inputs.pipeline.pipeline_stages if inputs.pipeline else 0
     inputs.reshaped = resume_checks.check_reshape(inputs.resume, inputs.ds_config, dp_world,
                                                   stages, diloco, args.neuron_parallel)
+    resume_checks.take_locks(args, diloco)  # last: it creates the island directories
 
 
 def _warn_about_the_bubble(micro_batches: int, stages: int) -> None:
