@@ -2,6 +2,7 @@
 size and CRC-32 it was written with (dragon.checkpoint.verify).
 
     python recipes/verify_checkpoints.py --run runs/x            # or runs/x/checkpoints
+    python recipes/verify_checkpoints.py --run runs/x/checkpoints/step8   # one checkpoint
     python recipes/verify_checkpoints.py --run runs/x --no_checksums   # sizes only: a stat each
 
 One line per checkpoint (whole, damaged and why, or incomplete: no marker, a save that never
@@ -21,7 +22,8 @@ from dragon.checkpoint.catalog import (damage_of, find_resume_checkpoint, is_com
 
 @dataclass
 class VerifyArguments:
-    run: str = field(metadata={"help": "A run's output directory or its checkpoints/ directory."})
+    run: str = field(metadata={"help": "A run's output directory, its checkpoints/ directory, or "
+                                       "one checkpoint (stepN, checkpoint_N, its pytorch_model)."})
     no_checksums: bool = field(
         default=False, metadata={"help": "Compare sizes only (skips reading every byte)."}
     )
@@ -38,6 +40,10 @@ def save_dirs(run: str) -> list[str]:
 
 def main() -> int:
     (args,) = HfArgumentParser(VerifyArguments).parse_args_into_dataclasses()
+    if is_complete(args.run):  # one checkpoint, as sample.py and export.py take it
+        problem = damage_of(args.run, checksums=not args.no_checksums)
+        print(f"{args.run}: {'damaged: ' + problem if problem else 'whole'}")
+        return 1 if problem else 0
     if not os.path.isdir(args.run) or not save_dirs(args.run):
         sys.exit(f"error: --run {args.run}: not a run's output directory (no checkpoints/ in it)")
     damaged = 0
@@ -54,7 +60,9 @@ def main() -> int:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the lines above already say why
             try:
-                print(f"a resume takes {os.path.join(*find_resume_checkpoint(save_dir))}")
+                # the same check as the lines above, so both name the same checkpoint
+                taken = find_resume_checkpoint(save_dir, checksums=not args.no_checksums)
+                print(f"a resume takes {os.path.join(*taken)}")
             except ValueError as e:
                 print(str(e))
     return 1 if damaged else 0

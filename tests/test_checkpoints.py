@@ -209,24 +209,37 @@ def test_sigkill_then_resume_matches_uninterrupted(kind, tmp_path, tmp_path_fact
     """Killed between checkpoints, resumed from latest: the same per-step losses (bit-equal):
     model, optimizer, LR schedule, data position and RNG came back, and with --carry_state the
     rows' states too (zero states would differ); the accelerate recipe through
-    accelerator.save_state and load_state."""
+    accelerator.save_state and load_state. metrics.jsonl then holds the uninterrupted run's rows,
+    each step once; the rows the resume replaced are in metrics.replaced.jsonl, and TensorBoard
+    (DeepSpeed's monitor) holds each step's loss once."""
     steps, extra = STEPS, RESUMABLE
-    expected = uninterrupted(kind, tmp_path_factory, text_file)
+    expected_out, expected_rows = uninterrupted_run(kind, tmp_path_factory, text_file)
+    board = [] if kind == "accelerate" else ["--report_to", "tensorboard"]
 
     out = tmp_path / "killed"
     metrics = out / "metrics.jsonl"
-    proc = start(kind, out, text_file, steps, extra)
+    proc = start(kind, out, text_file, steps, [*extra, *board])
     # Between the step-4 save and the step-8 save.
     kill_when(proc, lambda: max(logged_steps(metrics), default=0) >= 6)
     done = max(logged_steps(metrics))
     assert done < 8, "killed too late"
     assert (tag_dir(kind, out, 4) / "carried_state_0.pt").exists()
-    finish(start(kind, out, text_file, steps, [*extra, "--resume_from_checkpoint", "latest"]))
+    finish(start(kind, out, text_file, steps,
+                 [*extra, *board, "--resume_from_checkpoint", "latest"]))
     records = read_jsonl(metrics)
-    resumed = [m for m in records if m["step"] > 4][-(steps - 4) :]
-    assert [m["step"] for m in resumed] == list(range(5, steps + 1))
     # Same ranks, same data position, RNG and optimizer state: identical, not merely close.
-    assert [m["loss"] for m in resumed] == expected[4:]
+    assert [(m["step"], sorted(m)) for m in records] == [
+        (m["step"], sorted(m)) for m in expected_rows]
+    assert losses(records) == losses(expected_rows)
+    replaced = read_jsonl(out / "metrics.replaced.jsonl")
+    assert sorted({m["step"] for m in replaced}) == list(range(5, done + 1)), replaced
+    assert all("replaced_at" in m for m in replaced)
+    if board:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(out / "monitor" / "bdh"))
+        events.Reload()
+        assert [e.step for e in events.Scalars("dragon/loss")] == list(range(1, steps + 1))
 
 
 @pytest.mark.slow

@@ -132,16 +132,18 @@ def list_checkpoints(save_dir: str) -> dict[str, int]:
 
 
 def last_complete(save_dir: str) -> str:
-    """The checkpoint a resume from `save_dir` would take now, or "none" (for messages)."""
+    """The checkpoint a resume from `save_dir` would take now, or "none" (for messages at a stop:
+    sizes only, since re-reading every byte would delay the stop)."""
     try:
-        return os.path.join(*find_resume_checkpoint(save_dir))
+        return os.path.join(*find_resume_checkpoint(save_dir, checksums=False))
     except ValueError:
         return "none"
 
 
-def find_resume_checkpoint(save_dir: str) -> tuple[str, str]:
+def find_resume_checkpoint(save_dir: str, checksums: bool = True) -> tuple[str, str]:
     """(load_dir, tag) to resume from: the tag `latest` names if complete and whole, else the
-    newest one that is, saying why in one warning."""
+    newest one that is, saying why in one warning. Whole means every file at the size and (with
+    `checksums`) the CRC-32 its marker lists, so a flipped byte falls back as a cut file does."""
     if not os.path.isdir(save_dir):
         raise ValueError(f"resume: {save_dir} is not a directory")
     latest = read_latest(save_dir)
@@ -158,7 +160,7 @@ def find_resume_checkpoint(save_dir: str) -> tuple[str, str]:
     order = first + others[::-1]
     damaged = []
     for name in order:
-        problem = damage_of(os.path.join(save_dir, name))
+        problem = damage_of(os.path.join(save_dir, name), checksums)
         if problem is None:
             break
         damaged.append(f"{name} is damaged ({problem})")

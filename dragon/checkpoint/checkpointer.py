@@ -222,7 +222,9 @@ def resolve_resume(resume: str, save_dir: str) -> tuple[str, str]:
     to (load_dir, tag).
 
     A `latest` that is missing, corrupt or names a half-written or damaged tag falls back, with a
-    warning, to the newest whole checkpoint; a tag named outright must be whole.
+    warning, to the newest whole checkpoint; a tag named outright must be whole. Every rank checks
+    every file's size and CRC-32 (a superset of the files it reads), so all ranks choose the same
+    checkpoint before any process group exists to agree on one.
     """
     path = save_dir if resume == "latest" else resume
     if not os.path.isdir(path) and os.sep not in resume:  # a tag of this run's checkpoints
@@ -230,7 +232,7 @@ def resolve_resume(resume: str, save_dir: str) -> tuple[str, str]:
     if not os.path.isdir(path):
         raise ValueError(f"--resume_from_checkpoint {resume}: no such directory ({path})")
     if os.path.isfile(os.path.join(path, MARKER)):  # one complete tag directory
-        problem = damage_of(path)
+        problem = damage_of(path, checksums=True)
         if problem:
             raise ValueError(f"--resume_from_checkpoint {resume}: {path} is damaged ({problem}); "
                              "name another checkpoint, or `latest` for the newest whole one")

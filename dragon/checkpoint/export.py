@@ -10,6 +10,7 @@ their checkpoints.
 """
 
 import os
+import sys
 import tempfile
 import time
 
@@ -28,7 +29,7 @@ from dragon.model.baseline import is_bdh
 from dragon.model.bdh import BDHForCausalLM
 from dragon.model.remote_code import write_remote_code
 from dragon.parallel.pipeline import is_pipeline_checkpoint, model_from_pipeline_checkpoint
-from dragon.checkpoint.catalog import (damage_of, find_resume_checkpoint, is_complete,
+from dragon.checkpoint.catalog import (ACCEL_RE, damage_of, find_resume_checkpoint, is_complete,
                                        list_checkpoints, load_dir_and_tag, looks_like_tag_dir,
                                        run_files_dir)
 from dragon.checkpoint.retention import RetentionPolicy
@@ -138,17 +139,30 @@ def is_hf_directory(path: str) -> bool:
 
 
 def resolve_checkpoint(path: str, checkpoint: str = "best", metric: str = "eval_loss") -> str:
-    """What PATH names: a Hugging Face directory or a checkpoint tag directory, as it is; a run's
-    output directory (island 0's, for DiLoCo islands), its checkpoint `checkpoint`: "best" (by
-    `metric` in the run's metrics.jsonl, lowest; the latest complete one when none has it),
-    "latest" (the one a resume takes) or a tag. ValueError naming PATH otherwise."""
-    path = os.path.normpath(path)
+    """What PATH names, for every tool that reads a checkpoint (sample, export, reshape): a Hugging
+    Face directory or a checkpoint tag directory (DeepSpeed's stepN, accelerate's checkpoint_N or
+    its pytorch_model), as it is; a run's output directory (island 0's, for DiLoCo islands) or its
+    checkpoints/, its checkpoint `checkpoint`: "best" (by `metric` in the run's metrics.jsonl,
+    lowest; the latest complete one when none has it), "latest" (the one a resume takes) or a
+    tag. Says on stderr in one line what it found and chose; ValueError naming PATH otherwise."""
+    found, chosen = _resolve(os.path.normpath(path), checkpoint, metric)
+    print(f"{path}: {found}; takes {chosen}", file=sys.stderr)
+    return chosen
+
+
+def _resolve(path: str, checkpoint: str, metric: str) -> tuple[str, str]:
+    """(what `path` is, the directory to load) for resolve_checkpoint."""
     if not os.path.isdir(path):
         raise ValueError(f"{path}: no such directory")
     if is_hf_directory(path):
-        return path
+        return "a Hugging Face directory", path
+    if ACCEL_RE.match(os.path.basename(path)) and is_complete(path):  # accelerate's save_state
+        return "accelerate's checkpoint", _whole(os.path.join(*load_dir_and_tag(
+            os.path.dirname(path), os.path.basename(path))))
     if _is_tag_dir(path):
-        return _whole(path)
+        return "a checkpoint tag directory", _whole(path)
+    if os.path.basename(path) == "checkpoints":
+        path = os.path.dirname(path) or "."
     if os.path.isdir(os.path.join(path, "island0")):
         path = os.path.join(path, "island0")
     save_dir = os.path.join(path, "checkpoints")
@@ -157,11 +171,12 @@ def resolve_checkpoint(path: str, checkpoint: str = "best", metric: str = "eval_
             f"{path}: neither a Hugging Face directory, a checkpoint tag directory, nor a run's "
             "output directory (no checkpoints/)"
         )
+    found = f"a run's checkpoints ({len(list_checkpoints(save_dir))} in {save_dir})"
     if checkpoint not in ("best", "latest"):
         named = os.path.join(save_dir, checkpoint)
         if not is_complete(named):
             raise ValueError(f"--checkpoint {checkpoint}: {named} is not a complete checkpoint")
-        return _whole(os.path.join(*load_dir_and_tag(save_dir, checkpoint)))
+        return found, _whole(os.path.join(*load_dir_and_tag(save_dir, checkpoint)))
     try:
         latest = os.path.join(*find_resume_checkpoint(save_dir))
     except ValueError:
@@ -170,17 +185,19 @@ def resolve_checkpoint(path: str, checkpoint: str = "best", metric: str = "eval_
             "a checkpoint tag directory or a Hugging Face directory"
         ) from None
     if checkpoint == "latest":
-        return latest
+        return f"{found}, the one a resume takes", latest
     complete = {n: s for n, s in list_checkpoints(save_dir).items()
                 if is_complete(os.path.join(save_dir, n))
-                and damage_of(os.path.join(save_dir, n)) is None}
+                and damage_of(os.path.join(save_dir, n), checksums=True) is None}
     history = MetricHistory(metrics_path(path)).load()
     best = RetentionPolicy(metric_for_best_model=metric).best(complete, history)
-    return os.path.join(*load_dir_and_tag(save_dir, best)) if best else latest
+    if not best:
+        return f"{found}, none with {metric}: the latest", latest
+    return f"{found}, the best by {metric}", os.path.join(*load_dir_and_tag(save_dir, best))
 
 
 def _whole(tag_dir: str) -> str:
-    problem = damage_of(tag_dir)
+    problem = damage_of(tag_dir, checksums=True)
     if problem:
         raise ValueError(f"{tag_dir} is damaged ({problem}); name another checkpoint")
     return tag_dir

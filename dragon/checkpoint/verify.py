@@ -4,8 +4,9 @@ A completion marker says that every rank wrote its files; a file truncated later
 a bad disk, a full disk during a sync) would still load as garbage or end a resume in tracebacks.
 So the marker also lists every file of the checkpoint with its size and CRC-32. The rank that
 writes a file checksums it right after (the bytes are still in the page cache); the marker's
-writer checksums the few small files no rank reported. A resume compares sizes (a stat per file,
-every rank); the offline verifier (recipes/verify_checkpoints.py) also recomputes the checksums.
+writer checksums the few small files no rank reported. A resume, sample.py and export.py recompute
+the sizes and checksums of the checkpoint they take before loading it (every rank, in preflight),
+as the offline verifier (recipes/verify_checkpoints.py) does; a message at a stop compares sizes.
 """
 
 import os

@@ -113,6 +113,13 @@ class MetricsLogger:
         )
         self.history = MetricHistory(metrics_path(output_dir))
         self.bar = None
+        if enabled and initial_step > 0:  # a resume: the steps after it are logged anew
+            moved = self.history.replace_after(initial_step)
+            if moved:
+                logger.info(f"resume at step {initial_step}: {moved} metric rows of later steps "
+                            "moved to metrics.replaced.jsonl")
+            if self.monitor is not None:
+                purge_monitor(self.monitor, initial_step)
         if enabled:
             os.makedirs(output_dir, exist_ok=True)
             if progress:
@@ -173,6 +180,19 @@ def sparsity_over_ranks(fractions: dict[str, float], n_layer: int) -> dict[str, 
     summed = all_reduce_values([fractions.get(k, 0.0) for k in keys] +
                                [float(k in fractions) for k in keys])
     return {k: total / count for k, total, count in zip(keys, summed, summed[len(keys):]) if count}
+
+
+def purge_monitor(monitor, step: int) -> None:
+    """Reopen DeepSpeed's TensorBoard writer with purge_step, so that TensorBoard drops the events
+    after `step` that the resumed run writes again (a step's scalars then appear once)."""
+    board = getattr(monitor, "tb_monitor", None)
+    writer = getattr(board, "summary_writer", None)
+    if writer is None:
+        return
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer.close()
+    board.summary_writer = SummaryWriter(log_dir=writer.log_dir, purge_step=step + 1)
 
 
 def feed_monitor(monitor, record: dict) -> None:

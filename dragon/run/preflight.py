@@ -99,6 +99,7 @@ def _check_resume(inputs: RecipeInputs, config, dp_world: int) -> None:
     resume_checks.check_resume_fragments(inputs.resume, diloco)
     inputs.reshaped = resume_checks.check_reshape(inputs.resume, inputs.ds_config, inputs.layout,
                                                   diloco)
+    resume_checks.take_locks(args, diloco)  # last: it creates the island directories
 
 
 def _warn_about_the_bubble(micro_batches: int, stages: int) -> None:

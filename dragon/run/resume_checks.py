@@ -100,13 +100,18 @@ def check_reshape(
     return reshaped
 
 
-def check_output_dir(args: TrainingArguments, diloco: DiLoCoArguments) -> None:
-    """Take each island directory's lock (the launch's first rank; not for --dry_run), then raise
-    when a new run would train into another run's checkpoints (retention would mix the two),
-    unless resuming it or --overwrite_output_dir."""
+def take_locks(args: TrainingArguments, diloco: DiLoCoArguments) -> None:
+    """Take each island directory's lock (the launch's first rank; not for --dry_run). Called
+    after every other check of the start, since the lock creates the island directories and a
+    refused start leaves nothing on disk."""
     if int(os.environ.get("RANK", "0")) == 0 and not args.dry_run:
         for island in diloco.local_islands():
             take_run_lock(diloco.output_dir(args.output_dir, island), args.break_lock)
+
+
+def check_output_dir(args: TrainingArguments, diloco: DiLoCoArguments) -> None:
+    """Raise when a new run would train into another run's checkpoints (retention would mix the
+    two), unless resuming it or --overwrite_output_dir."""
     if args.resume_from_checkpoint or args.overwrite_output_dir:
         return
     for island in diloco.local_islands():
