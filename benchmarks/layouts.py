@@ -47,9 +47,11 @@ def dry_run(recipe: str, args: list[str]) -> float:
     """The dry run's per-rank total, MiB."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO), WORLD_SIZE=str(RANKS),
                RANK="0", LOCAL_RANK="0")
-    out = subprocess.run([sys.executable, f"recipes/{recipe}", *args, "--dry_run"], cwd=REPO,
-                         env=env, capture_output=True, text=True, check=True).stdout
-    return float(re.search(r"total: ([\d,.]+) MiB", out).group(1).replace(",", ""))
+    job = subprocess.run([sys.executable, f"recipes/{recipe}", *args, "--dry_run"], cwd=REPO,
+                         env=env, capture_output=True, text=True)
+    if job.returncode:
+        raise SystemExit(f"{recipe} {' '.join(args)} --dry_run: {job.stderr.strip()[-500:]}")
+    return float(re.search(r"total: ([\d,.]+) MiB", job.stdout).group(1).replace(",", ""))
 
 
 def modelled_bytes(layout: tuple, parameters: int, records: list[dict]) -> float:
@@ -69,16 +71,16 @@ def modelled_bytes(layout: tuple, parameters: int, records: list[dict]) -> float
 
 
 def largest_neurons(recipe: str, args: list[str], root: Path) -> int:
-    """The largest N per head (a multiple of 256) whose estimate fits in 24 GiB per rank."""
+    """The largest N per head (a multiple of 1,024) whose estimate fits in 24 GiB per rank."""
     def fits(n: int) -> bool:
         mult = n * HEADS // D
         return dry_run(recipe, [*args, "--mlp_internal_dim_multiplier", str(mult),
                                 "--output_dir", str(root / f"fit{n}")]) * 2**20 <= 24 * GIB
-    low, high = 256, 512
+    low, high = 1024, 2048
     while fits(high):
         low, high = high, high * 2
-    while high - low > 256:
-        middle = (low + high) // 512 * 256
+    while high - low > 1024:
+        middle = (low + high) // 2048 * 1024
         low, high = (middle, high) if fits(middle) else (low, middle)
     return low
 
