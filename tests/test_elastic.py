@@ -240,7 +240,6 @@ def resume_after_the_join(out, again, text_file, steps, saved):
     """Both islands of `out` restarted from their step-`saved` checkpoints for 16 steps in a
     copy of the run: the same losses and outer checksums as the run had."""
     shutil.copytree(out, again)
-    before = [len(read_jsonl(again / f"island{i}" / "metrics.jsonl")) for i in (0, 1)]
     resume = [*steps, "--max_steps", str(saved + 16), "--resume_from_checkpoint",
               f"step{saved}"]
     with island_store() as fresh:
@@ -252,7 +251,9 @@ def resume_after_the_join(out, again, text_file, steps, saved):
     for i in (0, 1):
         ran = read_jsonl(out / f"island{i}" / "metrics.jsonl")
         first = {(m["step"], k): m[k] for m in ran for k in keys if k in m and m["step"] > saved}
-        redone = read_jsonl(again / f"island{i}" / "metrics.jsonl")[before[i]:]
+        # the resume moved the rows past its step to metrics.replaced.jsonl: these are redone
+        redone = [m for m in read_jsonl(again / f"island{i}" / "metrics.jsonl")
+                  if m["step"] > saved]
         pairs = [((m["step"], k), m[k]) for m in redone for k in keys if k in m]
         assert len(pairs) >= 20 and max(step for (step, _), _ in pairs) == saved + 16
         for key, value in pairs:
