@@ -100,13 +100,6 @@ class Layout:
         split = f" x {self.neurons} neuron shares" if self.neurons > 1 else ""
         return f"{kind}ZeRO-{self.zero_stage} on {self.data_parallel} data-parallel rank(s){split}"
 
-    def flags(self) -> str:
-        """The command-line flags that give this island's shape."""
-        parts = [f"--neuron_parallel {self.neurons}"]
-        if self.pipeline:
-            parts.append(f"--pipeline_stages {self.stages}")
-        return " ".join(parts) + f" on {self.island_size} rank(s) per island"
-
 
 def plan_layout(world: int, islands: int, one_launch_per_island: bool, stages: int,
                 neurons: int, pipeline: bool) -> Layout:
