@@ -31,6 +31,9 @@ class ReshapeArguments:
     zero_stage: int = field(
         default=1, metadata={"help": "The ZeRO stage the run resumes on (0-3; any rank count)."}
     )
+    bf16: bool = field(
+        default=False, metadata={"help": "ZeRO-0: the run resumes in bf16 (its masters in fp32)."}
+    )
 
 
 def main():
@@ -41,15 +44,15 @@ def main():
         tag_dir = resolve_checkpoint(args.checkpoint, "latest")
         load_dir, tag = os.path.split(os.path.normpath(tag_dir))
         saved = saved_layout(load_dir, tag)
-        check_convertible(saved, Layout(zero_stage=args.zero_stage,
+        check_convertible(saved, Layout(zero_stage=args.zero_stage, bf16=args.bf16,
                                         data_parallel=saved.data_parallel))
     except ValueError as e:
         sys.exit(f"error: {e}")
-    if saved.zero_stage == args.zero_stage == 0:
+    if saved.zero_stage == args.zero_stage == 0 and saved.bf16 == args.bf16:
         print(f"{tag_dir}: a ZeRO-0 checkpoint loads on any number of ranks as it is")
         return
     form = "zero0" if args.zero_stage == 0 else "universal"
-    converted = os.path.join(load_dir, convert(load_dir, tag, form))
+    converted = os.path.join(load_dir, convert(load_dir, tag, form, bf16=args.bf16))
     expected = model_from_checkpoint(tag_dir).state_dict()
     weights = fp32_weights(converted)
     wrong = [name for name, w in weights.items() if not torch.equal(w, expected[name])]

@@ -210,11 +210,12 @@ def _unmark(tag_dir: str) -> None:
         pass
 
 
-def _loadable_form(engine) -> tuple[str, Optional[list[int]]]:
-    """(the converted form this engine loads, the pipeline's stage boundaries)."""
+def _loadable_form(engine) -> tuple[str, Optional[list[int]], bool]:
+    """(the converted form this engine loads, the pipeline's stage boundaries, bf16)."""
     if getattr(engine, "pipeline_parallelism", False):
-        return "pipeline", [int(p) for p in engine.module.parts]
-    return ("zero0" if engine.zero_optimization_stage() == 0 else "universal"), None
+        return "pipeline", [int(p) for p in engine.module.parts], False
+    form = "zero0" if engine.zero_optimization_stage() == 0 else "universal"
+    return form, None, engine.bfloat16_enabled()
 
 
 def resolve_resume(resume: str, save_dir: str) -> tuple[str, str]:

@@ -17,6 +17,7 @@ import time
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from dragon.checkpoint import universal
 from dragon.checkpoint.card import write_model_card
 from dragon.checkpoint.checkpointer import tag_for
 from dragon.checkpoint.writes import GuardedWrites, SaveFailed
@@ -128,9 +129,10 @@ def _fp32_state(tag_dir: str) -> dict[str, torch.Tensor]:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         return get_fp32_state_dict_from_zero_checkpoint(save_dir, tag=tag)
-    # ZeRO-0 fp32: the module's weights are the master weights
-    module_file = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
-    return torch.load(module_file, map_location="cpu", weights_only=False)["module"]
+    # ZeRO-0: the module's weights, or in bf16 their fp32 masters
+    module = torch.load(os.path.join(tag_dir, universal.STATES), map_location="cpu",
+                        weights_only=False)["module"]
+    return {**module, **universal.fp32_weights(tag_dir)}
 
 
 def is_hf_directory(path: str) -> bool:

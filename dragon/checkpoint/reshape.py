@@ -19,8 +19,9 @@ moments, the average in flight) laid out for its new partition (diloco_state_for
 A ZeRO-0 checkpoint on another number of ranks loads as it is (one file). A ZeRO-0 pipeline
 checkpoint becomes a plain model's ZeRO-0 checkpoint and back (dragon.checkpoint.pipeline), so the
 recipes resume each other's checkpoints and a pipeline resumes on other stage boundaries.
-ZeRO-1 pipelines (a per-stage partitioned optimizer) and bf16 ZeRO-0 checkpoints (their master
-weights live in DeepSpeed's bf16 optimizer) are refused in one line.
+A bf16 ZeRO-0 checkpoint carries its fp32 masters into the universal form and out of it. A
+pipeline loads only the ZeRO-0 fp32 pipeline form; a bf16 pipeline (DeepSpeed's BF16 optimizer,
+per stage) resumes only on its own layout.
 """
 
 import glob
@@ -69,7 +70,8 @@ def reshape_message(saved: Layout, launch: Layout) -> Optional[str]:
     """None when the checkpoint loads as it is; the one line a conversion prints; ValueError for
     a pair not converted."""
     if saved == launch or (saved.zero_stage == launch.zero_stage == 0 and not saved.pipeline
-                           and not launch.pipeline and saved.neurons == launch.neurons == 1):
+                           and not launch.pipeline and saved.neurons == launch.neurons == 1
+                           and saved.bf16 == launch.bf16):
         return None  # ZeRO-0: one file with everything, loaded on any number of ranks
     check_convertible(saved, launch)
     ranks = lambda x: x.data_parallel * x.stages  # noqa: E731
@@ -84,15 +86,15 @@ def reshape_message(saved: Layout, launch: Layout) -> Optional[str]:
 
 def check_convertible(saved: Layout, launch: Layout) -> None:
     """ValueError in one line for a pair no conversion covers."""
-    kept_elsewhere = any(x.zero_stage == 0 and x.bf16 for x in (saved, launch))
+    kept_elsewhere = any(x.pipeline and x.bf16 for x in (saved, launch))
     # a pipeline's engine names its parameters by stage: it loads the ZeRO-0 pipeline form only
     into_pipeline = launch.pipeline and (launch.zero_stage > 0 or launch.neurons > 1)
     if kept_elsewhere or into_pipeline:
         raise ValueError(
             f"--resume_from_checkpoint: the checkpoint was saved as {saved} and this launch is "
             f"{launch}; resuming across that change is not supported yet: resume it on its own "
-            "layout, or with recipes/pretrain.py (ZeRO-1/2/3 on any number of ranks and any "
-            "--neuron_parallel), or a ZeRO-0 fp32 pipeline (--deepspeed "
+            "layout, or with recipes/pretrain.py (ZeRO-0/1/2/3, fp32 or bf16, on any number of "
+            "ranks and any --neuron_parallel), or a ZeRO-0 fp32 pipeline (--deepspeed "
             "ds_configs/pipeline_zero0.json) of one neuron share"
         )
     if saved.neurons != launch.neurons:
@@ -104,10 +106,12 @@ def check_convertible(saved: Layout, launch: Layout) -> None:
                              f"(--deepspeed ds_configs/zero2.json), or resume it with {fits}")
 
 
-def convert(load_dir: str, tag: str, form: str, parts: Optional[list[int]] = None) -> str:
+def convert(load_dir: str, tag: str, form: str, parts: Optional[list[int]] = None,
+            bf16: bool = False) -> str:
     """The tag of checkpoint `tag` in the `form` a launch loads: "universal" (ZeRO-1/2/3), or
-    "zero0" or "pipeline" (of stage boundaries `parts`) made from that. Each is written once,
-    atomically; a pipeline of other boundaries is written again."""
+    "zero0" (fp32, or `bf16`) or "pipeline" (of stage boundaries `parts`) made from that. Each is
+    written once, atomically; a ZeRO-0 form of the other precision or a pipeline of other
+    boundaries is written again."""
     tag_dir = os.path.join(load_dir, tag)
     target = os.path.join(load_dir, tag + UNIVERSAL)
     if not os.path.isdir(target):
@@ -128,9 +132,11 @@ def convert(load_dir: str, tag: str, form: str, parts: Optional[list[int]] = Non
     if form == "universal":
         return tag + UNIVERSAL
     if form == "zero0":
-        if not os.path.isdir(os.path.join(load_dir, tag + ZERO0)):
-            universal.write_atomically(lambda out: universal.to_zero0(target, out),
-                                       os.path.join(load_dir, tag + ZERO0))
+        zero0 = os.path.join(load_dir, tag + ZERO0)
+        if os.path.isdir(zero0) and _zero0_is_bf16(zero0) != bf16:
+            shutil.rmtree(zero0)
+        if not os.path.isdir(zero0):
+            universal.write_atomically(lambda out: universal.to_zero0(target, out, bf16), zero0)
         return tag + ZERO0
     pipe = os.path.join(load_dir, tag + PIPELINE)
     shape = os.path.join(pipe, "parts.json")
@@ -147,17 +153,24 @@ def convert(load_dir: str, tag: str, form: str, parts: Optional[list[int]] = Non
     return tag + PIPELINE
 
 
+def _zero0_is_bf16(folder: str) -> bool:
+    states = torch.load(os.path.join(folder, universal.STATES), map_location="cpu",
+                        weights_only=False, mmap=True)
+    return universal.is_bf16_zero0(states)
+
+
 def _read_json(path: str):
     with open(path) as f:
         return json.load(f)
 
 
-def converted_tag(load_dir: str, tag: str, form: str, parts: Optional[list[int]] = None) -> str:
+def converted_tag(load_dir: str, tag: str, form: str, parts: Optional[list[int]] = None,
+                  bf16: bool = False) -> str:
     """convert() on global rank 0 while the others wait."""
     import torch.distributed as dist
 
     if dist.get_rank() == 0:
-        convert(load_dir, tag, form, parts)
+        convert(load_dir, tag, form, parts, bf16)
     dist.barrier()
     return tag + SUFFIX[form]
 

@@ -10,7 +10,9 @@ zero_pp_rank_* model states file, which ZeRO-1/2 cannot read, and ZeRO-1/2's lac
 optimizer state dict that ZeRO-3's loader takes the step and hyperparameters from. `normalize`
 writes the union of both, so either loader reads any. ZeRO-0 keeps the whole model and its torch
 optimizer in one file: `from_zero0` writes the universal form of one, `to_zero0` one from a
-universal folder (fp32 ZeRO-0 only: a bf16 ZeRO-0 engine keeps its master weights elsewhere).
+universal folder. A bf16 ZeRO-0 engine (DeepSpeed's unfused bf16 optimizer) keeps bf16 weights in
+the module and their fp32 masters beside torch's Adam state ("fp32_groups"); both forms carry the
+masters, so a conversion loses nothing.
 """
 
 import argparse
@@ -116,18 +118,21 @@ def from_zero0(tag_dir: str, out: str) -> None:
 
 
 def from_zero0_states(states: dict, out: str, tag_dir: str) -> None:
-    """The universal form of the model states of an fp32 ZeRO-0 checkpoint at `tag_dir`."""
+    """The universal form of the model states of a ZeRO-0 checkpoint at `tag_dir`."""
     shapes = parameter_shapes(states)
-    optimizer = states["optimizer"]
+    optimizer, masters = states["optimizer"], None
+    if "fp32_groups" in optimizer:  # bf16: the fp32 masters, then torch's Adam state
+        masters = [t for group in optimizer["fp32_groups"] for t in group]
+        optimizer = optimizer["optimizer_state_dict"]
     indices = [i for group in optimizer["param_groups"] for i in group["params"]]
     if len(indices) != len(shapes):
         raise ValueError(f"{tag_dir}: {len(indices)} optimizer parameters for {len(shapes)} "
                          "trained parameters; a ZeRO-0 checkpoint of another optimizer?")
     step = torch.tensor(0.0)
-    for index, (name, shape) in zip(indices, shapes.items()):
+    for k, (index, (name, shape)) in enumerate(zip(indices, shapes.items())):
         folder = os.path.join(out, "zero", name)
         os.makedirs(folder, exist_ok=True)
-        weight = states["module"][name].float()
+        weight = masters[k] if masters else states["module"][name].float()
         state = optimizer["state"].get(index, {})
         step = state.get("step", step)
         for key, value in (("fp32", weight), *((m, state.get(m)) for m in MOMENTS)):
@@ -145,14 +150,16 @@ def from_zero0_states(states: dict, out: str, tag_dir: str) -> None:
     normalize(out)  # adds what the ZeRO-1/2 loader checks (the DeepSpeed version)
 
 
-def to_zero0(universal: str, out: str) -> None:
-    """An fp32 ZeRO-0 checkpoint (one file) from a normalized universal folder."""
+def to_zero0(universal: str, out: str, bf16: bool = False) -> None:
+    """A ZeRO-0 checkpoint (one file; fp32, or bf16 with fp32 masters) from a normalized
+    universal folder."""
     os.makedirs(out, exist_ok=True)
-    torch.save(zero0_states(universal), os.path.join(out, STATES))
+    torch.save(zero0_states(universal, bf16), os.path.join(out, STATES))
 
 
-def zero0_states(universal: str) -> dict:
-    """The model states of an fp32 ZeRO-0 checkpoint from a normalized universal folder."""
+def zero0_states(universal: str, bf16: bool = False) -> dict:
+    """The model states of a ZeRO-0 checkpoint from a normalized universal folder: fp32, or the
+    form of DeepSpeed's unfused bf16 optimizer (bf16 module, fp32 masters beside Adam's state)."""
     states = _load(os.path.join(universal, STATES))
     shapes = parameter_shapes(states)
     zero = os.path.join(universal, "zero")
@@ -164,14 +171,29 @@ def zero0_states(universal: str) -> dict:
         module[name] = parts.pop("fp32").float()
         state[index] = {"step": _load(os.path.join(zero, name, "step.pt")), **parts}
     group = dict(optim["param_groups"][0], params=list(range(len(shapes))))
-    return dict(states, module=module, optimizer={"state": state, "param_groups": [group]})
+    optimizer = {"state": state, "param_groups": [group]}
+    if bf16:
+        masters = [module[name] for name in shapes]
+        module.update((name, module[name].to(torch.bfloat16)) for name in shapes)
+        optimizer = {"dynamic_loss_scale": False, "cur_scale": 1.0,
+                     "cur_iter": int(states.get("global_steps") or 0),
+                     "optimizer_state_dict": optimizer, "fp32_groups": [masters]}
+    return dict(states, module=module, optimizer=optimizer)
+
+
+def is_bf16_zero0(states: dict) -> bool:
+    """Whether ZeRO-0 model states are of DeepSpeed's unfused bf16 optimizer."""
+    return "fp32_groups" in (states.get("optimizer") or {})
 
 
 def fp32_weights(folder: str) -> dict[str, torch.Tensor]:
     """The trained parameters' fp32 weights of a universal folder or a ZeRO-0 one made from it."""
     states = _load(os.path.join(folder, STATES))
     shapes = parameter_shapes(states)
-    if not os.path.isdir(os.path.join(folder, "zero")):  # ZeRO-0: in the module
+    if not os.path.isdir(os.path.join(folder, "zero")):  # ZeRO-0: the module or the masters
+        if is_bf16_zero0(states):
+            groups = states["optimizer"]["fp32_groups"]
+            return dict(zip(shapes, [t for group in groups for t in group]))
         return {name: states["module"][name] for name in shapes}
     return {name: _load(os.path.join(folder, "zero", name, "fp32.pt"))["param"]
             for name in shapes}

@@ -98,7 +98,9 @@ class Layout:
     def __str__(self) -> str:
         kind = f"a pipeline of {self.stages} stages with " if self.pipeline else ""
         split = f" x {self.neurons} neuron shares" if self.neurons > 1 else ""
-        return f"{kind}ZeRO-{self.zero_stage} on {self.data_parallel} data-parallel rank(s){split}"
+        bf16 = " in bf16" if self.bf16 else ""
+        return (f"{kind}ZeRO-{self.zero_stage} on {self.data_parallel} data-parallel rank(s)"
+                f"{split}{bf16}")
 
 
 def plan_layout(world: int, islands: int, one_launch_per_island: bool, stages: int,
