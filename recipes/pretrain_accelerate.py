@@ -11,8 +11,7 @@ recipe's (recipes/pretrain.py), and so are its losses for the same arguments.
 Top to bottom: the inputs (checked before any process group starts), the Accelerator, the model
 and its optimizer prepared into a DeepSpeed engine, the run's state and its checkpointer, then the
 loop: batch, forward, backward (which steps at the accumulation boundary), the LR schedule,
-the DiLoCo outer step, logging, evaluation, save; then the export. Not here: --neuron_parallel
-(recipes/pretrain.py).
+the DiLoCo outer step, logging, evaluation, save; then the export.
 """
 
 import os
@@ -30,9 +29,10 @@ from dragon.history import metrics_path
 from dragon.parallel.distributed import (all_reduce_mean, init_distributed,
                                          rank, world_size)
 from dragon.diloco.build import outer_loop
+from dragon.parallel.neurons import NeuronGroups
 from dragon.parallel.topology import enter_island
-from dragon.run.accelerator import (check_accelerate_inputs, make_accelerator, tracked,
-                                    tracker_config)
+from dragon.run.accelerator import (check_accelerate_inputs, make_accelerator,
+                                    model_parallel_groups, tracked, tracker_config)
 from dragon.run.data import run_data
 from dragon.run.exits import end_process, run_recipe
 from dragon.run.evaluation import evaluation_metrics
@@ -57,12 +57,18 @@ def main():
     check_every_rank_sees(run_dir)  # node-local disks would split the checkpoints: refused
     accelerator = make_accelerator(inputs, run_dir)
     model = initial_model(inputs)
+    # --neuron_parallel K: each rank keeps N/K neurons of every head; data parallel over the rest
+    neurons = NeuronGroups(inputs.layout.neurons) if inputs.layout.neurons > 1 else None
+    if neurons:
+        neurons.split(model)
+    dp_rank, dp_world = (neurons.dp_rank, neurons.dp_world) if neurons else (rank(), world_size())
     # The JSON's optimizer (DeepSpeed builds it) and transformers' schedule, which DeepSpeed steps
     # at every applied update; a JSON's own "scheduler" wins.
     optimizer = DummyOptim(model.parameters())
     lr_schedule = planned_schedule(inputs.ds_config, args)
     scheduler = DummyScheduler(optimizer, lr_scheduler_callable=lr_schedule)
-    engine, _, _ = accelerator.prepare(model, optimizer, scheduler)  # DeepSpeed steps both
+    with model_parallel_groups(neurons):  # DeepSpeed averages gradients within a share's ranks
+        engine, _, _ = accelerator.prepare(model, optimizer, scheduler)  # DeepSpeed steps both
     skip_nonfinite_updates(engine)  # where DeepSpeed steps torch's optimizer as it is (ZeRO-0)
     save_dir = os.path.join(run_dir, "checkpoints")
     # every accelerator.save_state goes through engine.save_checkpoint: the completion marker
@@ -71,8 +77,8 @@ def main():
     outer = outer_loop(engine, inputs.diloco.config(), topology)  # None without DiLoCo
 
     # The run's state, every piece saved by every rank beside DeepSpeed's files.
-    data_rank, data_world = topology.data_shard(rank(), world_size())
-    data = run_data(inputs, data_rank, data_world, rank(), world_size(), engine,
+    data_rank, data_world = topology.data_shard(dp_rank, dp_world)
+    data = run_data(inputs, data_rank, data_world, dp_rank, dp_world, engine,
                     model.config.num_hidden_layers)
     shared, per_rank = data.checkpoint_pieces()
     torch.manual_seed(args.seed + topology.launch_rank)  # every rank its own dropout masks
@@ -84,11 +90,11 @@ def main():
     checkpointer = AcceleratorCheckpointer(accelerator, engine, save_dir, state)
     target = inputs.resume_target(topology.island)
     step = checkpointer.resume(target) if target else 0
-    run = TrainingRun(engine, inputs, model.config, topology, data, world_size(), step, outer)
+    run = TrainingRun(engine, inputs, model.config, topology, data, dp_world, step, outer)
     if inputs.diloco.diloco_join:  # elastic: take the live islands' weights, outer state, step
         run.joined(*outer.join(), resumed=target is not None)
     if rank() == 0:
-        write_run_files(save_dir, inputs, model.config, topology.islands, world_size(),
+        write_run_files(save_dir, inputs, model.config, topology.islands, dp_world,
                         run.run_tokens_per_step)
     accelerator.init_trackers("dragon", config=tracker_config(args))
 

@@ -122,3 +122,18 @@ def test_a_killed_split_run_resumes_exactly_and_exports_the_whole_model(tmp_path
     assert job.returncode == 0, job.stderr[-3000:]  # one process takes the joined shares
     assert "resume: converting the checkpoint from ZeRO-2 on 1 data-parallel rank(s) x 2 neuron " \
         "shares to ZeRO-2 on 1 data-parallel rank(s)" in job.stderr
+
+
+@pytest.mark.slow
+def test_the_accelerate_recipe_splits_the_neurons_as_the_zero_recipe(runs):
+    """`accelerate launch` with --neuron_parallel 2 (ZeRO-2, 2 ranks): DeepSpeed gets the neuron
+    groups through accelerator.prepare, so the run trains as the ZeRO recipe's split run: losses,
+    evaluations and gradient norms within 2e-5 (1e-4 relative for the norms), the same export."""
+    zero, ours, _ = runs("neurons_zero2", config="zero2.json", micro=8, extra=SPLIT)
+    out, theirs, _ = runs("accelerate_neurons", launcher="accelerate", config="zero2.yaml",
+                          script="recipes/pretrain_accelerate.py", micro=8, extra=SPLIT)
+    assert losses(theirs) == pytest.approx(losses(ours), abs=LOSS_ATOL)
+    assert losses(theirs, "eval_loss") == pytest.approx(losses(ours, "eval_loss"), abs=LOSS_ATOL)
+    assert losses(theirs, "grad_norm") == pytest.approx(losses(ours, "grad_norm"), rel=1e-4)
+    assert len(losses(theirs)) == 8
+    torch.testing.assert_close(final_logits(out), final_logits(zero), atol=1e-4, rtol=1e-4)

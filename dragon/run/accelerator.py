@@ -1,7 +1,9 @@
 """The accelerate recipe's own set-up: what it refuses, and its Accelerator with DeepSpeed on
 dragon's checked config and accelerate's trackers."""
 
+import functools
 import os
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -19,7 +21,6 @@ def check_accelerate_inputs(inputs) -> None:
     dragon.run.preflight.RecipeInputs)."""
     args, target = inputs.train, inputs.resume_target(0)
     refused = [
-        (args.neuron_parallel > 1, "--neuron_parallel"),
         ("optimizer" not in inputs.ds_config,
          f"--deepspeed {args.deepspeed}: it names no optimizer (every file in ds_configs/ does)"),
         ("csv" in trackers(args.report_to),
@@ -55,6 +56,22 @@ def make_accelerator(inputs, run_dir: str):
                                             logging_dir=os.path.join(run_dir, "monitor")),
         kwargs_handlers=[group],
     )
+
+
+@contextmanager
+def model_parallel_groups(mpu):
+    """While accelerator.prepare runs, deepspeed.initialize also takes `mpu` (--neuron_parallel's
+    groups): accelerate passes DeepSpeed an mpu only for its own sequence parallelism, and
+    without one DeepSpeed would average gradients over ranks that hold different neurons."""
+    import deepspeed
+
+    initialize = deepspeed.initialize
+    if mpu is not None:
+        deepspeed.initialize = functools.partial(initialize, mpu=mpu)
+    try:
+        yield
+    finally:
+        deepspeed.initialize = initialize
 
 
 def tracker_config(args) -> dict:
