@@ -1,11 +1,16 @@
 """One BDH on 8 ranks under four layouts: memory per rank (the dry run's estimate and the measured
 peak), tokens/s and bytes per step; and the largest N per head each layout fits in 24 GiB.
 
-    python benchmarks/layouts.py   (CPU, 8 ranks on this machine's cores: ~15 minutes)
+    python benchmarks/layouts.py   (CPU, 8 ranks on this machine's cores: ~25 minutes)
 
 The model: 4 heads x N = 8,192 neurons (n_embd 256, the reference's 25M parameters), 2 layers,
 block 128, micro-batch 2, 3 steps, fp32. Measured peak: the run's memory_peak_mib (on CPU,
 resident memory above what the process held before the model was built, the most of any rank).
+Each layout runs twice: with glibc's mmap threshold fixed at 1 MiB (MALLOC_MMAP_THRESHOLD_), so
+every large tensor is its own mapping, returned when freed, and resident memory counts what the
+run holds, as an accelerator's allocator peak does (what the estimate models); and with glibc's
+default, whose threshold rises to the size of a freed tensor (up to 32 MiB), after which such
+tensors come from the heap, and the heap keeps freed memory resident.
 Bytes per step are a model, per rank: a ring all-reduce of P bytes sends 2 (n - 1) / n P; ZeRO-2's
 reduce-scatter and all-gather together send the same; the neuron split sends two all-reduces of
 (B, T, D) per layer forward and two backward; a stage sends its (B, T, D) activations forward and
@@ -30,6 +35,7 @@ MODEL = (f"--n_layer {LAYERS} --n_embd {D} --n_head {HEADS} --block_size {BLOCK}
          "--sample_max_new_tokens 0 "
          "--disable_tqdm --dropout 0").split()
 H = 3
+HOLDS = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}  # resident memory = what the run holds
 PARAMETERS = 25_296_896  # the reference's BDH at these sizes (depth adds no parameters)
 LAYOUTS = {  # name: (recipe, DeepSpeed JSON, flags, islands, stages, K)
     "8 x data parallel": ("pretrain.py", "zero2.json", [], 1, 1, 1),
@@ -87,24 +93,30 @@ def largest_neurons(recipe: str, args: list[str], root: Path) -> int:
 
 def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="layouts-"))
-    print("| layout | estimate | measured peak | estimate / measured | tokens/s | bytes sent per "
-          "step per rank (model) | largest N per head in 24 GiB (estimate) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| layout | estimate | measured peak | estimate / measured | measured peak, glibc's "
+          "default | tokens/s | bytes sent per step per rank (model) | largest N per head in "
+          "24 GiB (estimate) |")
+    print("|---|---|---|---|---|---|---|---|")
     for i, (name, layout) in enumerate(LAYOUTS.items()):
         recipe, config, flags = layout[:3]
         args = ["--deepspeed", f"ds_configs/{config}", *MODEL, *flags]
         guess = dry_run(recipe, [*args, "--mlp_internal_dim_multiplier", "128",
                                  "--output_dir", str(root / f"dry{i}")])
         run_args = [*args, "--mlp_internal_dim_multiplier", "128"]
-        records = run_recipe(root / f"run{i}", RANKS, run_args, "island0" if layout[3] > 1 else "",
+        metrics_dir = "island0" if layout[3] > 1 else ""
+        default = run_recipe(root / f"default{i}", RANKS, run_args, metrics_dir,
                              script=f"recipes/{recipe}")
-        peak = max(m["memory_peak_mib"] for m in records if "memory_peak_mib" in m)
+        records = run_recipe(root / f"run{i}", RANKS, run_args, metrics_dir,
+                             script=f"recipes/{recipe}", env=HOLDS)
+        peak, glibc = (max(m["memory_peak_mib"] for m in rows if "memory_peak_mib" in m)
+                       for rows in (records, default))
         speed = [m["tokens_per_second"] for m in records if "tokens_per_second" in m][-1]
         speed *= layout[3]  # each island logs its own tokens
         sent = modelled_bytes(layout, PARAMETERS, records)
         largest = largest_neurons(recipe, args, root / f"fit{i}")
         print(f"| {name} | {guess:,.0f} MiB | {peak:,.0f} MiB | {guess / peak:.2f} | "
-              f"{speed:,.0f} | {sent / 2**20:,.1f} MiB | {largest:,} |", flush=True)
+              f"{glibc:,.0f} MiB | {speed:,.0f} | {sent / 2**20:,.1f} MiB | {largest:,} |",
+              flush=True)
 
 
 if __name__ == "__main__":
