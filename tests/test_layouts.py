@@ -166,16 +166,16 @@ def test_the_whole_grid_trains_resumes_and_ends_on_identical_islands(runs, tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("k", [1, 4])
-def test_a_neuron_split_checkpoint_resumes_on_another_split(k, runs, tmp_path):
+@pytest.mark.parametrize("k, stage", [(1, 3), (4, 1), (4, 0)])
+def test_a_neuron_split_checkpoint_resumes_on_another_split(k, stage, runs, tmp_path):
     """A K=2 checkpoint (ZeRO-2, 2 ranks) resumed at step 4 with K=1 (one rank, ZeRO-3) and K=4
-    (4 ranks, ZeRO-1): the shares' weights and Adam moments are joined into the whole model and
-    re-split, and steps 5-8, the evaluation and the export continue the uninterrupted run within
-    2e-5."""
+    (4 ranks, ZeRO-1, and ZeRO-0 with a file per share): the shares' weights and Adam moments are
+    joined into the whole model and re-split, and steps 5-8, the evaluation and the export
+    continue the uninterrupted run within 2e-5."""
     out, full, _ = runs("neurons_zero2", config="zero2.json", micro=8, extra=SPLIT)
-    config = "zero3.json" if k == 1 else "zero1.json"
     resumed_out, resumed, proc = runs(
-        f"neurons_resumed_at_{k}", nproc=k, config=config, micro=8, out=resume_copy(out, tmp_path),
+        f"neurons_resumed_at_{k}_zero{stage}", nproc=k, config=f"zero{stage}.json", micro=8,
+        out=resume_copy(out, tmp_path),
         extra=["--neuron_parallel", str(k), "--resume_from_checkpoint", "latest"])
     assert "resume: converting the checkpoint from ZeRO-2 on 1 data-parallel rank(s) x 2 neuron " \
         "shares" in proc.stderr + proc.stdout

@@ -9,7 +9,8 @@ every parameter's fp32 weight and Adam moments are joined by neuron (dragon.para
 .join_shares; the replicated embedding and head from share 0) into one universal folder of the
 whole model. That folder resumes on any layout: one share (K = 1) as any unsplit checkpoint does,
 and K' shares because the split marks each sharded parameter with the cut DeepSpeed's universal
-loader takes its share by (dragon.parallel.neurons.universal_cut).
+loader takes its share by (dragon.parallel.neurons.universal_cut). A ZeRO-0 launch of K' shares
+reads one file per share (mp_rank_0j): `write_zero0_shares` cuts them from the whole model's.
 """
 
 import os
@@ -23,7 +24,7 @@ from deepspeed.checkpoint.constants import CHECKPOINT_PARALLEL_DIMS
 from dragon.checkpoint import universal
 from dragon.model.bdh import BDHConfig, BDHForCausalLM
 from dragon.model.attention import rope_frequencies
-from dragon.parallel.neurons import SHARDED, join_shares
+from dragon.parallel.neurons import SHARDED, join_shares, share_of
 from dragon.parallel.pipeline import SHARED_KEY, SHARED_WEIGHTS
 
 
@@ -89,6 +90,24 @@ def universal_from_shares(tag_dir: str, out: str, config: BDHConfig, stages: int
                       param_shapes=[{n: weights[n].shape for n in names}])
         states.pop(CHECKPOINT_PARALLEL_DIMS, None)
         universal.write_states(states, out)
+
+
+def write_zero0_shares(folder: str, out: str, config: BDHConfig, k: int, bf16: bool) -> None:
+    """K ZeRO-0 checkpoints of neuron shares (mp_rank_0j_model_states.pt; fp32, or bf16 with
+    fp32 masters) from the whole model's normalized universal `folder`."""
+    whole = universal.zero0_states(folder)
+    names = list(universal.parameter_shapes(whole))
+    os.makedirs(out, exist_ok=True)
+    for j in range(k):
+        module = {n: share_of(n, t, config, j, k) for n, t in whole["module"].items()}
+        state = {i: {key: share_of(names[i], t, config, j, k) if t.dim() else t
+                     for key, t in moments.items()}
+                 for i, moments in whole["optimizer"]["state"].items()}
+        states = dict(whole, module=module, mp_world_size=k,
+                      optimizer=dict(whole["optimizer"], state=state),
+                      param_shapes=[{n: module[n].shape for n in names}])
+        torch.save(universal.bf16_form(states) if bf16 else states,
+                   os.path.join(out, f"mp_rank_{j:02d}_model_states.pt"))
 
 
 def _states(folder: str) -> dict:

@@ -37,7 +37,8 @@ from dragon.checkpoint import universal
 from dragon.model.bdh import BDHConfig
 from dragon.checkpoint.pipeline import stage_files, write_pipeline, zero0_states_of_pipeline
 from dragon.checkpoint.retention import CONVERSIONS
-from dragon.checkpoint.neuron_shares import universal_from_shares
+from dragon.checkpoint.neuron_shares import (neuron_shares, universal_from_shares,
+                                             write_zero0_shares)
 from dragon.parallel.layout import Layout
 from dragon.parallel.pipeline import pipeline_neuron_shares
 
@@ -70,9 +71,9 @@ def reshape_message(saved: Layout, launch: Layout) -> Optional[str]:
     """None when the checkpoint loads as it is; the one line a conversion prints; ValueError for
     a pair not converted."""
     if saved == launch or (saved.zero_stage == launch.zero_stage == 0 and not saved.pipeline
-                           and not launch.pipeline and saved.neurons == launch.neurons == 1
+                           and not launch.pipeline and saved.neurons == launch.neurons
                            and saved.bf16 == launch.bf16):
-        return None  # ZeRO-0: one file with everything, loaded on any number of ranks
+        return None  # ZeRO-0: one file (per share) with everything, loaded on any number of ranks
     check_convertible(saved, launch)
     ranks = lambda x: x.data_parallel * x.stages  # noqa: E731
     rng = ("" if ranks(saved) == ranks(launch) else
@@ -99,19 +100,19 @@ def check_convertible(saved: Layout, launch: Layout) -> None:
         )
     if saved.neurons != launch.neurons:
         fits = f"--neuron_parallel {saved.neurons} on the layout it was saved with"
-        if launch.zero_stage in (0, 3) and launch.neurons > 1:
-            # ZeRO-0 loads one whole file; ZeRO-3 cuts a share only with DeepSpeed's AutoTP group
+        if launch.zero_stage == 3 and launch.neurons > 1:
+            # ZeRO-3 cuts a share from the universal form only with DeepSpeed's AutoTP group
             raise ValueError(f"--resume_from_checkpoint: the checkpoint was saved as {saved}; "
-                             f"--neuron_parallel {launch.neurons} takes it on ZeRO-1 or 2 "
+                             f"--neuron_parallel {launch.neurons} takes it on ZeRO-0, 1 or 2 "
                              f"(--deepspeed ds_configs/zero2.json), or resume it with {fits}")
 
 
 def convert(load_dir: str, tag: str, form: str, parts: Optional[list[int]] = None,
-            bf16: bool = False) -> str:
+            bf16: bool = False, neurons: int = 1) -> str:
     """The tag of checkpoint `tag` in the `form` a launch loads: "universal" (ZeRO-1/2/3), or
-    "zero0" (fp32, or `bf16`) or "pipeline" (of stage boundaries `parts`) made from that. Each is
-    written once, atomically; a ZeRO-0 form of the other precision or a pipeline of other
-    boundaries is written again."""
+    "zero0" (fp32 or `bf16`, of `neurons` shares) or "pipeline" (of stage boundaries `parts`)
+    made from that. Each is written once, atomically; a ZeRO-0 form of another precision or
+    share count, or a pipeline of other boundaries, is written again."""
     tag_dir = os.path.join(load_dir, tag)
     target = os.path.join(load_dir, tag + UNIVERSAL)
     if not os.path.isdir(target):
@@ -133,10 +134,13 @@ def convert(load_dir: str, tag: str, form: str, parts: Optional[list[int]] = Non
         return tag + UNIVERSAL
     if form == "zero0":
         zero0 = os.path.join(load_dir, tag + ZERO0)
-        if os.path.isdir(zero0) and _zero0_is_bf16(zero0) != bf16:
+        if os.path.isdir(zero0) and _zero0_form(zero0) != (bf16, neurons):
             shutil.rmtree(zero0)
         if not os.path.isdir(zero0):
-            universal.write_atomically(lambda out: universal.to_zero0(target, out, bf16), zero0)
+            config = BDHConfig.from_pretrained(load_dir) if neurons > 1 else None
+            make = (lambda out: write_zero0_shares(target, out, config, neurons, bf16)) \
+                if neurons > 1 else (lambda out: universal.to_zero0(target, out, bf16))
+            universal.write_atomically(make, zero0)
         return tag + ZERO0
     pipe = os.path.join(load_dir, tag + PIPELINE)
     shape = os.path.join(pipe, "parts.json")
@@ -153,10 +157,11 @@ def convert(load_dir: str, tag: str, form: str, parts: Optional[list[int]] = Non
     return tag + PIPELINE
 
 
-def _zero0_is_bf16(folder: str) -> bool:
+def _zero0_form(folder: str) -> tuple[bool, int]:
+    """(bf16, neuron shares) of a ZeRO-0 form written by convert()."""
     states = torch.load(os.path.join(folder, universal.STATES), map_location="cpu",
                         weights_only=False, mmap=True)
-    return universal.is_bf16_zero0(states)
+    return universal.is_bf16_zero0(states), len(neuron_shares(folder))
 
 
 def _read_json(path: str):
@@ -165,12 +170,12 @@ def _read_json(path: str):
 
 
 def converted_tag(load_dir: str, tag: str, form: str, parts: Optional[list[int]] = None,
-                  bf16: bool = False) -> str:
+                  bf16: bool = False, neurons: int = 1) -> str:
     """convert() on global rank 0 while the others wait."""
     import torch.distributed as dist
 
     if dist.get_rank() == 0:
-        convert(load_dir, tag, form, parts, bf16)
+        convert(load_dir, tag, form, parts, bf16, neurons)
     dist.barrier()
     return tag + SUFFIX[form]
 

@@ -171,13 +171,20 @@ def zero0_states(universal: str, bf16: bool = False) -> dict:
         module[name] = parts.pop("fp32").float()
         state[index] = {"step": _load(os.path.join(zero, name, "step.pt")), **parts}
     group = dict(optim["param_groups"][0], params=list(range(len(shapes))))
-    optimizer = {"state": state, "param_groups": [group]}
-    if bf16:
-        masters = [module[name] for name in shapes]
-        module.update((name, module[name].to(torch.bfloat16)) for name in shapes)
-        optimizer = {"dynamic_loss_scale": False, "cur_scale": 1.0,
-                     "cur_iter": int(states.get("global_steps") or 0),
-                     "optimizer_state_dict": optimizer, "fp32_groups": [masters]}
+    states = dict(states, module=module, optimizer={"state": state, "param_groups": [group]})
+    return bf16_form(states) if bf16 else states
+
+
+def bf16_form(states: dict) -> dict:
+    """fp32 ZeRO-0 model states in the form of DeepSpeed's unfused bf16 optimizer: the trained
+    weights in bf16 in the module, their fp32 masters beside Adam's state."""
+    shapes = parameter_shapes(states)
+    module = OrderedDict(states["module"])
+    masters = [module[name] for name in shapes]
+    module.update((name, module[name].to(torch.bfloat16)) for name in shapes)
+    optimizer = {"dynamic_loss_scale": False, "cur_scale": 1.0,
+                 "cur_iter": int(states.get("global_steps") or 0),
+                 "optimizer_state_dict": states["optimizer"], "fp32_groups": [masters]}
     return dict(states, module=module, optimizer=optimizer)
 
 

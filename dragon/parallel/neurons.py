@@ -163,6 +163,20 @@ def join_shares(shares: list[dict[str, torch.Tensor]], config: Any) -> dict:
     return whole
 
 
+def share_of(name: str, whole: torch.Tensor, config: Any, index: int, k: int) -> torch.Tensor:
+    """Share `index` of `k` of the whole model's tensor `name` (a weight or an Adam moment of
+    it): the inverse of join_shares. Replicated tensors are whole in every share."""
+    nh, D, N = config.n_head, config.n_embd, config.n_neurons
+    first, end = neuron_span(N, k, index)
+    if name.endswith("attn.freqs"):
+        return whole[..., first:end].contiguous()
+    if name not in SHARDED:
+        return whole
+    if name.endswith("decoder"):
+        return whole.reshape(nh, N, D)[:, first:end].reshape(nh * (end - first), D).clone()
+    return whole[:, :, first:end].clone()
+
+
 def split_grad_norm(model: nn.Module) -> float:
     """The whole model's gradient norm where split_neurons split it: the shards' squares summed
     over the group, the replicated gradients (the same on every rank of it) counted once."""
