@@ -211,6 +211,26 @@ def test_a_fragmented_diloco_run_resumes_on_zero3_islands(runs, tmp_path):
 
 
 @pytest.mark.slow
+def test_islands_of_neuron_shares_resume_unsplit(runs, tmp_path):
+    """2 delayed islands x K=2, resumed at step 4 (an average in flight) as 2 islands of one
+    unsplit rank: theta_outer, the outer momentum, the last pseudo-gradient and the average in
+    flight are joined by neuron (each share's values placed through its cut), and steps 5-8
+    and the outer steps continue the uninterrupted run within 2e-5 on both islands."""
+    out = islands_run(runs, "islands_neurons_delayed", nproc=4, extra=[*ISLANDS, *DELAYED, *SPLIT])
+    resumed = islands_run(runs, "islands_neurons_delayed_unsplit", out=resume_copy(
+        out, tmp_path, (0, 1)), extra=[*ISLANDS, *DELAYED, "--resume_from_checkpoint", "latest"])
+    for island in (0, 1):
+        full, again = island_metrics(out, island), island_metrics(resumed, island)
+        assert [m["step"] for m in again if "loss" in m] == [5, 6, 7, 8]
+        for key in ("loss", "eval_loss", "outer_grad_norm"):
+            assert losses(again, key) == pytest.approx(
+                losses(full, key)[-len(losses(again, key)):], abs=LOSS_ATOL), key
+        sums = {m["step"]: m["outer_sum"] for m in full if m["step"] > 4 and "outer_sum" in m}
+        assert {m["step"]: pytest.approx(m["outer_sum"], abs=1e-4) for m in again
+                if "outer_sum" in m} == sums
+
+
+@pytest.mark.slow
 def test_the_accelerate_recipe_with_diloco_islands_equals_the_zero_recipe(runs):
     """2 DiLoCo islands of one rank under `accelerate launch` train as the ZeRO recipe's 2
     islands under torchrun: losses, evaluations and outer gradient norms of both islands within

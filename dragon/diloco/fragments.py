@@ -150,6 +150,12 @@ class FragmentedDiLoCo(DiLoCo):
         """Which of this rank's values (over all its master tensors) are in `fragment`."""
         return self.ids == fragment
 
+    def _outer_flat(self) -> torch.Tensor:
+        whole = torch.zeros(sum(self.numels))
+        for f, p in enumerate(self.outer_params):
+            whole[self.mask(f)] = p.detach()
+        return whole
+
     def offset(self, fragment: int) -> int:
         return fragment * self.H // self.F
 
@@ -305,6 +311,7 @@ class FragmentedDiLoCo(DiLoCo):
             "outer_step": self.outer_step, "mode": self.mode, "numels": self.numels,
             "fragments": self.F, "cut": self.cut,
             "segments": self.weights.segments(),  # the partition, for a resume on another
+            "neuron_share": self.weights.neuron_share(),
             "outer_params": [p.detach().cpu().clone() for p in self.outer_params],
             "optimizers": self.outer_optimizer_state(),
             "residual": None if self.residual is None else self.residual.clone(),
@@ -356,7 +363,8 @@ class FragmentedDiLoCo(DiLoCo):
                     if vector is not None:
                         flat[old[at[id(state)]] == f] = vector.float()
                 return list(flat.split(state["numels"]))
-            whole = torch.cat(relay(saved, self.weights.segments(), self.numels, placed))
+            whole = torch.cat(relay(saved, self.weights.segments(), self.numels, placed,
+                                    self.weights.neuron_share(), self.weights.config))
             present = [v is not None for v in vectors_of(first)]
             return [whole[ids == f] if present[f] else None for f in range(self.F)]
 
@@ -371,8 +379,10 @@ class FragmentedDiLoCo(DiLoCo):
         residual = None
         if first.get("residual") is not None:
             residual = torch.cat(relay(saved, self.weights.segments(), self.numels,
-                                       lambda s: list(s["residual"].split(s["numels"]))))
-        return dict(first, numels=self.numels, segments=self.weights.segments(), optimizers=
+                                       lambda s: list(s["residual"].split(s["numels"])),
+                                       self.weights.neuron_share(), self.weights.config))
+        return dict(first, numels=self.numels, segments=self.weights.segments(),
+                    neuron_share=self.weights.neuron_share(), optimizers=
                     optimizers, outer_params=moved(lambda s: s["outer_params"]), residual=residual,
                     in_flight={f: (landing[f], lands) for f, (_, lands) in
                                first["in_flight"].items()})

@@ -111,6 +111,16 @@ class MasterWeights:
             pieces = [[(names[id(p)], 0, 0, p.numel())] for p in owners]
         return pieces
 
+    def neuron_share(self) -> tuple[int, int]:
+        """(index, K) of this rank's share of the neurons; (0, 1) when they are not split."""
+        split = getattr(self.engine.module, "neuron_split", None)
+        return (0, 1) if split is None else (dist.get_rank(group=split[0]), split[1])
+
+    @property
+    def config(self):
+        """The model's config (where a sharded parameter's shares sit)."""
+        return getattr(self.engine.module, "config", None)
+
     def shapes(self) -> dict[str, tuple]:
         """Every parameter's full shape by name (ZeRO-3 included)."""
         return {n: tuple(getattr(p, "ds_shape", p.shape))

@@ -308,20 +308,31 @@ class DiLoCo(OuterState, ElasticRounds):
             m.copy_(v.view_as(m))
         self.weights.publish()
 
-    def _norm_sq(self, flat: torch.Tensor) -> float:
-        """This rank's share of the squared norm of a flat pseudo-gradient (copies counted once)."""
-        total = float(torch.dot(flat, flat))
+    def _counted(self, flat: torch.Tensor) -> torch.Tensor:
+        """`flat` (over this rank's master tensors) without the copies another rank counts."""
         offsets = [0]
         for n in self.numels:
             offsets.append(offsets[-1] + n)
-        for k, start, numel in getattr(self.weights, "excluded", []):
-            piece = flat[offsets[k] + start : offsets[k] + start + numel]
-            total -= float(torch.dot(piece, piece))
-        return total / getattr(self.weights, "replicas", 1)
+        excluded = getattr(self.weights, "excluded", [])
+        if not excluded:
+            return flat
+        keep = torch.ones(flat.numel(), dtype=torch.bool)
+        for k, start, numel in excluded:
+            keep[offsets[k] + start : offsets[k] + start + numel] = False
+        return flat[keep]
+
+    def _norm_sq(self, flat: torch.Tensor) -> float:
+        """This rank's share of the squared norm of a flat pseudo-gradient (copies counted once)."""
+        counted = self._counted(flat)
+        return float(torch.dot(counted, counted)) / getattr(self.weights, "replicas", 1)
 
     def _outer_fingerprint(self) -> list[float]:
-        total = sum(float(p.double().sum()) for p in self.outer_params)
-        squares = sum(float(p.double().pow(2).sum()) for p in self.outer_params)
-        return [total, squares]
+        """[sum, sum of squares] in float64 of theta_outer on this rank, copies counted once."""
+        counted = self._counted(self._outer_flat()).double()
+        return [float(counted.sum()), float(counted.pow(2).sum())]
+
+    def _outer_flat(self) -> torch.Tensor:
+        """theta_outer as one vector over this rank's master tensors."""
+        return torch.cat([p.detach().reshape(-1) for p in self.outer_params])
 
     # -------------------------------------------------------------- checkpoints

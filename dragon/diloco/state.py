@@ -7,12 +7,17 @@ MasterWeights.segments): the pieces of every saved rank are joined per parameter
 for this rank's partition.
 """
 
+import functools
 import glob
+import math
 import os
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from dragon.parallel.neurons import SHARDED, share_of
 
 STATE_FILE = "diloco_state"  # <tag dir>/diloco_state_<rank>.pt
 
@@ -35,6 +40,7 @@ class OuterState:
             "numels": self.numels,
             # the partition, for dragon.checkpoint.reshape
             "segments": getattr(self.weights, "segments", lambda: None)(),
+            "neuron_share": getattr(self.weights, "neuron_share", lambda: (0, 1))(),
             "outer_params": [p.detach().cpu().clone() for p in self.outer_params],
             "optimizer": self.optimizer.state_dict(),
             "previous": None if self.previous is None else self.previous.clone(),
@@ -69,7 +75,7 @@ class OuterState:
 
     def _relaid_state(self, tag_dir: str) -> Optional[dict]:
         """This rank's state from one saved on another partition of the weights (None: none)."""
-        return diloco_state_for(tag_dir, self.weights.segments(), self.numels)
+        return diloco_state_for(tag_dir, self.weights, self.numels)
 
     def _load(self, state: dict) -> None:
         if state.get("fragments", 1) != 1:
@@ -156,12 +162,13 @@ def _state_files(tag_dir: str) -> tuple[list[str], Optional[dict]]:
     return files, first
 
 
-def check_diloco_state(tag_dir: str) -> list[str]:
-    """The DiLoCo state files of a checkpoint that can move to another layout (none: a run
-    without DiLoCo); ValueError in one line for a state that does not say where its values sit
-    in the model."""
+def check_diloco_state(tag_dir: str, neurons: int = 1) -> list[str]:
+    """The DiLoCo state files of a checkpoint (saved by `neurons` shares) that can move to
+    another layout (none: a run without DiLoCo); ValueError in one line for a state that does
+    not say where its values sit in the model."""
     files, first = _state_files(tag_dir)
-    if first is not None and first.get("segments") is None:
+    if first is not None and (first.get("segments") is None or
+                              (neurons > 1 and "neuron_share" not in first)):
         raise ValueError(f"--resume_from_checkpoint: {tag_dir} holds no DiLoCo state that says "
                          "where its values sit in the model; it resumes only on its own layout")
     return files
@@ -179,33 +186,61 @@ def saved_states(tag_dir: str) -> list[dict]:
             for f in check_diloco_state(tag_dir)]
 
 
-def relay(saved: list[dict], segments: list, numels: list[int], tensors_of) -> list[torch.Tensor]:
+def relay(saved: list[dict], segments: list, numels: list[int], tensors_of,
+          share: tuple[int, int] = (0, 1), config=None) -> list[torch.Tensor]:
     """Flat tensors that the ranks of another layout saved (tensors_of(state) -> one per master
     tensor of that rank) laid out again for master tensors `segments` of `numels` values: each
-    flat tensor goes through the parameters."""
+    flat tensor goes through the whole model's parameters. A state saved by neuron share j of K
+    (its "neuron_share") places its values of a sharded parameter through share j's cut, and
+    this rank (`share`, of a BDH `config`) takes its own share's."""
     found: dict[str, dict[int, torch.Tensor]] = {}  # name -> {offset in it: piece}
+    whole: dict[str, torch.Tensor] = {}  # sharded names, placed in the whole parameter
+    dims = (config.n_head, config.n_embd, config.n_neurons) if config is not None else None
     for state in saved:
+        j, k = state.get("neuron_share", (0, 1))
         for flat, pieces in zip(tensors_of(state), state["segments"]):
             for name, at, offset, numel in pieces:
-                found.setdefault(name, {})[at] = flat[offset:offset + numel]
-    whole = {name: torch.cat([p[k] for k in sorted(p)]) for name, p in found.items()}
+                piece = flat[offset:offset + numel]
+                if k > 1 and name in SHARDED:
+                    if name not in whole:
+                        whole[name] = torch.zeros(math.prod(dims))
+                    whole[name][_share_index(name, dims, j, k)[at:at + numel]] = piece
+                else:
+                    found.setdefault(name, {})[at] = piece
+    whole.update((name, torch.cat([p[k] for k in sorted(p)])) for name, p in found.items())
     out = [torch.zeros(n) for n in numels]
     for flat, pieces in zip(out, segments):
         for name, at, offset, numel in pieces:
-            flat[offset:offset + numel] = whole[name][at:at + numel]
+            if share[1] > 1 and name in SHARDED:
+                places = _share_index(name, dims, *share)[at:at + numel]
+                flat[offset:offset + numel] = whole[name][places]
+            else:
+                flat[offset:offset + numel] = whole[name][at:at + numel]
     return out
 
 
-def diloco_state_for(tag_dir: str, segments: list, numels: list[int]) -> Optional[dict]:
+@functools.lru_cache(maxsize=8)
+def _share_index(name: str, dims: tuple[int, int, int], index: int, k: int) -> torch.Tensor:
+    """Where share `index` of `k` of the sharded parameter `name` of a BDH of (heads, n_embd,
+    neurons per head) `dims` sits in the flattened whole one, in the share's flattened order."""
+    nh, D, N = dims
+    shape = (nh * N, D) if name.endswith("decoder") else (nh, D, N)
+    places = torch.arange(nh * D * N).view(shape)
+    config = SimpleNamespace(n_head=nh, n_embd=D, n_neurons=N)
+    return share_of(name, places, config, index, k).reshape(-1)
+
+
+def diloco_state_for(tag_dir: str, weights, numels: list[int]) -> Optional[dict]:
     """This rank's DiLoCo state (DiLoCo.state_dict's form) for master tensors laid out as
-    `segments` (MasterWeights.segments), gathered from the states every rank of another layout
+    `weights` (MasterWeights) lay theirs, gathered from the states every rank of another layout
     saved in `tag_dir` (None: it has none): each flat tensor goes through the parameters."""
     saved = saved_states(tag_dir)
     if not saved:
         return None
+    segments, share = weights.segments(), weights.neuron_share()
 
     def moved(tensors_of) -> list[torch.Tensor]:
-        return relay(saved, segments, numels, tensors_of)
+        return relay(saved, segments, numels, tensors_of, share, weights.config)
 
     def flat_vector(key):  # one vector over every master tensor (delayed mode)
         if saved[0].get(key) is None or isinstance(saved[0][key], str):
@@ -223,7 +258,7 @@ def diloco_state_for(tag_dir: str, segments: list, numels: list[int]) -> Optiona
                                                      for j in range(len(s["numels"]))])):
             state[i][key] = values
     groups = [dict(optimizer["param_groups"][0], params=list(range(len(numels))))]
-    return dict(first, numels=numels, segments=segments,
+    return dict(first, numels=numels, segments=segments, neuron_share=share,
                 outer_params=moved(lambda s: s["outer_params"]),
                 optimizer={"state": state, "param_groups": groups},
                 previous=flat_vector("previous"), pending=flat_vector("pending"),

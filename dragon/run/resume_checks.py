@@ -89,11 +89,12 @@ def check_reshape(
         if message is not None:
             if diloco.enabled and (saved.pipeline or launch.pipeline):
                 raise ValueError(f"{message[len('resume: '):]}: not yet with DiLoCo pipelines")
-            if diloco.enabled and saved.neurons != launch.neurons:
-                raise ValueError(f"{message[len('resume: '):]}: not yet with DiLoCo islands; "
+            if diloco.enabled and saved.neurons != launch.neurons and \
+                    diloco.diloco_fragments > 1:
+                raise ValueError(f"{message[len('resume: '):]}: not yet with DiLoCo fragments; "
                                  f"resume it with --neuron_parallel {saved.neurons}")
             if diloco.enabled:
-                check_diloco_state(os.path.join(load_dir, tag))
+                check_diloco_state(os.path.join(load_dir, tag), saved.neurons)
             reshaped[island] = message
             if launch.zero_stage > 0 and not launch.pipeline:  # the others load their own form
                 ds_config.setdefault("checkpoint", {})["load_universal"] = True
