@@ -1,8 +1,8 @@
 """One resolver for every tool's checkpoint path (dragon.checkpoint.export.resolve_checkpoint):
-a run directory, its checkpoints/, a tag directory (DeepSpeed's stepN, accelerate's checkpoint_N
-and its pytorch_model) all resolve to the same checkpoint, with one line that says what was found
-and what was taken; sample.py gives the same text from every form, and verify_checkpoints.py
-takes every form."""
+a run directory, its checkpoints/, a tag directory (DeepSpeed's stepN of the ZeRO or the
+pipeline recipe, accelerate's checkpoint_N and its pytorch_model) all resolve to the same
+checkpoint, with one line that says what was found and what was taken; sample.py gives the same
+text and export.py the same model from every form, and verify_checkpoints.py takes every form."""
 
 import runpy
 import subprocess
@@ -24,7 +24,7 @@ def forms(kind: str, out) -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["zero2", "accelerate"])
+@pytest.mark.parametrize("kind", ["zero2", "pipeline", "accelerate"])
 def test_every_path_form_resolves_to_the_same_checkpoint(kind, capsys, monkeypatch,
                                                          tmp_path_factory, text_file):
     out = uninterrupted_run(kind, tmp_path_factory, text_file)[0]
@@ -42,6 +42,15 @@ def test_every_path_form_resolves_to_the_same_checkpoint(kind, capsys, monkeypat
         runpy.run_path(str(REPO / "recipes/sample.py"), run_name="__main__")
         texts.add(capsys.readouterr().out)
     assert len(texts) == 1, texts
+    exports = set()
+    for i, path in enumerate(forms(kind, out)):  # the best is the latest in these runs
+        target = tmp_path_factory.mktemp(f"export_{kind}_{i}")
+        monkeypatch.setattr(sys, "argv", ["export.py", "--checkpoint", str(path), "--output",
+                                          str(target), "--overwrite"])
+        runpy.run_path(str(REPO / "recipes/export.py"), run_name="__main__")
+        capsys.readouterr()
+        exports.add((target / "model.safetensors").read_bytes())
+    assert len(exports) == 1
     for path in forms(kind, out):  # the verifier takes every form, each whole
         checked = subprocess.run([sys.executable, str(REPO / "recipes/verify_checkpoints.py"),
                                   "--run", str(path)], capture_output=True, text=True,
