@@ -210,22 +210,25 @@ def test_sigkill_then_resume_matches_uninterrupted(kind, tmp_path, tmp_path_fact
     model, optimizer, LR schedule, data position and RNG came back, and with --carry_state the
     rows' states too (zero states would differ); the accelerate recipe through
     accelerator.save_state and load_state. metrics.jsonl then holds the uninterrupted run's rows,
-    each step once; the rows the resume replaced are in metrics.replaced.jsonl, and TensorBoard
-    (DeepSpeed's monitor) holds each step's loss once."""
+    each step once; the rows the resume replaced are in metrics.replaced.jsonl, TensorBoard
+    (DeepSpeed's monitor) holds each step's loss once, and wandb (offline; DeepSpeed's monitor or
+    accelerate's tracker) logs the resume into the first start's run."""
     steps, extra = STEPS, RESUMABLE
     expected_out, expected_rows = uninterrupted_run(kind, tmp_path_factory, text_file)
-    board = [] if kind == "accelerate" else ["--report_to", "tensorboard"]
+    board = {"zero2": ["--report_to", "tensorboard,wandb"], "accelerate": ["--report_to", "wandb"],
+             "pipeline": ["--report_to", "tensorboard"]}[kind]
+    offline = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
 
     out = tmp_path / "killed"
     metrics = out / "metrics.jsonl"
-    proc = start(kind, out, text_file, steps, [*extra, *board])
+    proc = start(kind, out, text_file, steps, [*extra, *board], env=offline)
     # Between the step-4 save and the step-8 save.
     kill_when(proc, lambda: max(logged_steps(metrics), default=0) >= 6)
     done = max(logged_steps(metrics))
     assert done < 8, "killed too late"
     assert (tag_dir(kind, out, 4) / "carried_state_0.pt").exists()
     finish(start(kind, out, text_file, steps,
-                 [*extra, *board, "--resume_from_checkpoint", "latest"]))
+                 [*extra, *board, "--resume_from_checkpoint", "latest"], env=offline))
     records = read_jsonl(metrics)
     # Same ranks, same data position, RNG and optimizer state: identical, not merely close.
     assert [(m["step"], sorted(m)) for m in records] == [
@@ -234,12 +237,15 @@ def test_sigkill_then_resume_matches_uninterrupted(kind, tmp_path, tmp_path_fact
     replaced = read_jsonl(out / "metrics.replaced.jsonl")
     assert sorted({m["step"] for m in replaced}) == list(range(5, done + 1)), replaced
     assert all("replaced_at" in m for m in replaced)
-    if board:
+    if "tensorboard" in board[1]:
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
         events = EventAccumulator(str(out / "monitor" / "bdh"))
         events.Reload()
         assert [e.step for e in events.Scalars("dragon/loss")] == list(range(1, steps + 1))
+    if "wandb" in board[1]:  # offline-run-<time>-<id>: two starts, one run
+        starts = sorted((out / "monitor" / "wandb").glob("offline-run-*"))
+        assert len(starts) == 2 and len({p.name.rsplit("-", 1)[1] for p in starts}) == 1, starts
 
 
 @pytest.mark.slow

@@ -34,6 +34,7 @@ def run_info(inputs, islands: int, dp_world: int, tokens_per_step: int) -> dict:
         "max_steps": inputs.train.max_steps,
         "carry_state": inputs.train.carry_state,
         "layout": asdict(inputs.layout),
+        "wandb_run_id": os.environ.get("WANDB_RUN_ID"),  # where a resume logs on
         # `python recipes/<recipe> run.json [--flag value ...]` repeats the run (flags override)
         "arguments": inputs.arguments(),
     }

@@ -4,6 +4,7 @@
 import importlib.util
 import json
 import os
+import secrets
 from typing import Any
 
 AUTO = "auto"
@@ -131,6 +132,9 @@ def resolve_ds_config(cfg: dict, args, world: int) -> dict:
             section.setdefault(field, value)
         if name == "wandb":  # DeepSpeed's monitor calls wandb.init() without a directory
             os.environ.setdefault("WANDB_DIR", os.path.join(args.output_dir, "monitor"))
+            # a resume continues the wandb run of the first start (run.json keeps its id)
+            os.environ.setdefault("WANDB_RUN_ID", wandb_run_id(args))
+            os.environ.setdefault("WANDB_RESUME", "allow")
     for name in ("tensorboard", "csv_monitor"):  # the monitors that write files
         section = cfg.get(name)
         if isinstance(section, dict) and section.get("enabled"):
@@ -141,6 +145,20 @@ def resolve_ds_config(cfg: dict, args, world: int) -> dict:
             f"DeepSpeed config: no argument fills 'auto' at {', '.join(leftover)}; set a value"
         )
     return cfg
+
+
+def wandb_run_id(args) -> str:
+    """The wandb run of this output directory: on a resume the id its run.json recorded, else a
+    new one."""
+    if args.resume_from_checkpoint:
+        for run_dir in (args.output_dir, os.path.join(args.output_dir, "island0")):
+            path = os.path.join(run_dir, "checkpoints", "run.json")
+            if os.path.isfile(path):
+                with open(path) as f:
+                    recorded = json.load(f).get("wandb_run_id")
+                if recorded:
+                    return recorded
+    return secrets.token_hex(4)
 
 
 def _walk(d: dict, prefix: str = ""):
