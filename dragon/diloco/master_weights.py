@@ -33,7 +33,8 @@ class MasterWeights:
             if getattr(opt, "swap_optimizer", False) or any(
                 t is None for t in opt.fp16_partitioned_groups_flat
             ):
-                raise NotImplementedError("DiLoCo: ZeRO-3 with NVMe offload is not supported")
+                raise NotImplementedError("DiLoCo: ZeRO-3 with NVMe offload is not supported; "
+                                          "offload to the CPU (ds_configs/zero3_offload.json)")
             self.kind = "zero3"
         elif isinstance(opt, FP16_UnfusedOptimizer):
             self.kind = "fp32_copies"  # ZeRO-0 with bf16: an fp32 copy of every parameter
@@ -45,7 +46,8 @@ class MasterWeights:
             self.replicas = _data_parallel_size(engine)
         else:
             raise NotImplementedError(
-                f"DiLoCo: DeepSpeed optimizer {type(opt).__name__} is not supported"
+                f"DiLoCo: DeepSpeed optimizer {type(opt).__name__} is not supported; the "
+                "optimizers of ds_configs/*.json are (ZeRO 0-3, fp32 or bf16)"
             )
         self.excluded = self._pipeline_copies() + self._neuron_group_copies()
 

@@ -88,7 +88,8 @@ def check_reshape(
             )
         if message is not None:
             if diloco.enabled and (saved.pipeline or launch.pipeline):
-                raise ValueError(f"{message[len('resume: '):]}: not yet with DiLoCo pipelines")
+                raise ValueError(f"{message[len('resume: '):]}: not yet with DiLoCo pipelines; "
+                                 f"resume it on {saved}")
             if diloco.enabled and saved.neurons != launch.neurons and \
                     diloco.diloco_fragments > 1:
                 raise ValueError(f"{message[len('resume: '):]}: not yet with DiLoCo fragments; "
