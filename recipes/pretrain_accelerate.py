@@ -12,7 +12,7 @@ Top to bottom: the inputs (checked before any process group starts), the Acceler
 and its optimizer prepared into a DeepSpeed engine, the run's state and its checkpointer, then the
 loop: batch, forward, backward (which steps at the accumulation boundary), the LR schedule,
 the DiLoCo outer step, logging, evaluation, save; then the export. Not here: --neuron_parallel
-(recipes/pretrain.py).
+and --save_async (recipes/pretrain.py).
 """
 
 import os

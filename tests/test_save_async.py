@@ -1,7 +1,8 @@
-"""--save_async: saves written in the background by real 2-rank ZeRO-2 jobs. The step returns once
-the state is snapshotted; a checkpoint is marked (and `latest` moves) only once every rank's files
-are written. A fault hook (tests/faults: DRAGON_FAULT_HOLD_SAVE_STEP) holds one save's writes,
-so that a write is in flight for as long as a test needs. The full disk: tests/test_disk.py."""
+"""--save_async: saves written in the background by real 2-rank jobs. The step returns once a
+writer process of the save's files is forked; a checkpoint is marked (and `latest` moves) only
+once every rank's files are written. A fault hook (tests/faults: DRAGON_FAULT_HOLD_SAVE_STEP)
+holds one save's writes, so that a write is in flight for as long as a test needs. The full
+disk: tests/test_disk.py."""
 
 import json
 import os
@@ -10,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import STEPS, losses, read_jsonl
+from conftest import PIPE_X2, STEPS, losses, read_jsonl
 from test_checkpoints import kill_tree, logged_steps, start
 from test_faults import latest, ranks_of
 
@@ -36,6 +37,17 @@ def assert_same_checkpoint(ours, theirs) -> None:
             assert mine[name] == reference[name], name
 
 
+def ranks(launcher_pid: int) -> list[int]:
+    """The ranks below a launcher, not their writer processes (which run the same command)."""
+    found = ranks_of(launcher_pid)
+    return [pid for pid in found if parent(pid) not in found]
+
+
+def parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
 def wait_for_step(proc, metrics, step: int, timeout: float = 300) -> None:
     """Until `step`'s training row is logged (the job still running); a step that waits for the
     held write never gets there."""
@@ -46,10 +58,15 @@ def wait_for_step(proc, metrics, step: int, timeout: float = 300) -> None:
         time.sleep(0.01)
 
 
-def test_async_saves_are_the_synchronous_saves(runs):
+@pytest.mark.parametrize("name,kwargs", [
+    ("zero2", {}),
+    pytest.param("pipe_x2", PIPE_X2, marks=pytest.mark.slow),  # a 2-stage pipeline
+])
+def test_async_saves_are_the_synchronous_saves(runs, name, kwargs):
     """Losses, evaluations and both checkpoints of the shared synchronous run, byte for byte."""
-    sync_out, sync_metrics, _ = runs("zero2")
-    out, metrics, _ = runs("zero2_async", extra=["--save_async"])
+    sync_out, sync_metrics, _ = runs(name, **kwargs)
+    out, metrics, _ = runs(f"{name}_async", **{
+        **kwargs, "extra": [*kwargs.get("extra", ()), "--save_async"]})
     assert losses(metrics) == losses(sync_metrics)
     assert losses(metrics, "eval_loss") == losses(sync_metrics, "eval_loss")
     assert latest(out) == f"step{STEPS}"
@@ -91,7 +108,7 @@ def test_a_preemption_during_a_background_write_saves_and_exits_0(tmp_path, text
     proc = start("zero2", out, text_file, STEPS, ASYNC,
                  env={"DRAGON_FAULT_HOLD_SAVE_STEP": "4", "DRAGON_FAULT_RELEASE": str(release)})
     wait_for_step(proc, out / "metrics.jsonl", 5)
-    os.kill(ranks_of(proc.pid)[-1], signal.SIGTERM)
+    os.kill(ranks(proc.pid)[-1], signal.SIGTERM)
     release.touch()
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-3000:]

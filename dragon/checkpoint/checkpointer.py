@@ -12,8 +12,8 @@ A resume loads what the checkpoint holds for this rank. A piece whose own saved 
 or was saved by another layout (dragon.checkpoint.reshape) or by another island, is handed the
 whole checkpoint instead through its `resume_elsewhere(saved)`, when it has one.
 
-With `save_async` (--save_async) a save returns once every file's state is snapshotted; a writer
-thread writes the files and the save completes at a later poll() (dragon.checkpoint.background).
+With `save_async` (--save_async) a save returns once it has forked a writer process of its files
+(the fork is the snapshot); the save completes at a later poll() (dragon.checkpoint.background).
 A save waits for the one in flight first, and wait() (a preemption's save, the last one) waits
 for both.
 """
@@ -142,6 +142,8 @@ class Checkpointer:
         client_state = {name: state.state_dict() for name, state in self.shared.items()}
         self.engine.save_checkpoint(self.save_dir, tag=tag, client_state={"step": step,
                                                                           **client_state})
+        if self.background is not None:
+            self.background.start()  # the writer process of this save's files
         if wait:
             self.wait()
         return tag_dir

@@ -6,9 +6,9 @@ for the engine's DeepSpeed CheckpointEngine during one save (DeepSpeed writes ev
 checkpoint through that interface): the first failed write is kept, the writes after it on that
 rank are skipped, and the rank carries on through DeepSpeed's collectives. agree() then raises
 SaveFailed on every rank if any rank failed, or returns the CRC-32 of every file written
-(dragon.checkpoint.verify). With --save_async (an engine with `dragon_background`) save() snapshots
-the state and leaves the file to the writer thread (dragon.checkpoint.background); agree() then
-waits for the save's completion.
+(dragon.checkpoint.verify). With --save_async (an engine with `dragon_background`) save() leaves
+the file to the writer process (dragon.checkpoint.background); agree() then waits for the save's
+completion.
 """
 
 import errno
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
 
-from dragon.checkpoint.background import durable, snapshot
+from dragon.checkpoint.background import durable
 from dragon.checkpoint.verify import crc32_of
 
 # torch's writer and safetensors report a full disk as errors of their own, not OSError
@@ -45,14 +45,14 @@ class GuardedWrites:
     def save(self, state_dict, path: str, write: Optional[Callable[[Any, str], None]] = None
              ) -> None:
         """Write `state_dict` to `path` with write (the engine's CheckpointEngine.save unless
-        given) and checksum it; with --save_async, a snapshot of it on the writer thread."""
+        given) and checksum it; with --save_async, in the writer process."""
         write = write or self.inner.save
         if self.background is None:
-            self._write(write, state_dict, path)
+            self.write_now(write, state_dict, path)
         elif self.error is None:
-            self.background.submit(self._write, write, snapshot(state_dict), path)
+            self.background.submit(self, write, state_dict, path)
 
-    def _write(self, write: Callable[[Any, str], None], state_dict, path: str) -> None:
+    def write_now(self, write: Callable[[Any, str], None], state_dict, path: str) -> None:
         self.run(write, state_dict, path)
         self.run(self._checksum, path)  # read back while the bytes are in the page cache
         if self.background is not None:  # a background save is marked only once it is durable
