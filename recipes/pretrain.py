@@ -100,7 +100,7 @@ def main():
     per_rank["rng_state"] = RNGState(args.seed + topology.launch_rank)
     if outer:
         per_rank["diloco_state"] = outer
-    checkpointer = Checkpointer(engine, save_dir, shared, per_rank)
+    checkpointer = Checkpointer(engine, save_dir, shared, per_rank, args.save_async)
     target = inputs.resume_target(topology.island)
     step = checkpointer.resume(target) if target else 0
     run = TrainingRun(engine, inputs, model.config, topology, data, dp_world, step, outer)
@@ -148,11 +148,14 @@ def train(engine, run, data, outer, checkpointer, args) -> None:
             record.update(evaluation_metrics(engine, data, signalled=run.signalled))
         run.log(record)
         # With DiLoCo, save_steps is a multiple of H (an outer step); a preemption waits for one.
-        if run.due(args.save_steps) or verdict.save:
-            try:
+        try:
+            checkpointer.poll()  # --save_async: a save completes once every rank wrote its files
+            if run.due(args.save_steps) or verdict.save:
                 checkpointer.save(step)
-            except SaveFailed as failure:  # some rank could not write; `latest` is unchanged
-                run.save_failed(failure)  # trains on with --save_failure continue, else stops
+            if verdict.stop or run.done:
+                checkpointer.wait()  # a stop and the end wait for the write in flight
+        except SaveFailed as failure:  # some rank could not write; `latest` is unchanged
+            run.save_failed(failure)  # trains on with --save_failure continue, else stops
         if verdict.stop:
             run.stop(verdict)
 

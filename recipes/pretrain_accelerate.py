@@ -11,7 +11,8 @@ recipe's (recipes/pretrain.py), and so are its losses for the same arguments.
 Top to bottom: the inputs (checked before any process group starts), the Accelerator, the model
 and its optimizer prepared into a DeepSpeed engine, the run's state and its checkpointer, then the
 loop: batch, forward, backward (which steps at the accumulation boundary), the LR schedule,
-the DiLoCo outer step, logging, evaluation, save; then the export.
+the DiLoCo outer step, logging, evaluation, save; then the export. Not here: --save_async
+(recipes/pretrain.py).
 """
 
 import os

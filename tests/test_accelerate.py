@@ -2,6 +2,8 @@
 saves are accelerate's through dragon's retention, its trackers are accelerate's. (Its SIGKILL
 resume: tests/test_checkpoints.py.)"""
 
+import json
+
 import pytest
 import torch
 from conftest import LOSS_ATOL, REPO, TINY, launch, losses
@@ -40,7 +42,7 @@ def test_the_accelerate_recipe_trains_as_the_zero_recipe(tmp_path_factory, text_
                       if "loss" in m]
 
 
-@pytest.mark.parametrize("case", ["csv", "zero_checkpoint"])
+@pytest.mark.parametrize("case", ["csv", "zero_checkpoint", "save_async"])
 def test_what_the_accelerate_recipe_leaves_to_the_zero_recipe_is_refused(
         case, tmp_path, tmp_path_factory, text_file):
     """A csv tracker, or a resume from the ZeRO recipe's checkpoint (DiLoCo and --neuron_parallel
@@ -51,6 +53,13 @@ def test_what_the_accelerate_recipe_leaves_to_the_zero_recipe_is_refused(
     if case == "csv":
         extra = ["--report_to", "csv"]
         what = "--report_to csv (accelerate has no csv tracker; metrics.jsonl holds every line)"
+    elif case == "save_async":  # asked for in the JSON's checkpoint section
+        config = json.loads((REPO / "ds_configs/zero2.json").read_text())
+        config["checkpoint"] = {"writer": {"type": "python", "decoupled": True}}
+        (tmp_path / "decoupled.json").write_text(json.dumps(config))
+        extra = ["--deepspeed", str(tmp_path / "decoupled.json")]
+        what = ("--save_async or the JSON's checkpoint.writer.decoupled (accelerate's save_state "
+                "writes before it returns; recipes/pretrain_pipeline.py takes it too)")
     else:
         zero2, _ = uninterrupted_run("zero2", tmp_path_factory, text_file)
         tag_dir = zero2 / "checkpoints" / "step12"

@@ -729,6 +729,23 @@ def test_bad_input_stops_before_start(
     assert expected in run_recipe_in_process(monkeypatch, script, base + argv, env)
 
 
+def test_a_run_of_one_island_resumed_by_two_is_refused(monkeypatch, runs, tmp_path):
+    """The run's checkpoints are in <out>/checkpoints, not island0/: one line naming the way to
+    go on, before any process group starts, and nothing created on disk."""
+    out = tmp_path / "run"
+    shutil.copytree(runs("zero2")[0], out)
+    before = sorted(p.name for p in out.iterdir())
+    argv = [*bad_input_base("zero2.json", out, runs.text_file), "--diloco_islands", "2",
+            "--diloco_inner_steps", "2", "--resume_from_checkpoint", "latest"]
+    line = run_recipe_in_process(monkeypatch, "recipes/pretrain.py", argv, {"WORLD_SIZE": "2"})
+    assert line == (f"error: --diloco_islands 2: {out / 'checkpoints'} was saved by one island, "
+                    "and a resume by 2 islands takes island directories; resume it as it was "
+                    "launched (without --diloco_islands), or start the islands in a new "
+                    f"--output_dir from its weights with --model_name_or_path {out / 'final'} "
+                    "(its export)")
+    assert sorted(p.name for p in out.iterdir()) == before
+
+
 def test_zero2_islands_stay_identical(runs):
     """ZeRO-2 (fp32 partition per rank), default Nesterov outer step: identical islands after every
     outer step.

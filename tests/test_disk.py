@@ -4,6 +4,7 @@ and resumes exactly once there is room. Damaged files: a complete checkpoint who
 later is never loaded; a resume falls back to the newest whole one, and the offline verifier finds
 it."""
 
+import re
 import shutil
 import subprocess
 import sys
@@ -58,6 +59,23 @@ def test_a_full_disk_stops_in_one_line_and_resumes_exactly(small_disk, runs, tmp
     _, reference, _ = runs("zero2")
     resumed = [m for m in read_jsonl(bigger / "metrics.jsonl") if m["step"] > 4][-(STEPS - 4):]
     assert losses(resumed) == losses(reference)[4:]
+
+
+def test_a_disk_full_during_a_background_write_stops_in_one_line(small_disk, text_file):
+    """--save_async: the step-8 save's files do not fit; the writer thread's failure reaches every
+    rank at the next step's poll (or the last step's wait), which stops them in one line; `latest`
+    keeps naming step4 and the partial step8 is gone."""
+    out = small_disk / "run"
+    proc = launch("torchrun", 2, "recipes/pretrain.py",
+                  recipe_args(out, text_file, ["--save_async", "--max_steps", "10"]))
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines()
+              if line.startswith("error:")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
+    assert re.match(r"error: step (9|10): saving step8 in ", errors[0]), errors
+    assert "No space left on device" in errors[0] and "bytes free" in errors[0], errors
+    assert errors[0].endswith(f"last complete checkpoint: {out / 'checkpoints' / 'step4'}")
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step4"
+    assert not (out / "checkpoints" / "step8").exists()
 
 
 def damaged_copy(runs, tmp_path, file: str):

@@ -11,6 +11,11 @@ Each piece is an object with state_dict() / load_state_dict() (torchtitan's Stat
 A resume loads what the checkpoint holds for this rank. A piece whose own saved state is missing,
 or was saved by another layout (dragon.checkpoint.reshape) or by another island, is handed the
 whole checkpoint instead through its `resume_elsewhere(saved)`, when it has one.
+
+With `save_async` (--save_async) a save returns once it has forked a writer process of its files
+(the fork is the snapshot); the save completes at a later poll() (dragon.checkpoint.background).
+A save waits for the one in flight first, and wait() (a preemption's save, the last one) waits
+for both.
 """
 
 import logging
@@ -23,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dragon.checkpoint.background import BackgroundSaves
 from dragon.checkpoint.reshape import converted_tag
 from dragon.checkpoint.catalog import MARKER, damage_of, find_resume_checkpoint, last_complete
 from dragon.checkpoint.retention import all_or_nothing
@@ -114,15 +120,21 @@ class Checkpointer:
         save_dir: str,
         shared: Optional[dict[str, Stateful]] = None,
         per_rank: Optional[dict[str, Stateful]] = None,
+        save_async: bool = False,
     ):
         self.engine, self.save_dir = engine, save_dir
         self.shared, self.per_rank = dict(shared or {}), dict(per_rank or {})
+        # dragon.checkpoint.writes hands the engine's writes to it (the retention hook's too)
+        self.background = engine.dragon_background = BackgroundSaves() if save_async else None
 
-    def save(self, step: int) -> str:
+    def save(self, step: int, wait: bool = False) -> str:
         """Save as tag step<step> (engine.save_checkpoint is collective: every rank calls this);
         returns the tag directory. A write that fails on any rank raises SaveFailed on every
         rank (dragon.checkpoint.writes): here for the per-rank files, in the retention hook for
-        DeepSpeed's own (without the hook, DeepSpeed raises on the failing rank alone)."""
+        DeepSpeed's own (without the hook, DeepSpeed raises on the failing rank alone); with
+        save_async, when the save completes (here, at a later poll(), or in wait()). `wait`: return
+        only once the save is complete."""
+        self.wait()  # the save in flight completes first
         self.check_finite(step)
         tag = tag_for(step)
         states = {name: state.state_dict() for name, state in self.per_rank.items()}
@@ -130,7 +142,22 @@ class Checkpointer:
         client_state = {name: state.state_dict() for name, state in self.shared.items()}
         self.engine.save_checkpoint(self.save_dir, tag=tag, client_state={"step": step,
                                                                           **client_state})
+        if self.background is not None:
+            self.background.start()  # the writer process of this save's files
+        if wait:
+            self.wait()
         return tag_dir
+
+    def poll(self) -> None:
+        """Complete the save in flight if every rank has written it (a collective: every rank
+        calls this after every step); else return at once."""
+        if self.background is not None:
+            self.background.poll()
+
+    def wait(self) -> None:
+        """Wait for the save in flight and complete it (a collective)."""
+        if self.background is not None:
+            self.background.complete()
 
     def check_finite(self, step: int) -> None:
         """Raise TrainingFailed, on every rank, when the weights are not finite: never saved."""
@@ -184,7 +211,7 @@ def write_rank_states(engine, save_dir: str, tag: str, states: dict[str, Any]) -
         writes.run(os.makedirs, tag_dir, 0o777, True)
         writes.run(_unmark, tag_dir)  # an overwritten tag is incomplete until all is new
         for name, state in states.items():
-            writes.run(torch.save, state, os.path.join(tag_dir, f"{name}_{rank()}.pt"))
+            writes.save(state, os.path.join(tag_dir, f"{name}_{rank()}.pt"), torch.save)
     return tag_dir
 
 

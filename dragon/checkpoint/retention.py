@@ -11,7 +11,7 @@ import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch.distributed as dist
 
@@ -157,17 +157,29 @@ def _is_deleter(engine) -> bool:
 
 
 @contextmanager
-def all_or_nothing(engine, save_dir: str, tag: str) -> Iterator[GuardedWrites]:
+def all_or_nothing(engine, save_dir: str, tag: str,
+                   then: Optional[Callable[[GuardedWrites], None]] = None
+                   ) -> Iterator[GuardedWrites]:
     """The writes of one save, inside: every rank's are written, or SaveFailed on every rank after
-    it, and the tag directory is gone at once (it frees the space) unless `latest` names it."""
+    it, and the tag directory is gone at once (it frees the space) unless `latest` names it. Then
+    then(writes). With --save_async both wait for the background writes (BackgroundSaves.then)."""
     with GuardedWrites(engine) as writes:
         yield writes
-    try:
-        writes.checksums = writes.agree(f"{tag} in {save_dir}")  # every rank's
-    except SaveFailed:
-        if _is_deleter(engine) and read_latest(save_dir) != tag:
-            _delete(save_dir, tag)
-        raise
+
+    def complete() -> None:
+        try:
+            writes.checksums = writes.agree(f"{tag} in {save_dir}")  # every rank's
+        except SaveFailed:
+            if _is_deleter(engine) and read_latest(save_dir) != tag:
+                _delete(save_dir, tag)
+            raise
+        if then is not None:
+            then(writes)
+
+    if writes.background is None:
+        complete()
+    else:
+        writes.background.then(complete)
 
 
 def _barrier() -> None:
@@ -235,21 +247,25 @@ def attach_retention(
         if deleter and os.path.exists(os.path.join(tag_dir, MARKER)):
             os.remove(os.path.join(tag_dir, MARKER))  # an overwritten tag is incomplete until done
         _barrier()
-        with all_or_nothing(engine, save_dir, tag) as writes:
+
+        def mark_and_prune(writes: GuardedWrites) -> None:  # once every rank's files are written
+            history = _history_everywhere(hist_file)
+            try:
+                if deleter:
+                    files = manifest(tag_dir, writes.checksums, skip=(MARKER,))
+                    _write_marker(tag_dir, {"step": step, "tag": tag, "time": time.time(),
+                                            "files": files})
+                    if save_latest and rank() == 0:
+                        _write_atomically(os.path.join(save_dir, "latest"), tag)
+                    prune(root, policy, history, current_tag=base if accelerate else tag)
+            finally:
+                # nobody starts the next save while deletion runs; a failure here still frees the
+                # others
+                _barrier()
+
+        with all_or_nothing(engine, save_dir, tag, then=mark_and_prune) as writes:
             writes.run(os.makedirs, tag_dir, 0o777, True)
             result = original(save_dir, tag, client_state, False, **kwargs)
-        history = _history_everywhere(hist_file)
-        try:
-            if deleter:
-                files = manifest(tag_dir, writes.checksums, skip=(MARKER,))
-                _write_marker(tag_dir, {"step": step, "tag": tag, "time": time.time(),
-                                        "files": files})
-                if save_latest and rank() == 0:
-                    _write_atomically(os.path.join(save_dir, "latest"), tag)
-                prune(root, policy, history, current_tag=base if accelerate else tag)
-        finally:
-            # nobody starts the next save while deletion runs; a failure here still frees the others
-            _barrier()
         return result
 
     engine._dragon_save_checkpoint = original

@@ -6,18 +6,21 @@ for the engine's DeepSpeed CheckpointEngine during one save (DeepSpeed writes ev
 checkpoint through that interface): the first failed write is kept, the writes after it on that
 rank are skipped, and the rank carries on through DeepSpeed's collectives. agree() then raises
 SaveFailed on every rank if any rank failed, or returns the CRC-32 of every file written
-(dragon.checkpoint.verify).
+(dragon.checkpoint.verify). With --save_async (an engine with `dragon_background`) save() leaves
+the file to the writer process (dragon.checkpoint.background); agree() then waits for the save's
+completion.
 """
 
 import errno
 import os
 import shutil
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
 
+from dragon.checkpoint.background import durable
 from dragon.checkpoint.verify import crc32_of
 
 # torch's writer and safetensors report a full disk as errors of their own, not OSError
@@ -36,11 +39,24 @@ class GuardedWrites:
     def __init__(self, engine=None):
         self.engine, self.error = engine, None
         self.inner = getattr(engine, "checkpoint_engine", None)
+        self.background = getattr(engine, "dragon_background", None)  # --save_async
         self.checksums: dict[str, int] = {}  # absolute path -> CRC-32 of what this rank wrote
 
-    def save(self, state_dict, path: str) -> None:
-        self.run(self.inner.save, state_dict, path)
+    def save(self, state_dict, path: str, write: Optional[Callable[[Any, str], None]] = None
+             ) -> None:
+        """Write `state_dict` to `path` with write (the engine's CheckpointEngine.save unless
+        given) and checksum it; with --save_async, in the writer process."""
+        write = write or self.inner.save
+        if self.background is None:
+            self.write_now(write, state_dict, path)
+        elif self.error is None:
+            self.background.submit(self, write, state_dict, path)
+
+    def write_now(self, write: Callable[[Any, str], None], state_dict, path: str) -> None:
+        self.run(write, state_dict, path)
         self.run(self._checksum, path)  # read back while the bytes are in the page cache
+        if self.background is not None:  # a background save is marked only once it is durable
+            self.run(durable, path)
 
     def _checksum(self, path: str) -> None:
         self.checksums[os.path.abspath(path)] = crc32_of(path)

@@ -139,6 +139,7 @@ def resolve_ds_config(cfg: dict, args, world: int) -> dict:
         section = cfg.get(name)
         if isinstance(section, dict) and section.get("enabled"):
             _fill(section, "output_path", os.path.join(args.output_dir, "monitor"))
+    _background_writer(cfg, args)
     leftover = [k for k, v in _walk(cfg) if v == AUTO]
     if leftover:
         raise ValueError(
@@ -159,6 +160,16 @@ def wandb_run_id(args) -> str:
                 if recorded:
                     return recorded
     return secrets.token_hex(4)
+
+
+def _background_writer(cfg: dict, args) -> None:
+    """The JSON's checkpoint.writer.decoupled: true asks for background saves: dragon's writer
+    (--save_async) takes them, as DeepSpeed's decoupled engine does not serve on every stack
+    (dragon.checkpoint.background)."""
+    writer = cfg.get("checkpoint", {}).get("writer")
+    if isinstance(writer, dict) and writer.get("decoupled"):
+        del cfg["checkpoint"]["writer"]
+        args.save_async = True
 
 
 def _walk(d: dict, prefix: str = ""):

@@ -23,6 +23,8 @@ def check_accelerate_inputs(inputs) -> None:
     refused = [
         ("optimizer" not in inputs.ds_config,
          f"--deepspeed {args.deepspeed}: it names no optimizer (every file in ds_configs/ does)"),
+        (args.save_async, "--save_async or the JSON's checkpoint.writer.decoupled (accelerate's "
+         "save_state writes before it returns; recipes/pretrain_pipeline.py takes it too)"),
         ("csv" in trackers(args.report_to),
          "--report_to csv (accelerate has no csv tracker; metrics.jsonl holds every line)"),
         (target is not None and target.tag != MODEL_TAG,

@@ -41,6 +41,8 @@ def resume_targets(
     together = diloco.diloco_island_index is None  # every island's directory is here
     saved = saved_islands(root) if together else None
     plain = resume == "latest" or os.sep not in resume  # a tag of this run, not a path
+    if plain and launch > 1 and saved == 1:
+        _check_not_one_island(root, launch)
     targets, regrouped = {}, {}
     for island in diloco.local_islands():
         save_dir = os.path.join(diloco.output_dir(root, island), "checkpoints")
@@ -50,6 +52,19 @@ def resume_targets(
             regrouped[island] = (regroup_message(saved, launch, island, not own), not own)
         targets[island] = resolve_resume(diloco.resume_path(resume, save_dir), save_dir)
     return targets, regrouped
+
+
+def _check_not_one_island(root: str, launch: int) -> None:
+    """ValueError in one line for a run saved by one island (its checkpoints in <root>/checkpoints,
+    no island directories) resumed by several: islands regroup only from island directories."""
+    save_dir = os.path.join(root, "checkpoints")
+    if list_checkpoints(save_dir):
+        raise ValueError(
+            f"--diloco_islands {launch}: {save_dir} was saved by one island, and a resume by "
+            f"{launch} islands takes island directories; resume it as it was launched (without "
+            "--diloco_islands), or start the islands in a new --output_dir from its weights with "
+            f"--model_name_or_path {os.path.join(root, 'final')} (its export)"
+        )
 
 
 def _anything_to_resume(root: str, diloco: DiLoCoArguments) -> bool:

@@ -7,6 +7,9 @@ job_env adds it when a test sets a DRAGON_FAULT_* variable); dragon itself carri
   those steps (1-based) return NaN.
 - DRAGON_FAULT_SAVE_STEP=8 (and DRAGON_FAULT_RANK): rank r's DeepSpeed checkpoint writes of the
   step-8 save raise OSError(ENOSPC), as a full disk would.
+- DRAGON_FAULT_HOLD_SAVE_STEP=4 (and DRAGON_FAULT_RELEASE=<path>): every rank's DeepSpeed
+  checkpoint writes of the step-4 save wait until <path> exists (for ever without it), so that a
+  background write (--save_async) is in flight for as long as a test needs.
 - DRAGON_FAULT_EXIT_OUTER_STEP=2 and DRAGON_FAULT_ISLAND=i: island i's processes exit at once
   (os._exit) in elastic outer step 2, after its quorum formed and before the exchange.
 """
@@ -14,6 +17,7 @@ job_env adds it when a test sets a DRAGON_FAULT_* variable); dragon itself carri
 import errno
 import functools
 import os
+import time
 
 
 def _steps(name: str) -> set[int]:
@@ -73,6 +77,24 @@ def _failing_saves(steps: set[int]) -> None:
     TorchCheckpointEngine.save = failing_save
 
 
+def _held_saves(steps: set[int]) -> None:
+    """DeepSpeed writes every checkpoint file through its TorchCheckpointEngine."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
+        TorchCheckpointEngine,
+    )
+
+    save = TorchCheckpointEngine.save
+    release = os.environ.get("DRAGON_FAULT_RELEASE")
+
+    def held_save(self, state_dict, path):
+        if {f"step{s}" for s in steps} & set(str(path).split(os.sep)):
+            while not (release and os.path.exists(release)):
+                time.sleep(0.05)
+        return save(self, state_dict, path)
+
+    TorchCheckpointEngine.save = held_save
+
+
 def _dying_island(steps: set[int]) -> None:
     """DiLoCo.exchange starts an outer step's exchange once the quorum has formed."""
     from dragon.diloco.outer import DiLoCo
@@ -93,5 +115,7 @@ if _steps("NAN_STEPS"):
     _nan_forwards(_steps("NAN_STEPS"))
 if _steps("SAVE_STEP"):
     _failing_saves(_steps("SAVE_STEP"))
+if _steps("HOLD_SAVE_STEP"):
+    _held_saves(_steps("HOLD_SAVE_STEP"))
 if _steps("EXIT_OUTER_STEP"):
     _dying_island(_steps("EXIT_OUTER_STEP"))

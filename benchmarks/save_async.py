@@ -1,0 +1,116 @@
+"""The training time a save costs, synchronous against --save_async (dragon.checkpoint.background).
+
+    python benchmarks/save_async.py [--mult 256] [--n_layer 1] [--steps 12] [--repeats 3]
+
+One process, a real DeepSpeed ZeRO-2 engine (fp32, torch's AdamW) of a BDH at the reference's sizes
+but twice its neurons (--mult 256: 50.5M parameters, ~770 MB a checkpoint with the optimizer, so
+that a synchronous save takes seconds here), saved through dragon's Checkpointer and retention hook
+as the recipes save. Windows of --steps training steps are timed three ways, back to back,
+--repeats times: no save, a synchronous save at the window's start, an asynchronous save at its
+start (polled after every step, and waited for at the window's end, so that a write that outlasts
+the window is counted). Other jobs on the machine only ever add time, so the time a save costs is
+its fastest window less the fastest no-save window; the asynchronous cost is also given as a ratio
+of the synchronous one, with how long the save call itself held the step (median) and the load
+average around the run.
+"""
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                   ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29561")):
+    os.environ.setdefault(key, value)
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+
+from dragon.checkpoint.background import BackgroundSaves  # noqa: E402
+from dragon.checkpoint.checkpointer import Checkpointer  # noqa: E402
+from dragon.checkpoint.retention import RetentionPolicy, attach_retention  # noqa: E402
+from dragon.model.bdh import BDHConfig, BDHForCausalLM  # noqa: E402
+
+CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+          "gradient_clipping": 1.0, "steps_per_print": 10**9,
+          "zero_optimization": {"stage": 2}}
+
+
+def engine_of(n_layer: int, mult: int, block: int):
+    model = BDHForCausalLM(BDHConfig(n_layer=n_layer, mlp_internal_dim_multiplier=mult,
+                                     dropout=0.0))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=CONFIG)
+    batch = torch.randint(0, model.config.vocab_size, (1, block))
+    return engine, batch
+
+
+def train_step(engine, batch) -> None:
+    engine.backward(engine(input_ids=batch, labels=batch).loss)
+    engine.step()
+
+
+def window(engine, batch, checkpointer, steps: int, mode: str, background: BackgroundSaves
+           ) -> tuple[float, float]:
+    """(seconds of the window, seconds the save call itself took)."""
+    # the same engine and Checkpointer save both ways (Checkpointer(save_async=...) sets these)
+    engine.dragon_background = checkpointer.background = background if mode == "async" else None
+    began = time.perf_counter()
+    saved = 0.0
+    if mode != "none":
+        checkpointer.save(int(engine.global_steps))
+        saved = time.perf_counter() - began
+    for _ in range(steps):
+        train_step(engine, batch)
+        checkpointer.poll()
+    checkpointer.wait()
+    return time.perf_counter() - began, saved
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--n_layer", type=int, default=1)  # compute only: layers share weights
+    parser.add_argument("--mult", type=int, default=256)  # N per head = mult * 256 / 4
+    parser.add_argument("--block", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    load = f"{os.getloadavg()[0]:.1f}"
+    deepspeed.init_distributed("gloo")
+    engine, batch = engine_of(args.n_layer, args.mult, args.block)
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
+        attach_retention(engine, RetentionPolicy(1, None),
+                         history_path=os.path.join(tmp, "metrics.jsonl"))
+        checkpointer = Checkpointer(engine, os.path.join(tmp, "checkpoints"))
+        for _ in range(3):
+            train_step(engine, batch)
+        background = BackgroundSaves()
+        times = {"none": [], "sync": [], "async": []}
+        calls = {"sync": [], "async": []}
+        for _ in range(args.repeats):
+            for mode in times:
+                seconds, call = window(engine, batch, checkpointer, args.steps, mode,
+                                       background)
+                times[mode].append(seconds)
+                if mode in calls:
+                    calls[mode].append(call)
+        size = sum(os.path.getsize(os.path.join(parent, name))
+                   for parent, _, names in os.walk(os.path.join(tmp, "checkpoints"))
+                   for name in names if name.endswith(".pt"))
+    # other jobs only ever add time: the least disturbed window of each kind is its best estimate
+    lost = {mode: min(times[mode]) - min(times["none"]) for mode in calls}
+    step = min(times["none"]) / args.steps
+    print(f"BDH {sum(p.numel() for p in engine.module.parameters()):,} parameters, checkpoint "
+          f"{size / 2**20:,.0f} MiB, {step:.2f} s/step, windows of {args.steps} steps, fastest "
+          f"of {args.repeats}; load average {load} before, {os.getloadavg()[0]:.1f} after")
+    print("| save | call returns after | training time lost per save | lost / synchronous |")
+    print("|---|---|---|---|")
+    for mode, name in (("sync", "synchronous (baseline)"), ("async", "--save_async (ours)")):
+        print(f"| {name} | {statistics.median(calls[mode]):.2f} s | {lost[mode]:.2f} s "
+              f"| {lost[mode] / lost['sync']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
