@@ -1,0 +1,107 @@
+"""When a fragment in flight lands (streaming DiLoCo in delayed mode, dragon.diloco.fragments): a
+fixed number of inner steps after it synced (--diloco_fragment_delay D), or, with `auto`, at the
+first inner step after its exchange completed on every island.
+
+Auto, agreed without a blocking collective. The exchange thread (dragon.diloco.background)
+finishes a fragment's exchange while the training thread runs inner step t + 1 (t: the last step
+it finished), and posts t + 1, its proposal, to the store: the fragment's average is ready on
+this rank after that step. The fragment lands after inner step L = the largest proposal of every
+rank of every island, and at the latest when the same fragment syncs again, H steps after it
+synced (the bound); at the bound the inner loop waits for what is left of the exchange. A rank
+reads the proposals only once it has finished the step of its own (until then L, which is at
+least its own proposal, still lies ahead) and waits for any missing then, so no rank has passed
+L when it learns it. A rank whose exchange is not done at the bound will propose a later step,
+so every rank lands at the bound then. A checkpoint decides the landing of each fragment in flight
+as it waits for its average, and saves it, so a resume lands it at the same step.
+"""
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+AUTO = "auto"
+_PREFIX = "dragon-diloco/landing"
+
+
+@dataclass
+class InFlight:
+    """A fragment's exchange under the inner steps, and the step it lands at (auto: None until
+    the islands agree)."""
+
+    exchange: object  # an Exchange, or a _Resolved average restored from a checkpoint
+    lands_at: Optional[int]
+    synced_at: int = 0
+
+
+class Together:
+    """Several fragments' exchanges of one step, seen as one by DiLoCo's metrics; result(): the
+    landed averages in their places in a vector over all of this rank's values."""
+
+    def __init__(self, exchanges: list, result: Optional[torch.Tensor] = None):
+        self.error_sq = sum(getattr(e, "error_sq", 0.0) for e in exchanges)
+        self.norm_sq = sum(getattr(e, "norm_sq", 0.0) for e in exchanges)
+        self.bytes_sent = sum(getattr(e, "bytes_sent", 0) for e in exchanges)
+        self.payload_bytes = sum(getattr(e, "payload_bytes", 0) for e in exchanges)
+        self.exchanges, self._result = exchanges, result
+
+    @property
+    def seconds(self) -> float:  # of exchanges that landed
+        return sum(e.seconds for e in self.exchanges)
+
+    @property
+    def hidden_seconds(self) -> float:
+        return sum(e.hidden_seconds for e in self.exchanges)
+
+    def result(self) -> Optional[torch.Tensor]:
+        return self._result
+
+
+class AutoLandings:
+    """The proposals of one rank in the store, and the landings they agree on."""
+
+    def __init__(self, topology, background, inner_steps: int):
+        self.topology, self.background, self.H = topology, background, inner_steps
+        self.generation: Optional[int] = None  # the first step of this start: a resume's own keys
+
+    def _key(self, fragment: int, synced_at: int, island: int, rank: int) -> str:
+        return (f"{_PREFIX}/g{self.generation}/s{synced_at}f{fragment}/island{island}/"
+                f"rank{rank}")
+
+    def poster(self, fragment: int, synced_at: int):
+        """What the exchange thread calls with its proposal for this fragment's exchange."""
+        if self.generation is None:
+            self.generation = synced_at
+        t, key = self.topology, self._key(fragment, synced_at, self.topology.island,
+                                          self.topology.island_rank)
+        return lambda ready_after: t.store.set(key, str(ready_after))
+
+    def decide(self, fragment: int, x: InFlight, step: int, waiting: bool = False) -> None:
+        """Set x.lands_at once this rank can (after inner step `step`); `waiting`: a checkpoint,
+        which waits for the exchange first."""
+        if x.lands_at is not None:
+            return
+        bound = x.synced_at + self.H
+        if waiting:
+            x.exchange.result()
+        own = self.background.ready_after(x.exchange.ticket)
+        if own is None or own > step:  # not ready here yet: it lands later, at the bound at most
+            if step >= bound:
+                x.lands_at = bound
+            return
+        x.lands_at = min(max(self._proposals(fragment, x.synced_at)), bound)
+
+    def _proposals(self, fragment: int, synced_at: int) -> list[int]:
+        """Every rank's proposal, waiting for those not posted yet (the store is shared with the
+        exchange thread's posts: polled, not held)."""
+        t = self.topology
+        keys = [self._key(fragment, synced_at, i, r) for i in range(t.islands)
+                for r in range(t.island_size)]
+        deadline = time.monotonic() + t.timeout_s
+        while not t.store.check(keys):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no landing proposal for fragment {fragment} within "
+                                   f"{t.timeout_s:.0f} s")
+            time.sleep(0.005)
+        return [int(t.store.get(key)) for key in keys]
