@@ -86,6 +86,8 @@ class AutoLandings:
         if waiting:
             x.exchange.result()
         own = self.background.ready_after(x.exchange.ticket)
+        if waiting:  # every rank waits at the same step: none passes the step after it
+            step = max(step, own)
         if own is None or own > step:  # not ready here yet: it lands later, at the bound at most
             if step >= bound:
                 x.lands_at = bound
