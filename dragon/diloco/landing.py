@@ -10,16 +10,21 @@ rank of every island, and at the latest when the same fragment syncs again, H st
 synced (the bound); at the bound the inner loop waits for what is left of the exchange. A rank
 reads the proposals only once it has finished the step of its own (until then L, which is at
 least its own proposal, still lies ahead) and waits for any missing then, so no rank has passed
-L when it learns it. A rank whose exchange is not done at the bound will propose a later step,
-so every rank lands at the bound then. A checkpoint decides the landing of each fragment in flight
-as it waits for its average, and saves it, so a resume lands it at the same step.
+L when it learns it (a thread of its own reads the proposals as they come). A rank whose exchange
+is not done at the bound will propose a later step, so every rank lands at the bound then. A
+checkpoint decides the landing of each fragment in flight as it waits for its average, and saves
+it, so a resume lands it at the same step.
 """
 
+import queue
+import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 AUTO = "auto"
 _PREFIX = "dragon-diloco/landing"
@@ -59,20 +64,28 @@ class Together:
 
 
 class AutoLandings:
-    """The proposals of one rank in the store, and the landings they agree on."""
+    """The proposals of one rank in the store, and the landings they agree on. A thread of its
+    own, on a store connection of its own, reads every rank's proposals as they come, so that the
+    training thread finds them at hand (on a busy link a store round trip is slow)."""
 
     def __init__(self, topology, background, inner_steps: int):
         self.topology, self.background, self.H = topology, background, inner_steps
         self.generation: Optional[int] = None  # the first step of this start: a resume's own keys
+        self._read: dict[tuple, tuple] = {}  # (fragment, synced_at) -> (done, proposals, error)
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._watch, name="diloco-landings", daemon=True).start()
 
     def _key(self, fragment: int, synced_at: int, island: int, rank: int) -> str:
         return (f"{_PREFIX}/g{self.generation}/s{synced_at}f{fragment}/island{island}/"
                 f"rank{rank}")
 
     def poster(self, fragment: int, synced_at: int):
-        """What the exchange thread calls with its proposal for this fragment's exchange."""
+        """What the exchange thread calls with its proposal for this fragment's exchange (on
+        the training thread, when the fragment syncs)."""
         if self.generation is None:
             self.generation = synced_at
+        self._read[fragment, synced_at] = (threading.Event(), [], [])
+        self._events.put((fragment, synced_at))
         t, key = self.topology, self._key(fragment, synced_at, self.topology.island,
                                           self.topology.island_rank)
         return lambda ready_after: t.store.set(key, str(ready_after))
@@ -92,18 +105,30 @@ class AutoLandings:
             if step >= bound:
                 x.lands_at = bound
             return
-        x.lands_at = min(max(self._proposals(fragment, x.synced_at)), bound)
+        done, proposals, error = self._read[fragment, x.synced_at]
+        if not done.wait(self.topology.timeout_s) or error:
+            raise RuntimeError(f"no landing proposals for fragment {fragment} synced at step "
+                               f"{x.synced_at} within {self.topology.timeout_s:.0f} s {error}")
+        del self._read[fragment, x.synced_at]
+        x.lands_at = min(max(proposals), bound)
 
-    def _proposals(self, fragment: int, synced_at: int) -> list[int]:
-        """Every rank's proposal, waiting for those not posted yet (the store is shared with the
-        exchange thread's posts: polled, not held)."""
+    def _watch(self) -> None:
+        """Read each event's proposals once every rank posted them, in the order they synced."""
         t = self.topology
-        keys = [self._key(fragment, synced_at, i, r) for i in range(t.islands)
-                for r in range(t.island_size)]
-        deadline = time.monotonic() + t.timeout_s
-        while not t.store.check(keys):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no landing proposal for fragment {fragment} within "
-                                   f"{t.timeout_s:.0f} s")
-            time.sleep(0.005)
-        return [int(t.store.get(key)) for key in keys]
+        store = t.store
+        if hasattr(store, "host"):  # a connection of its own: the training thread's stays free
+            store = dist.TCPStore(store.host, store.port, is_master=False,
+                                  timeout=timedelta(seconds=t.timeout_s))
+        while True:
+            fragment, synced_at = self._events.get()
+            done, proposals, error = self._read[fragment, synced_at]
+            keys = [self._key(fragment, synced_at, i, r) for i in range(t.islands)
+                    for r in range(t.island_size)]
+            try:
+                deadline = time.monotonic() + t.timeout_s
+                while not store.check(keys) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                proposals += [int(store.get(key)) for key in keys]
+            except RuntimeError as e:  # the store is gone: the training thread names the island
+                error.append(str(e).splitlines()[0] if str(e) else type(e).__name__)
+            done.set()
