@@ -14,7 +14,8 @@ the time between step 1's record and step N's; the run goes on to step N + 1, wh
 also holds the final evaluation and checkpoint, so start-up and the end are left out and
 DiLoCo's outer steps at H and 2H are inside), the fraction of the config's own unshaped figure, and
 the bytes each node sent per step (its interface's tx_bytes over the whole launch / steps), and in
-delayed mode the inner steps from an exchange's start to its landing.
+delayed mode the inner steps from an exchange's start to its landing and the seconds island 0's
+training thread waited for exchanges (outer_wait_seconds, steps 1..N).
 Data parallel on a shaped link runs --dp_shaped_steps steps: every step costs the same there
 (the gradient exchange dominates), and 40 steps at 10 Mbit/s would take ~10 minutes.
 """
@@ -117,7 +118,9 @@ def measure(config: str, rate: str | None, root: Path, data: Path, steps: int, h
                 tokens_per_s=TOKENS_PER_STEP * (steps - 1) / span,
                 mb_per_step=[s / (steps + 1) / 1e6 for s in sent],
                 loss=[m["loss"] for m in records if "loss" in m][-1],
-                landing=landing(config, records, steps, h))
+                landing=landing(config, records, steps, h),
+                waited=sum(m.get("outer_wait_seconds", 0.0) for m in records
+                           if m["step"] <= steps))
 
 
 def landing(config: str, records: list[dict], steps: int, h: int) -> str:
@@ -144,8 +147,8 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="wan-"))
     data = corpus(root)
     print("| config | link | steps | global tokens/s | of unshaped | landing after (steps) | "
-          "MB sent per step (node 0 / node 1) | last loss | wall s |\n"
-          "|---|---|---|---|---|---|---|---|---|", flush=True)
+          "waited s | MB sent per step (node 0 / node 1) | last loss | wall s |\n"
+          "|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for config in cli.configs.split(","):
         base = None
         for rate in rates:
@@ -154,7 +157,7 @@ def main() -> None:
             base = r["tokens_per_s"] if rate is None else base
             frac = f"{r['tokens_per_s'] / base:.2f}" if base else "-"
             print(f"| {config} | {r['rate']} | {steps} | {r['tokens_per_s']:,.0f} | {frac} | "
-                  f"{r['landing']} | "
+                  f"{r['landing']} | {r['waited']:.1f} | "
                   f"{r['mb_per_step'][0]:.2f} / {r['mb_per_step'][1]:.2f} | {r['loss']:.4f} | "
                   f"{r['wall']:.0f} |", flush=True)
 

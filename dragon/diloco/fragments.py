@@ -158,7 +158,7 @@ class FragmentedDiLoCo(DiLoCo):
         self._waited([x.exchange for x in flights if x.lands_at == x.synced_at + self.H])
         self._write_fragments(landed, self.alpha)
         syncing = self.syncing(step, final)
-        started = self._start(syncing, self.group, self.islands, step=step)
+        started = self._start(syncing, self.group, self.islands, step=0 if final else step)
         if self.mode == "sync" or final:  # blocking: each lands now, theta_f = theta_outer_f
             arrived += started
             averages.update({f: self._step_fragment(f, x.result())
@@ -185,8 +185,9 @@ class FragmentedDiLoCo(DiLoCo):
     def _start(self, fragments: list[int], group, islands: int, contributors=None,
                keep_back: bool = True, step: int = 0) -> list[Exchange]:
         """Start the exchanges of theta_outer_f - theta_f (plus what top-k kept back) of these
-        fragments among `islands`, synced after inner step `step`; `keep_back`: top-k keeps what
-        it did not send at once (an elastic round does so once it succeeds)."""
+        fragments among `islands`, in flight after inner step `step` (0: none lands later);
+        `keep_back`: top-k keeps what it did not send at once (an elastic round does so once it
+        succeeds)."""
         if not fragments:
             return []
         local, started = flatten(self.weights.tensors()), []

@@ -59,6 +59,10 @@ class Together:
     def hidden_seconds(self) -> float:
         return sum(e.hidden_seconds for e in self.exchanges)
 
+    @property
+    def blocked(self) -> float:
+        return sum(getattr(e, "blocked", 0.0) for e in self.exchanges)
+
     def result(self) -> Optional[torch.Tensor]:
         return self._result
 

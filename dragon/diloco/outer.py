@@ -43,7 +43,8 @@ whose last step adds the average of theta_outer), outer_peak_bytes (the most of 
 before the last, so far) and outer_payload_bytes (this rank's);
 outer_comm_seconds (start to completion of the exchanges of averages applied; not the last
 step's average of theta_outer) and, delayed, outer_comm_hidden_seconds (the part of it that ran
-under inner steps); outer_compress_error; outer_seconds (the whole outer step);
+under inner steps) and outer_wait_seconds (what the training thread waited for them, a save's
+wait included); outer_compress_error; outer_seconds (the whole outer step);
 with --diloco_checksum, float64 sums and sums of squares of the working weights and of
 theta_outer over the island's ranks (equal bits on every island after a sync outer step).
 
@@ -254,6 +255,7 @@ class DiLoCo(OuterState, ElasticRounds):
             metrics["outer_comm_seconds"] = sum(e.seconds for e in applied)
             if self.mode == "delayed":
                 metrics["outer_comm_hidden_seconds"] = sum(e.hidden_seconds for e in applied)
+                metrics["outer_wait_seconds"] = sum(getattr(e, "blocked", 0.0) for e in applied)
         if self.config.checksum:
             metrics.update(
                 weights_sum=sums[3], weights_sumsq=sums[4], outer_sum=sums[5], outer_sumsq=sums[6]
