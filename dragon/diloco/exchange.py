@@ -247,7 +247,7 @@ class Exchange:
     @property
     def hidden_seconds(self) -> float:
         """The part of the collective that ran before anyone waited for it."""
-        return max(0.0, min(self._done, self.waited) - self.started)
+        return max(0.0, min(self._done, self.waited) - self.began)
 
 
 @dataclass
