@@ -128,7 +128,7 @@ def ended_identical(out) -> None:
 
 @pytest.mark.slow
 def test_auto_landings_follow_the_link_and_a_killed_run_resumes_bit_for_bit(text_file, tmp_path):
-    """Two namespace nodes, `auto`: unshaped, fragments land a step or two after they sync; at 1
+    """Two namespace nodes, `auto`: unshaped, fragments land two steps after they sync; at 1
     Mbit/s, a link far slower than the window, at the bound (H steps after), and each island
     says once in one line what the window needs, and trains on. Islands end identical. Then the
     slow run's step-8 checkpoint (every fragment in flight) resumed, SIGKILLed after step 9
@@ -166,7 +166,7 @@ def test_auto_landings_follow_the_link_and_a_killed_run_resumes_bit_for_bit(text
     slow_after, quick_after = ([after for step, _, after in rows if step <= 8]
                                for rows in (late, quick))
     assert len(slow_after) == 4 and max(slow_after) == 4 and sum(slow_after) > sum(quick_after)
-    assert [step for step, _, _ in late][-2:] == [9, 12]  # the save decided 9; the last step
+    assert [step for step, _, _ in late][-2:] == [10, 12]  # the save decided 10; the last
     for run, logs, said in ((fast, "fast-logs", 0), (slow, "slow-logs", 1)):
         ended_identical(run)
         lines = [line for node in (0, 1) for line in (tmp_path / logs / f"node{node}.log")

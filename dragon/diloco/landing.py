@@ -1,19 +1,19 @@
 """When a fragment in flight lands (streaming DiLoCo in delayed mode, dragon.diloco.fragments): a
 fixed number of inner steps after it synced (--diloco_fragment_delay D), or, with `auto`, at the
-first inner step after its exchange completed on every island.
+first inner step but one after its exchange completed on every island.
 
-Auto, agreed without a blocking collective. The exchange thread (dragon.diloco.background)
-finishes a fragment's exchange while the training thread runs inner step t + 1 (t: the last step
-it finished), and posts t + 1, its proposal, to the store: the fragment's average is ready on
-this rank after that step. The fragment lands after inner step L = the largest proposal of every
-rank of every island, and at the latest when the same fragment syncs again, H steps after it
-synced (the bound); at the bound the inner loop waits for what is left of the exchange. A rank
-reads the proposals only once it has finished the step of its own (until then L, which is at
-least its own proposal, still lies ahead) and waits for any missing then, so no rank has passed
-L when it learns it (a thread of its own reads the proposals as they come). A rank whose exchange
-is not done at the bound will propose a later step, so every rank lands at the bound then. A
-checkpoint decides the landing of each fragment in flight as it waits for its average, and saves
-it, so a resume lands it at the same step.
+Auto, agreed without a blocking collective. The exchange thread (dragon.diloco.background) finishes
+a fragment's exchange while the training thread runs inner step t + 1 (t: the last step it
+finished), and posts t + 2, its proposal, to the store: the fragment's average is ready on this rank
+after step t + 1, and a thread of its own has step t + 2 to read the other ranks'. The fragment
+lands after inner step L = the largest proposal of every rank of every island, and at the latest
+when the same fragment syncs again, H steps after it synced (the bound); at the bound the inner loop
+waits for what is left of the exchange. A rank reads the proposals only once it has finished the
+step of its own (until then L, which is at least its own proposal, still lies ahead) and waits for
+any missing then, so no rank has passed L when it learns it (a thread of its own reads the proposals
+as they come). A rank whose exchange is not done at the bound will propose a later step, so every
+rank lands at the bound then. A checkpoint decides the landing of each fragment in flight as it
+waits for its average, and saves it, so a resume lands it at the same step.
 """
 
 import queue
@@ -27,6 +27,9 @@ import torch
 import torch.distributed as dist
 
 AUTO = "auto"
+# a proposal is one step past the first step that ends after the exchange: the proposals' reader
+# gets that step to bring the other ranks' in (over a busy link a store read takes a while)
+LOOKAHEAD = 1
 _PREFIX = "dragon-diloco/landing"
 
 
@@ -92,7 +95,7 @@ class AutoLandings:
         self._events.put((fragment, synced_at))
         t, key = self.topology, self._key(fragment, synced_at, self.topology.island,
                                           self.topology.island_rank)
-        return lambda ready_after: t.store.set(key, str(ready_after))
+        return lambda ready_after: t.store.set(key, str(ready_after + LOOKAHEAD))
 
     def decide(self, fragment: int, x: InFlight, step: int, waiting: bool = False) -> None:
         """Set x.lands_at once this rank can (after inner step `step`); `waiting`: a checkpoint,
@@ -103,6 +106,7 @@ class AutoLandings:
         if waiting:
             x.exchange.result()
         own = self.background.ready_after(x.exchange.ticket)
+        own = None if own is None else own + LOOKAHEAD
         if waiting:  # every rank waits at the same step: none passes the step after it
             step = max(step, own)
         if own is None or own > step:  # not ready here yet: it lands later, at the bound at most
@@ -110,7 +114,10 @@ class AutoLandings:
                 x.lands_at = bound
             return
         done, proposals, error = self._read[fragment, x.synced_at]
-        if not done.wait(self.topology.timeout_s) or error:
+        start = time.perf_counter()
+        finished = done.wait(self.topology.timeout_s)
+        x.exchange.ticket.blocked += time.perf_counter() - start  # counted as a wait
+        if not finished or error:
             raise RuntimeError(f"no landing proposals for fragment {fragment} synced at step "
                                f"{x.synced_at} within {self.topology.timeout_s:.0f} s {error}")
         del self._read[fragment, x.synced_at]
