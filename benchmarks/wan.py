@@ -2,8 +2,9 @@
 pair shaped with tbf, one rank per node. The ZeRO-2 recipe as one data-parallel job across both
 nodes (the deepspeed launcher, --no_ssh, a launch per node) against two DiLoCo islands (one per
 node, a torchrun launch each, H inner steps, sync or delayed; fp32, bf16, int8 or int4
-pseudo-gradients, the whole model or 4 fragments in turn), on the same model, data and global
-batch (2 x micro-batch 4 x 256 tokens).
+pseudo-gradients, the whole model or 4 fragments in turn, landing with --diloco_fragment_delay
+auto in delayed mode), on the same model, data and global batch (2 x micro-batch 4 x 256
+tokens).
 
     flock /tmp/dragon-cpu.lock python benchmarks/wan.py [--rates none,100mbit,50mbit,10mbit]
         [--configs dp,dp-1node,diloco-int4,...] [--steps 40] [--dp_shaped_steps 10]
@@ -12,7 +13,9 @@ Needs root. Prints, per config and rate, global training tokens/s (tokens of ste
 the time between step 1's record and step N's; the run goes on to step N + 1, whose record
 also holds the final evaluation and checkpoint, so start-up and the end are left out and
 DiLoCo's outer steps at H and 2H are inside), the fraction of the config's own unshaped figure, and
-the bytes each node sent per step (its interface's tx_bytes over the whole launch / steps).
+the bytes each node sent per step (its interface's tx_bytes over the whole launch / steps), and in
+delayed mode the inner steps from an exchange's start to its landing and the seconds island 0's
+training thread waited for exchanges (outer_wait_seconds, steps 1..N).
 Data parallel on a shaped link runs --dp_shaped_steps steps: every step costs the same there
 (the gradient exchange dominates), and 40 steps at 10 Mbit/s would take ~10 minutes.
 """
@@ -41,8 +44,9 @@ TOKENS_PER_STEP = 2 * 4 * 256  # global: 2 nodes (ranks or islands) x micro-batc
 CONFIGS = {"dp": None, "dp-1node": None, "diloco-fp32": ("none", "sync", 1),
            "diloco-bf16": ("bf16", "sync", 1), "diloco-int8": ("int8", "sync", 1),
            "diloco-int4": ("int4", "sync", 1), "diloco-fp32-delayed": ("none", "delayed", 1),
+           "diloco-int8-delayed": ("int8", "delayed", 1),
            "diloco-int4-delayed": ("int4", "delayed", 1), "diloco-int4-f4": ("int4", "sync", 4),
-           "diloco-int4-f4-delayed": ("int4", "delayed", 4)}
+           "diloco-int4-f4-delayed": ("int4", "delayed", 4)}  # delayed F=4: delay auto
 
 
 def corpus(root: Path) -> Path:
@@ -113,7 +117,22 @@ def measure(config: str, rate: str | None, root: Path, data: Path, steps: int, h
     return dict(config=config, rate=rate or "unshaped", steps=steps, wall=wall,
                 tokens_per_s=TOKENS_PER_STEP * (steps - 1) / span,
                 mb_per_step=[s / (steps + 1) / 1e6 for s in sent],
-                loss=[m["loss"] for m in records if "loss" in m][-1])
+                loss=[m["loss"] for m in records if "loss" in m][-1],
+                landing=landing(config, records, steps, h),
+                waited=sum(m.get("outer_wait_seconds", 0.0) for m in records
+                           if m["step"] <= steps))
+
+
+def landing(config: str, records: list[dict], steps: int, h: int) -> str:
+    """Inner steps from an exchange's start to its landing, up to step `steps`: fragments'
+    outer_landed_after (mean, range); whole-model delayed mode applies it H steps later."""
+    if CONFIGS.get(config) is None or CONFIGS[config][1] != "delayed":
+        return "-"
+    if CONFIGS[config][2] == 1:
+        return f"{h} (next outer step)"
+    after = [m["outer_landed_after"] for m in records
+             if "outer_landed_after" in m and m["step"] <= steps]
+    return f"{sum(after) / len(after):.1f} ({min(after)}-{max(after)})" if after else "-"
 
 
 def main() -> None:
@@ -127,9 +146,9 @@ def main() -> None:
     rates = [None if r == "none" else r for r in cli.rates.split(",")]
     root = Path(tempfile.mkdtemp(prefix="wan-"))
     data = corpus(root)
-    print("| config | link | steps | global tokens/s | of unshaped | MB sent per step "
-          "(node 0 / node 1) | last loss | wall s |\n|---|---|---|---|---|---|---|---|",
-          flush=True)
+    print("| config | link | steps | global tokens/s | of unshaped | landing after (steps) | "
+          "waited s | MB sent per step (node 0 / node 1) | last loss | wall s |\n"
+          "|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for config in cli.configs.split(","):
         base = None
         for rate in rates:
@@ -138,6 +157,7 @@ def main() -> None:
             base = r["tokens_per_s"] if rate is None else base
             frac = f"{r['tokens_per_s'] / base:.2f}" if base else "-"
             print(f"| {config} | {r['rate']} | {steps} | {r['tokens_per_s']:,.0f} | {frac} | "
+                  f"{r['landing']} | {r['waited']:.1f} | "
                   f"{r['mb_per_step'][0]:.2f} / {r['mb_per_step'][1]:.2f} | {r['loss']:.4f} | "
                   f"{r['wall']:.0f} |", flush=True)
 

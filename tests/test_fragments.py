@@ -154,7 +154,7 @@ def test_one_fragment_is_todays_diloco_bit_for_bit(runs, shared):
 FRAGMENTS = ["--diloco_islands", "2", "--diloco_inner_steps", "4", "--diloco_checksum",
              "--diloco_fragments", "4", "--dropout", "0.2"]
 DELAYED_INT4 = [*FRAGMENTS, "--diloco_mode", "delayed", "--diloco_compress", "int4",
-                "--diloco_int8_block", "256"]
+                "--diloco_int8_block", "256", "--diloco_fragment_delay", "1"]
 
 
 def fragment_records(out, island: int) -> list[dict]:
@@ -299,7 +299,15 @@ BASE = ["--diloco_islands", "2", "--diloco_inner_steps", "4"]
      "--diloco_fragment_delay 1 overlaps the exchange with inner steps: use it with "
      "--diloco_mode delayed"),
     (["--diloco_fragments", "2", "--diloco_mode", "delayed", "--diloco_fragment_delay", "3"],
-     "--diloco_fragment_delay 3: must be in [1, H//F = 2]"),
+     "--diloco_fragment_delay 3: must be auto or in [1, H//F = 2]"),
+    (["--diloco_fragments", "2", "--diloco_fragment_delay", "auto"],
+     "--diloco_fragment_delay auto overlaps the exchange with inner steps: use it with "
+     "--diloco_mode delayed"),
+    (["--diloco_fragments", "2", "--diloco_mode", "delayed", "--diloco_fragment_delay", "soon"],
+     "--diloco_fragment_delay 'soon': valid are auto or inner steps (an integer)"),
+    (["--diloco_fragments", "2", "--diloco_mode", "delayed", "--diloco_fragment_delay", "auto",
+      "--diloco_exchange_thread", "false"], "--diloco_fragment_delay auto needs the exchange "
+     "thread: drop --diloco_exchange_thread false, or give a delay in steps"),
     (["--diloco_fragments", "2", "--diloco_mode", "delayed", "--diloco_fragment_alpha", "1.5"],
      "--diloco_fragment_alpha 1.5: must be in [0, 1]"),
 ])

@@ -41,7 +41,7 @@ DELAYED = ["--diloco_mode", "delayed"]
 # neuron row or a share of it, so the split quantizes exactly what the unsplit island does
 INT4_FRAGMENTS = [*DELAYED, "--diloco_fragments", "2", "--diloco_compress", "int4",
                   "--diloco_int8_block", "32", "--diloco_inner_steps", "4", "--save_steps", "8",
-                  "--diloco_outer_momentum", "0.3"]
+                  "--diloco_outer_momentum", "0.3", "--diloco_fragment_delay", "1"]
 SPLIT = ["--neuron_parallel", "2"]
 
 
@@ -193,7 +193,8 @@ def test_a_fragmented_diloco_run_resumes_on_zero3_islands(runs, tmp_path):
     average in flight are laid out for the new partition, and steps 5-8 continue the
     uninterrupted run within 2e-5 on both islands, which end identical."""
     fragments = [*ISLANDS[:2], "--diloco_inner_steps", "4", "--diloco_checksum",
-                 "--diloco_fragments", "2", *DELAYED, "--diloco_outer_momentum", "0.5"]
+                 "--diloco_fragments", "2", *DELAYED, "--diloco_outer_momentum", "0.5",
+                 "--diloco_fragment_delay", "1"]
     out = islands_run(runs, "fragments_fp32_zero2", nproc=4, micro=2, extra=fragments)
     resumed = islands_run(runs, "fragments_fp32_on_zero3", nproc=4, micro=2, config="zero3.json",
                           out=resume_copy(out, tmp_path, (0, 1)),

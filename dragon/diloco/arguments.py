@@ -5,6 +5,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
+from dragon.diloco.landing import AUTO
 from dragon.diloco.outer import DiLoCoConfig
 
 
@@ -51,14 +52,20 @@ class DiLoCoArguments:
         "the vocabulary), fragment f synced at inner steps floor(f*H/F) + kH, each with its own "
         "outer optimizer. 1: the whole model every H steps.", default=1
     )
-    diloco_fragment_delay: Optional[int] = _help(
+    diloco_fragment_delay: Optional[str] = _help(
         "Delayed mode with fragments: inner steps a fragment's exchange runs under before it "
-        "lands, 1 to H//F (default 1).", default=None
+        "lands, 1 to H//F, or auto (the default): at the first inner step after its exchange is "
+        "done on every island, at most H steps after it synced.", default=None
     )
     diloco_fragment_alpha: float = _help(
         "Delayed mode with fragments: a landing fragment keeps this share of the local progress "
         "made while it was in flight (Streaming DiLoCo's merge; 0 takes the outer weights).",
         default=0.5
+    )
+    diloco_exchange_thread: bool = _help(
+        "Delayed mode: run the outer exchange's collectives on a thread of their own, so that "
+        "inner steps wait for the link only when a landing is due before the exchange is done "
+        "(false: on the training thread, int4's all-to-all blocking, as before).", default=True
     )
     diloco_outer_on_cpu: bool = _help(
         "Keep theta_outer and the outer optimizer state on CPU.", default=False
@@ -168,12 +175,30 @@ class DiLoCoArguments:
         if self.diloco_mode == "sync" and delay:
             raise ValueError(f"--diloco_fragment_delay {delay} overlaps the exchange with inner "
                              "steps: use it with --diloco_mode delayed")
-        if self.diloco_mode == "delayed" and not 1 <= (delay or 1) <= h // f:
-            raise ValueError(f"--diloco_fragment_delay {delay}: must be in [1, H//F = {h // f}] "
-                             "(a fragment lands before the next one syncs)")
+        if self.diloco_mode == "delayed" and self.fragment_delay() != AUTO and not (
+                1 <= self.fragment_delay() <= h // f):
+            raise ValueError(f"--diloco_fragment_delay {delay}: must be auto or in [1, H//F = "
+                             f"{h // f}] (a fragment lands before the next one syncs)")
+        if self.fragment_delay() == AUTO and delay and not self.diloco_exchange_thread:
+            raise ValueError("--diloco_fragment_delay auto needs the exchange thread: drop "
+                             "--diloco_exchange_thread false, or give a delay in steps")
         if not 0 <= self.diloco_fragment_alpha <= 1:
             raise ValueError(
                 f"--diloco_fragment_alpha {self.diloco_fragment_alpha}: must be in [0, 1]")
+
+    def fragment_delay(self):
+        """--diloco_fragment_delay as the outer loop takes it: "auto" (also when not given, with
+        the exchange thread), or inner steps."""
+        delay = self.diloco_fragment_delay
+        if delay is None:
+            return AUTO if self.diloco_exchange_thread else 1
+        if str(delay) == AUTO:
+            return AUTO
+        try:
+            return int(delay)
+        except ValueError:
+            raise ValueError(f"--diloco_fragment_delay {delay!r}: valid are auto or inner steps "
+                             "(an integer)") from None
 
     def _check_elastic(self) -> None:
         if self.diloco_island_index is None:
@@ -242,7 +267,7 @@ class DiLoCoArguments:
             checksum=self.diloco_checksum, elastic=self.diloco_elastic,
             quorum_timeout=self.diloco_quorum_timeout, min_islands=self.diloco_min_islands,
             join=self.diloco_join, fragments=self.diloco_fragments,
-            fragment_delay=(self.diloco_fragment_delay or 1) if self.diloco_mode == "delayed"
-            else 0,
+            fragment_delay=self.fragment_delay() if self.diloco_mode == "delayed" else 0,
             fragment_alpha=self.diloco_fragment_alpha,
+            exchange_thread=self.diloco_exchange_thread,
         )

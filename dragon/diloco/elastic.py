@@ -108,6 +108,8 @@ class ElasticRounds:
         """Wait for every island after the last outer step (so the store outlives its users); an
         elastic run's store runs on its own, and its islands may be gone: a run that `ended_at`
         its last step says so to islands still joining."""
+        if self.background is not None:
+            self.background.close()
         if self.membership is None:
             self.topology.barrier()
         elif ended_at is not None:

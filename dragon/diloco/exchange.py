@@ -1,8 +1,9 @@
 """One exchange of a flat fp32 tensor among islands (rank r of each): all-reduce in fp32 or bf16, an
 all-gather of int8 codes with absmax scales or of top-k codes (dragon.diloco.sparse), or a 4-bit
 all-to-all and all-gather whose bytes do not grow with the islands (dragon.diloco.quantized);
-asynchronous (int4: its all-gather), with the bytes it sends (measured or modelled) and its times
-recorded."""
+asynchronous (int4: its all-gather), or wholly on the exchange thread of dragon.diloco.background
+(encoded on the training thread, everything on the link and the decoding there), with the bytes
+it sends (measured or modelled) and its times recorded."""
 
 import io
 import time
@@ -11,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-from dragon.diloco.quantized import gathered_sum, scatter_reduce
+from dragon.diloco.quantized import chunk_codes, gathered_sum, reduce_chunk, scatter_reduce
 from dragon.diloco.sparse import topk_encode, topk_sum
 
 def flatten(tensors) -> torch.Tensor:
@@ -89,7 +90,10 @@ class Exchange:
 
     Started on construction (asynchronously); result() waits and returns the islands' average,
     identical on every island. Records its payload, the bytes sent, the compression error and
-    the times it started, completed (from the work's future) and was waited for.
+    the times it started, completed (from the work's future) and was waited for. With
+    `background` (a dragon.diloco.background.Background) its collectives run on that thread's
+    group, in the order exchanges were made; `then(ready_after)` runs there once the average is
+    ready.
     """
 
     def __init__(
@@ -103,6 +107,8 @@ class Exchange:
         measure_bytes: bool,
         contributors: Optional[int] = None,
         topk: float = 0.0,
+        background=None,
+        then=None,
     ):
         self.compress, self.block, self.numels, self.n, self.islands = (
             compress,
@@ -116,13 +122,19 @@ class Exchange:
         self.sent: Optional[torch.Tensor] = None  # topk: what this island's code decodes to
         self.error_sq, self.norm_sq = 0.0, float(torch.dot(flat, flat))
         before = cpu_bytes_written() if measure_bytes else None
-        self.started = time.perf_counter()
-        payload, op, self.payload_bytes = self._encode(flat, group)
+        self.started = self.began = time.perf_counter()
+        self.ticket = None  # background: the job on the exchange thread
+        if background is not None:
+            group = background.group
+        payload, op, self.payload_bytes = self._encode(flat, group, background is not None)
         self.payload, self.op = payload, op
         self.bytes_sent = ring_bytes(op, self.payload_bytes, islands)  # a model, unless measured
         self.done_at: list[float] = []
         self._result: Optional[torch.Tensor] = None
-        if group is None or islands == 1:
+        if background is not None:
+            self.work = None
+            self.ticket = background.submit(lambda: self._communicate(group), then)
+        elif group is None or islands == 1:
             self.work, self.gathered = None, [payload]
             self.done_at.append(self.started)
         else:
@@ -138,16 +150,21 @@ class Exchange:
             if before is not None and after is not None:
                 self.bytes_sent = after - before
 
-    def _encode(self, flat: torch.Tensor, group) -> tuple[torch.Tensor, str, int]:
+    def _encode(self, flat: torch.Tensor, group, later: bool = False
+                ) -> tuple[torch.Tensor, str, int]:
         """(what the collective sends, which collective, the bytes of this island's whole
         payload); records this island's encoding error. int4 runs its all-to-all here (blocking)
-        and sends the code of its summed chunk (dragon.diloco.quantized)."""
+        and sends the code of its summed chunk (dragon.diloco.quantized); `later`: the exchange
+        thread runs it, and int4 sends its chunks' codes to it."""
         if self.compress == "none":
             return flat, "allreduce", flat.numel() * 4
         if self.compress == "bf16":
             payload = flat.bfloat16()
             self.error_sq = float((payload.float() - flat).pow(2).sum())
             return payload, "allreduce", payload.numel() * 2
+        if self.compress == "int4" and later:
+            payload, self.error_sq = chunk_codes(flat, self.islands, self.block)
+            return payload, "scatter", payload.numel()
         if self.compress == "int4":
             payload, self.error_sq = scatter_reduce(flat, group, self.islands, self.block)
             return payload, "scatter", payload.numel() * self.islands
@@ -163,28 +180,58 @@ class Exchange:
         payload = torch.cat([scale.view(torch.int8), q])
         return payload, "allgather", payload.numel()
 
+    def _communicate(self, group) -> None:
+        """On the exchange thread: every collective (int4: its all-to-all first), then the
+        average."""
+        self.began = time.perf_counter()
+        if self.compress == "int4":
+            self.payload = reduce_chunk(self.payload, group, self.islands, self.block)
+        if group is None or self.islands == 1:
+            self.gathered = [self.payload]
+        elif self.op == "allreduce":
+            group.allreduce([self.payload]).wait()
+        else:
+            self.gathered = [torch.empty_like(self.payload) for _ in range(self.islands)]
+            group.allgather([self.gathered], [self.payload]).wait()
+        self.done_at.append(time.perf_counter())
+        self._result = self._average()
+
     def result(self) -> torch.Tensor:
         """The islands' average pseudo-gradient (waits for it the first time)."""
+        if self.ticket is not None:
+            if not hasattr(self, "waited"):
+                self.waited = time.perf_counter()
+            self.ticket.wait()
+            self.finished = self.done_at[0]
+            return self._result
         if self._result is None:
             self.waited = time.perf_counter()
             if self.work is not None:
                 self.work.wait()
             self.finished = time.perf_counter()
-            if self.op == "allreduce":
-                total = self.payload.float()
-            elif self.op == "scatter":
-                total = gathered_sum(self.gathered, self.n, self.block)
-            elif self.compress == "topk":
-                total = topk_sum(self.gathered, self.n)
-            else:
-                total = torch.zeros(self.n, dtype=torch.float32)
-                cut = self.scale_bytes
-                for packed in self.gathered:  # island order: the same sum on every island
-                    scale = packed[:cut].view(torch.float32)
-                    total += _int8_decode(packed[cut:], scale, self.block, self.numels, self.n)
-            self._result = total / (self.contributors or self.islands)
-            self.payload = self.gathered = None
+            self._result = self._average()
         return self._result
+
+    @property
+    def blocked(self) -> float:
+        """Seconds the training thread waited for the exchange thread to finish it."""
+        return self.ticket.blocked if self.ticket is not None else 0.0
+
+    def _average(self) -> torch.Tensor:
+        if self.op == "allreduce":
+            total = self.payload.float()
+        elif self.op == "scatter":
+            total = gathered_sum(self.gathered, self.n, self.block)
+        elif self.compress == "topk":
+            total = topk_sum(self.gathered, self.n)
+        else:
+            total = torch.zeros(self.n, dtype=torch.float32)
+            cut = self.scale_bytes
+            for packed in self.gathered:  # island order: the same sum on every island
+                scale = packed[:cut].view(torch.float32)
+                total += _int8_decode(packed[cut:], scale, self.block, self.numels, self.n)
+        self.payload = self.gathered = None
+        return total / (self.contributors or self.islands)
 
     @property
     def _done(self) -> float:
@@ -193,13 +240,14 @@ class Exchange:
 
     @property
     def seconds(self) -> float:
-        """From start to completion of the collective."""
-        return max(0.0, self._done - self.started)
+        """From start to completion of the collective (on the exchange thread: from when that
+        thread began it)."""
+        return max(0.0, self._done - self.began)
 
     @property
     def hidden_seconds(self) -> float:
         """The part of the collective that ran before anyone waited for it."""
-        return max(0.0, min(self._done, self.waited) - self.started)
+        return max(0.0, min(self._done, self.waited) - self.began)
 
 
 @dataclass

@@ -17,35 +17,37 @@ share on every island.
 The schedule. Fragment f syncs at inner steps floor(f H/F) + kH: its pseudo-gradient Delta_f =
 theta_outer_f - theta_f is averaged over the islands (any codec of dragon.diloco.exchange, top-k
 with its error feedback included) and fragment f's own outer optimizer steps theta_outer_f.
-sync: the exchange blocks and theta_f becomes theta_outer_f. delayed: the exchange runs under the
-next `fragment_delay` inner steps (at most H//F, so one fragment is in flight at a time) and lands
-then: theta_f <- alpha theta_f + (1 - alpha) theta_outer_f, the paper's merge of the local
-progress made meanwhile. The merge, not the eager update of dragon's delayed mode, because the
-fragment lands inside its own window: eager updates need the late average of the window before,
-and the merge keeps theta_outer one shared value that every island steps with the same average
-(bit-identical theta_outer on every island after every landing). The last step lands what is in
-flight and syncs every fragment at once, blocking, so training ends with every island on the same
-weights. Elastic islands (--diloco_elastic) in sync mode: each event of the schedule is a round
-among the islands that reach it, and a joiner takes every fragment's theta_outer and outer
-optimizer.
+sync: the exchange blocks and theta_f becomes theta_outer_f. delayed: the exchange runs on the
+exchange thread (dragon.diloco.background) under the next `fragment_delay` inner steps (at most
+H//F, so one fragment is in flight at a time), or, with `auto`, until it is done on every island
+and at most H steps (dragon.diloco.landing), and lands then: theta_f <- alpha theta_f +
+(1 - alpha) theta_outer_f, the paper's merge of the local progress made meanwhile. The merge, not
+the eager update of dragon's delayed mode, because the fragment lands inside its own window: eager
+updates need the late average of the window before, and the merge keeps theta_outer one shared
+value that every island steps with the same average (bit-identical theta_outer on every island
+after every landing). The last step lands what is in flight and syncs every fragment at once,
+blocking, so training ends with every island on the same weights. Elastic islands
+(--diloco_elastic) in sync mode: each event of the schedule is a round among the islands that
+reach it, and a joiner takes every fragment's theta_outer and outer optimizer.
 
 Metrics of a step where a fragment syncs or lands: outer_step (such steps so far),
-outer_fragment (the one that syncs), outer_landed (the one that lands; both F at the last step:
-all of them), outer_bytes_sent (what the exchanges started at this step send, the most of any
-rank of the island), outer_peak_bytes (the most of any such step so far; the last step's sync of
-every fragment is not in it), and, as in dragon.diloco.outer, outer_payload_bytes,
+outer_fragment (the one that syncs), outer_landed (the one that lands, the first if several do;
+both F at the last step: all of them), outer_landed_after (delayed: inner steps since it synced),
+outer_bytes_sent (what the exchanges started at this step send, the most of any rank of the
+island), outer_peak_bytes (the most of any such step so far; the last step's sync of every
+fragment is not in it), and, as in dragon.diloco.outer, outer_payload_bytes,
 outer_compress_error, outer_grad_norm (of the averages that landed), outer_residual_norm,
 outer_quorum (elastic), outer_seconds and the checksums.
 """
 
 import math
 import time
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from dragon.diloco.exchange import Exchange, flatten
+from dragon.diloco.landing import AUTO, AutoLandings, InFlight, Together
 from dragon.diloco.outer import DiLoCo
 from dragon.diloco.state import _Resolved, relay, saved_states
 
@@ -94,37 +96,6 @@ def fragment_ids(segments: list, shapes: dict, numels: list[int], fragments: int
     return ids
 
 
-@dataclass
-class InFlight:
-    """A fragment's exchange under the inner steps, and the step it lands at."""
-
-    exchange: object  # an Exchange, or a _Resolved average restored from a checkpoint
-    lands_at: int
-
-
-class Together:
-    """Several fragments' exchanges of one step, seen as one by DiLoCo's metrics; result(): the
-    landed averages in their places in a vector over all of this rank's values."""
-
-    def __init__(self, exchanges: list, result: Optional[torch.Tensor] = None):
-        self.error_sq = sum(getattr(e, "error_sq", 0.0) for e in exchanges)
-        self.norm_sq = sum(getattr(e, "norm_sq", 0.0) for e in exchanges)
-        self.bytes_sent = sum(getattr(e, "bytes_sent", 0) for e in exchanges)
-        self.payload_bytes = sum(getattr(e, "payload_bytes", 0) for e in exchanges)
-        self.exchanges, self._result = exchanges, result
-
-    @property
-    def seconds(self) -> float:  # of exchanges that landed
-        return sum(e.seconds for e in self.exchanges)
-
-    @property
-    def hidden_seconds(self) -> float:
-        return sum(e.hidden_seconds for e in self.exchanges)
-
-    def result(self) -> Optional[torch.Tensor]:
-        return self._result
-
-
 class FragmentedDiLoCo(DiLoCo):
     """The outer loop of one rank with --diloco_fragments F > 1 (see the module's docstring);
     call maybe_outer_step(step) after every inner step, as with DiLoCo. `ids`: the fragment of
@@ -145,6 +116,11 @@ class FragmentedDiLoCo(DiLoCo):
         self.optimizers = [self._make_optimizer([p]) for p in self.outer_params]
         self.optimizer = self.previous = None  # delayed mode merges; it keeps no share of its own
         self.in_flight: dict[int, InFlight] = {}
+        self.auto = None  # --diloco_fragment_delay auto: the landings agreed in the store
+        if self.delay == AUTO:
+            if self.background is not None:
+                self.auto = AutoLandings(topology, self.background, self.H)
+            self.delay = 1  # one island has no link to wait for
 
     def mask(self, fragment: int) -> torch.Tensor:
         """Which of this rank's values (over all its master tensors) are in `fragment`."""
@@ -167,7 +143,11 @@ class FragmentedDiLoCo(DiLoCo):
                 and step % self.H == self.offset(f)]
 
     def landing(self, step: int, final: bool) -> list[int]:
-        return sorted(f for f, x in self.in_flight.items() if x.lands_at <= step or final)
+        if self.auto is not None and not final:
+            for f, x in self.in_flight.items():
+                self.auto.decide(f, x, step)
+        return sorted(f for f, x in self.in_flight.items()
+                      if final or (x.lands_at is not None and x.lands_at <= step))
 
     def is_due(self, step: int, final: bool) -> bool:
         return bool(self.syncing(step, final) or self.landing(step, final))
@@ -178,24 +158,29 @@ class FragmentedDiLoCo(DiLoCo):
         start = time.perf_counter()
         self.outer_step += 1
         landed = self.landing(step, final)
-        arrived = [self.in_flight.pop(f).exchange for f in landed]
+        flights = [self.in_flight.pop(f) for f in landed]
+        arrived = [x.exchange for x in flights]
         averages = {f: self._step_fragment(f, x.result()) for f, x in zip(landed, arrived)}
+        self._waited([x.exchange for x in flights if x.lands_at == x.synced_at + self.H])
         self._write_fragments(landed, self.alpha)
         syncing = self.syncing(step, final)
-        started = self._start(syncing, self.group, self.islands)
+        started = self._start(syncing, self.group, self.islands, step=0 if final else step)
         if self.mode == "sync" or final:  # blocking: each lands now, theta_f = theta_outer_f
             arrived += started
             averages.update({f: self._step_fragment(f, x.result())
                              for f, x in zip(syncing, started)})
             self._write_fragments(syncing, 0.0)
         else:
-            self.in_flight.update({f: InFlight(x, step + self.delay)
+            lands_at = None if self.auto else step + self.delay
+            self.in_flight.update({f: InFlight(x, lands_at, step)
                                    for f, x in zip(syncing, started)})
         metrics = {"outer_step": self.outer_step}
         if syncing:  # one fragment a step; F: all of them (the last step)
             metrics["outer_fragment"] = self.F if final else syncing[0]
         if averages:
             metrics["outer_landed"] = self.F if final else min(averages)
+        if flights and not final:
+            metrics["outer_landed_after"] = step - flights[0].synced_at
         applied = [Together(arrived, self._placed(averages))] if averages else []
         metrics.update(self._exchange_metrics(Together(started), applied, final))
         metrics["outer_seconds"] = time.perf_counter() - start
@@ -204,16 +189,19 @@ class FragmentedDiLoCo(DiLoCo):
     # ----------------------------------------------------------- pieces
 
     def _start(self, fragments: list[int], group, islands: int, contributors=None,
-               keep_back: bool = True) -> list[Exchange]:
+               keep_back: bool = True, step: int = 0) -> list[Exchange]:
         """Start the exchanges of theta_outer_f - theta_f (plus what top-k kept back) of these
-        fragments among `islands`; `keep_back`: top-k keeps what it did not send at once (an
-        elastic round does so once it succeeds)."""
+        fragments among `islands`, in flight after inner step `step` (0: none lands later);
+        `keep_back`: top-k keeps what it did not send at once (an elastic round does so once it
+        succeeds)."""
         if not fragments:
             return []
         local, started = flatten(self.weights.tensors()), []
         for f in fragments:
             delta = self._delta(f, local)
-            started.append(self.exchange(delta, group, islands, contributors, [delta.numel()]))
+            then = self.auto.poster(f, step) if self.auto and step else None
+            started.append(self.exchange(delta, group, islands, contributors, [delta.numel()],
+                                         then))
             if keep_back and self.residual is not None:
                 self.residual[self.mask(f)] = delta - started[-1].sent
         return started
@@ -266,6 +254,12 @@ class FragmentedDiLoCo(DiLoCo):
         metrics["outer_seconds"] = time.perf_counter() - start
         return metrics
 
+    def _decided(self, fragment: int, x: InFlight) -> InFlight:
+        """x with its landing step decided (auto: waiting for its exchange, as a save does)."""
+        if self.auto is not None:
+            self.auto.decide(fragment, x, self.background.clock, waiting=True)
+        return x
+
     def outer_optimizer_state(self) -> list:
         return [o.state_dict() for o in self.optimizers]
 
@@ -315,8 +309,8 @@ class FragmentedDiLoCo(DiLoCo):
             "outer_params": [p.detach().cpu().clone() for p in self.outer_params],
             "optimizers": self.outer_optimizer_state(),
             "residual": None if self.residual is None else self.residual.clone(),
-            "in_flight": {f: (x.exchange.result().clone(), x.lands_at)
-                          for f, x in self.in_flight.items()},
+            "in_flight": {f: (self._decided(f, x).exchange.result().clone(), x.lands_at,
+                              x.synced_at) for f, x in self.in_flight.items()},
             "peak_bytes": self.peak_bytes,
         }
 
@@ -338,8 +332,8 @@ class FragmentedDiLoCo(DiLoCo):
                 self.residual.copy_(state["residual"])
         self.load_outer_optimizer_state(state["optimizers"])
         self.outer_step, self.peak_bytes = state["outer_step"], state["peak_bytes"]
-        self.in_flight = {f: InFlight(_Resolved(average), at)
-                          for f, (average, at) in state["in_flight"].items()}
+        self.in_flight = {f: InFlight(_Resolved(average), at, *synced)
+                          for f, (average, at, *synced) in state["in_flight"].items()}
 
     def _relaid_state(self, tag_dir: str) -> Optional[dict]:
         """This rank's state from the fragment states the ranks of another partition of the
@@ -384,7 +378,7 @@ class FragmentedDiLoCo(DiLoCo):
         return dict(first, numels=self.numels, segments=self.weights.segments(),
                     neuron_share=self.weights.neuron_share(), optimizers=
                     optimizers, outer_params=moved(lambda s: s["outer_params"]), residual=residual,
-                    in_flight={f: (landing[f], lands) for f, (_, lands) in
+                    in_flight={f: (landing[f], *when) for f, (_, *when) in
                                first["in_flight"].items()})
 
     def restart(self) -> None:

@@ -10,8 +10,10 @@ with the average as gradient (delayed mode: see below), and writes theta_outer b
 master weights and the module's working weights. theta_outer and the outer optimizer's state
 are fp32, on the master weights' device or on CPU (--diloco_outer_on_cpu).
 
-Modes. sync: the all-reduce blocks. delayed: the all-reduce of outer step k runs while the inner
-steps of k+1 compute and is applied at step k+1, one outer step late, with the "eager updates" of
+Modes. sync: the all-reduce blocks. delayed: the exchange of outer step k runs on the exchange
+thread (dragon.diloco.background; --diloco_exchange_thread false: its collectives are issued on
+the training thread, int4's all-to-all blocking) while the inner steps of k+1 compute and is
+applied at step k+1, one outer step late, with the "eager updates" of
 Kale et al. (2025): each island keeps its own theta_outer and outer optimizer, and at outer step k
 feeds it the average that just arrived (of step k-1) with this island's share of it, Delta_{k-1}/n,
 replaced by its fresh Delta_k/n (n islands). Each island's own progress thus passes through the
@@ -41,7 +43,8 @@ whose last step adds the average of theta_outer), outer_peak_bytes (the most of 
 before the last, so far) and outer_payload_bytes (this rank's);
 outer_comm_seconds (start to completion of the exchanges of averages applied; not the last
 step's average of theta_outer) and, delayed, outer_comm_hidden_seconds (the part of it that ran
-under inner steps); outer_compress_error; outer_seconds (the whole outer step);
+under inner steps) and outer_wait_seconds (what the training thread waited for them, a save's
+wait included); outer_compress_error; outer_seconds (the whole outer step);
 with --diloco_checksum, float64 sums and sums of squares of the working weights and of
 theta_outer over the island's ranks (equal bits on every island after a sync outer step).
 
@@ -58,12 +61,13 @@ is the survivors' average.
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from dragon.parallel.distributed import all_reduce_values
+from dragon.diloco.background import Background, LinkWatch
 from dragon.diloco.exchange import Exchange, Round, flatten
 from dragon.diloco.membership import Membership
 from dragon.diloco.elastic import ElasticRounds
@@ -91,8 +95,10 @@ class DiLoCoConfig:
     min_islands: int = 1
     join: bool = False  # this island joins live ones
     fragments: int = 1  # streaming DiLoCo: fragments synced in turn (dragon.diloco.fragments)
-    fragment_delay: int = 0  # delayed, fragments: inner steps a fragment's exchange runs under
+    # delayed, fragments: inner steps a fragment's exchange runs under, or "auto" (until done)
+    fragment_delay: Union[int, str] = 0
     fragment_alpha: float = 0.5  # delayed, fragments: the local share kept when a fragment lands
+    exchange_thread: bool = True  # delayed: the exchange's collectives off the training thread
 
     def outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         """torch SGD with the outer lr and momentum (Nesterov unless momentum is 0)."""
@@ -141,6 +147,11 @@ class DiLoCo(OuterState, ElasticRounds):
         self.contributed = True  # `previous` is this island's share of it
         self.outer_step = 0
         self.peak_bytes = 0  # the most any outer step before the last sent
+        self.background = None  # delayed: the thread the exchanges run on
+        if (self.mode == "delayed" and config.exchange_thread and self.membership is None
+                and self.group is not None):
+            self.background = Background(topology)
+        self.link = LinkWatch(self.H, config.fragments, config.compress, config.int8_block)
 
     def is_boundary(self, step: int, final: bool = False) -> bool:
         """Whether a checkpoint may be taken after inner step `step`."""
@@ -154,13 +165,18 @@ class DiLoCo(OuterState, ElasticRounds):
         """After inner step `step` (1-based): the outer step when one is due, with its metrics; else
         {}. `final` makes the last step an outer step and, in delayed mode, applies what is in
         flight."""
-        if not self.is_due(step, final):
-            return {}
-        self.topology.reach(step)
+        if self.background is not None:
+            self.background.tick(step)
+        self.link.begin()
         try:
+            if not self.is_due(step, final):
+                return {}
+            self.topology.reach(step)
             return self._outer_step(step, final)
         except RuntimeError as e:  # gloo: an island's connection closed, or the timeout passed
             raise IslandLost(self.topology.lost(step, e)) from None
+        finally:
+            self.link.end()
 
     def _outer_step(self, step: int, final: bool, joining: Optional[tuple] = None) -> dict:
         start = time.perf_counter()
@@ -195,6 +211,7 @@ class DiLoCo(OuterState, ElasticRounds):
             gradient = round_.gradient
             if gradient is None:
                 gradient = self.eager_gradient(own, late, exchange, final, round_.contributors)
+            self._waited([late])
             self._apply(gradient)
             # after the last step nothing is in flight: a run extended past it starts its pipeline
             # afresh
@@ -238,6 +255,7 @@ class DiLoCo(OuterState, ElasticRounds):
             metrics["outer_comm_seconds"] = sum(e.seconds for e in applied)
             if self.mode == "delayed":
                 metrics["outer_comm_hidden_seconds"] = sum(e.hidden_seconds for e in applied)
+                metrics["outer_wait_seconds"] = sum(getattr(e, "blocked", 0.0) for e in applied)
         if self.config.checksum:
             metrics.update(
                 weights_sum=sums[3], weights_sumsq=sums[4], outer_sum=sums[5], outer_sumsq=sums[6]
@@ -247,13 +265,22 @@ class DiLoCo(OuterState, ElasticRounds):
     # -------------------------------------------------------------- pieces
 
     def exchange(self, delta: torch.Tensor, group, islands: int, contributors=None,
-                 numels: Optional[list[int]] = None) -> Exchange:
+                 numels: Optional[list[int]] = None, then=None) -> Exchange:
         """Start the exchange among `islands` (the group's size); the average divides by the
         `contributors` (default all: an elastic joiner adds zeros); `numels`: the tensors in
-        `delta` (default this rank's master tensors)."""
+        `delta` (default this rank's master tensors); delayed, on the exchange thread, which
+        calls `then(ready_after)` once the average is ready."""
         return Exchange(delta, group, islands, self.config.compress, self.config.int8_block,
                         numels or self.numels, measure_bytes=self.mode == "sync",
-                        contributors=contributors, topk=self.config.topk)
+                        contributors=contributors, topk=self.config.topk,
+                        background=self.background, then=then)
+
+    def _waited(self, exchanges: list) -> None:
+        """Exchanges just applied a window after they started: any that an inner step waited
+        for tells the link watch."""
+        for exchange in exchanges:
+            if getattr(exchange, "blocked", 0.0) > 0:
+                self.link.waited(exchange)
 
     def _adopt_island0_weights(self) -> None:
         """Every island starts from island 0's weights (rank r of each island holds the same shard).

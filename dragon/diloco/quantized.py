@@ -50,28 +50,38 @@ def code_bytes(n: int, block: int) -> int:
     return n // 2 + 4 * (n // block)
 
 
-def scatter_reduce(flat: torch.Tensor, group, islands: int, block: int) -> tuple[torch.Tensor,
-                                                                                float]:
-    """Phase one (blocking): chunk j of every island reaches island j (this island's index in
-    `group`), which encodes their fp32 sum once: (that code, this island's share of phase two;
-    the squared error of encoding this island's own vector)."""
+def chunk_codes(flat: torch.Tensor, islands: int, block: int) -> tuple[torch.Tensor, float]:
+    """Phase one's local half: the codes of the padded vector's `islands` chunks, one after the
+    other (chunk j goes to island j), and the squared error of encoding them."""
     length = padded_length(flat.numel(), islands, block)
-    padded = torch.nn.functional.pad(flat, (0, length - flat.numel()))
-    chunks = padded.view(islands, -1)
+    chunks = torch.nn.functional.pad(flat, (0, length - flat.numel())).view(islands, -1)
     codes = [int4_encode(chunk, block) for chunk in chunks]
     error_sq = sum(float((int4_decode(c, chunks.shape[1], block) - chunk).pow(2).sum())
                    for c, chunk in zip(codes, chunks))
-    sent = torch.cat(codes)
-    received = torch.empty_like(sent)
-    if group is None or islands == 1:
-        received = sent
-    else:
+    return torch.cat(codes), error_sq
+
+
+def reduce_chunk(sent: torch.Tensor, group, islands: int, block: int) -> torch.Tensor:
+    """Phase one's collective half (blocking): chunk j of every island's `sent` reaches island j
+    (this island's index in `group`), which returns the code of their fp32 sum."""
+    received = sent
+    if group is not None and islands > 1:
+        received = torch.empty_like(sent)
         group.alltoall_base(received, sent, [], []).wait()
-    chunk = chunks.shape[1]
+    chunk = len(sent) // islands * 2 * block // (block + 8)
     total = torch.zeros(chunk, dtype=torch.float32)
     for code in received.view(islands, -1):  # island order: the same sum wherever it is made
         total += int4_decode(code, chunk, block)
-    return int4_encode(total, block), error_sq
+    return int4_encode(total, block)
+
+
+def scatter_reduce(flat: torch.Tensor, group, islands: int, block: int) -> tuple[torch.Tensor,
+                                                                                float]:
+    """Phase one (blocking): chunk j of every island reaches island j, which encodes their fp32
+    sum once: (that code, this island's share of phase two; the squared error of encoding this
+    island's own vector)."""
+    sent, error_sq = chunk_codes(flat, islands, block)
+    return reduce_chunk(sent, group, islands, block), error_sq
 
 
 def gathered_sum(gathered: list[torch.Tensor], n: int, block: int) -> torch.Tensor:
