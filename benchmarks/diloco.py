@@ -62,8 +62,11 @@ def row_arguments(h: str, mode: str, codec: str, fragments: str, cli) -> list[st
     """A row H:mode:codec[:F] as the recipe's arguments; codec topkX sends the fraction X."""
     wire = (["--diloco_topk", codec[4:]] if codec.startswith("topk")
             else ["--diloco_compress", codec])
+    # fragments in delayed mode land one step after their sync, as the README's figures did
+    # (auto lands them when the link has carried them: not the same run twice)
+    delay = ["--diloco_fragment_delay", "1"] if mode == "delayed" and fragments != "1" else []
     return ["--diloco_islands", "2", "--diloco_inner_steps", h, "--diloco_mode", mode, *wire,
-            "--diloco_fragments", fragments, "--diloco_outer_lr", str(cli.outer_lr),
+            "--diloco_fragments", fragments, *delay, "--diloco_outer_lr", str(cli.outer_lr),
             "--diloco_outer_momentum", str(cli.outer_momentum)]
 
 
