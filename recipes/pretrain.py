@@ -25,12 +25,11 @@ from dragon.checkpoint.export import export_run, print_sample
 from dragon.checkpoint.retention import attach_retention
 from dragon.checkpoint.writes import SaveFailed
 from dragon.diloco.build import outer_loop
-from dragon.parallel.neurons import NeuronGroups
+from dragon.parallel.neurons import split_model
 from dragon.parallel.distributed import (
     all_reduce_mean,
     init_distributed,
     rank,
-    world_size,
 )
 from dragon.parallel.topology import enter_island
 from dragon.run.data import run_data
@@ -78,10 +77,7 @@ def main():
     check_every_rank_sees(run_dir)  # node-local disks would split the checkpoints: refused
     model = initial_model(inputs)
     # --neuron_parallel K: each rank keeps N/K neurons of every head; data parallel over the rest
-    neurons = NeuronGroups(inputs.layout.neurons) if inputs.layout.neurons > 1 else None
-    if neurons:
-        neurons.split(model)
-    dp_rank, dp_world = (neurons.dp_rank, neurons.dp_world) if neurons else (rank(), world_size())
+    neurons, dp_rank, dp_world = split_model(model, inputs.layout.neurons)
     engine, lr_schedule = deepspeed_engine(model, inputs, neurons)
     save_dir = os.path.join(run_dir, "checkpoints")
     # Optional: after every engine.save_checkpoint, a completion marker once every rank wrote its

@@ -28,9 +28,9 @@ from dragon.checkpoint.retention import attach_retention
 from dragon.checkpoint.writes import SaveFailed
 from dragon.history import metrics_path
 from dragon.parallel.distributed import (all_reduce_mean, init_distributed,
-                                         rank, world_size)
+                                         rank)
 from dragon.diloco.build import outer_loop
-from dragon.parallel.neurons import NeuronGroups
+from dragon.parallel.neurons import split_model
 from dragon.parallel.topology import enter_island
 from dragon.run.accelerator import (check_accelerate_inputs, make_accelerator,
                                     model_parallel_groups, tracked, tracker_config)
@@ -59,10 +59,7 @@ def main():
     accelerator = make_accelerator(inputs, run_dir)
     model = initial_model(inputs)
     # --neuron_parallel K: each rank keeps N/K neurons of every head; data parallel over the rest
-    neurons = NeuronGroups(inputs.layout.neurons) if inputs.layout.neurons > 1 else None
-    if neurons:
-        neurons.split(model)
-    dp_rank, dp_world = (neurons.dp_rank, neurons.dp_world) if neurons else (rank(), world_size())
+    neurons, dp_rank, dp_world = split_model(model, inputs.layout.neurons)
     # The JSON's optimizer (DeepSpeed builds it) and transformers' schedule, which DeepSpeed steps
     # at every applied update; a JSON's own "scheduler" wins.
     optimizer = DummyOptim(model.parameters())

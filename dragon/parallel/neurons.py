@@ -14,12 +14,14 @@ The model code is the same for K = 1: a layer marks where its N-wide part begins
 collectives below (Megatron's f and g: identity one way, all-reduce the other).
 """
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
 from torch import nn
+
+from dragon.parallel.distributed import rank, world_size
 
 SHARDED = ("layer.encoder", "layer.encoder_v", "layer.decoder")
 
@@ -255,3 +257,13 @@ class NeuronGroups:
 
     def get_data_parallel_group_ranks(self) -> list[int]:
         return self.dp_ranks
+
+
+def split_model(model: nn.Module, k: int) -> tuple[Optional[NeuronGroups], int, int]:
+    """--neuron_parallel K: its groups with `model` cut to this rank's share (None for K = 1, the
+    model whole), and this rank's data-parallel rank and world."""
+    if k == 1:
+        return None, rank(), world_size()
+    neurons = NeuronGroups(k)
+    neurons.split(model)
+    return neurons, neurons.dp_rank, neurons.dp_world
