@@ -166,12 +166,13 @@ def test_the_whole_grid_trains_resumes_and_ends_on_identical_islands(runs, tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("k, stage", [(1, 3), (4, 1), (4, 0)])
+@pytest.mark.parametrize("k, stage", [(1, 1), (4, 3), (4, 0)])
 def test_a_neuron_split_checkpoint_resumes_on_another_split(k, stage, runs, tmp_path):
-    """A K=2 checkpoint (ZeRO-2, 2 ranks) resumed at step 4 with K=1 (one rank, ZeRO-3) and K=4
-    (4 ranks, ZeRO-1, and ZeRO-0 with a file per share): the shares' weights and Adam moments are
-    joined into the whole model and re-split, and steps 5-8, the evaluation and the export
-    continue the uninterrupted run within 2e-5."""
+    """A K=2 checkpoint (ZeRO-2, 2 ranks) resumed at step 4 with K=1 (one rank, ZeRO-1) and K=4
+    (4 ranks, ZeRO-3, each share cut from the whole parameter over the neuron group, and ZeRO-0
+    with a file per share): the shares' weights and Adam moments are joined into the whole model
+    and re-split, and steps 5-8, the evaluation and the export continue the uninterrupted run
+    within 2e-5."""
     out, full, _ = runs("neurons_zero2", config="zero2.json", micro=8, extra=SPLIT)
     resumed_out, resumed, proc = runs(
         f"neurons_resumed_at_{k}_zero{stage}", nproc=k, config=f"zero{stage}.json", micro=8,
@@ -187,18 +188,22 @@ def test_a_neuron_split_checkpoint_resumes_on_another_split(k, stage, runs, tmp_
 
 
 @pytest.mark.slow
-def test_a_fragmented_diloco_run_resumes_on_zero3_islands(runs, tmp_path):
+@pytest.mark.parametrize("onto, config, micro, flags", [("zero3", "zero3.json", 2, []),
+                                                        ("neurons", "zero2.json", 4, SPLIT)])
+def test_a_fragmented_diloco_run_resumes_on_another_island_layout(onto, config, micro, flags,
+                                                                  runs, tmp_path):
     """2 islands x 2 ZeRO-2 ranks, 2 fragments in delayed mode, resumed at step 4 (fragment 0's
-    exchange in flight) on ZeRO-3 islands: every fragment's theta_outer, outer momentum and the
-    average in flight are laid out for the new partition, and steps 5-8 continue the
-    uninterrupted run within 2e-5 on both islands, which end identical."""
+    exchange in flight) on ZeRO-3 islands, and on islands of K=2 neuron shares: every fragment's
+    theta_outer, outer momentum and the average in flight are laid out for the new partition
+    (cut by neuron), and steps 5-8 continue the uninterrupted run within 2e-5 on both islands,
+    which end identical."""
     fragments = [*ISLANDS[:2], "--diloco_inner_steps", "4", "--diloco_checksum",
                  "--diloco_fragments", "2", *DELAYED, "--diloco_outer_momentum", "0.5",
                  "--diloco_fragment_delay", "1"]
     out = islands_run(runs, "fragments_fp32_zero2", nproc=4, micro=2, extra=fragments)
-    resumed = islands_run(runs, "fragments_fp32_on_zero3", nproc=4, micro=2, config="zero3.json",
+    resumed = islands_run(runs, f"fragments_fp32_on_{onto}", nproc=4, micro=micro, config=config,
                           out=resume_copy(out, tmp_path, (0, 1)),
-                          extra=[*fragments, "--resume_from_checkpoint", "latest"])
+                          extra=[*fragments, *flags, "--resume_from_checkpoint", "latest"])
     for island in (0, 1):
         full, again = island_metrics(out, island), island_metrics(resumed, island)
         assert [m["step"] for m in again if "loss" in m] == [5, 6, 7, 8]

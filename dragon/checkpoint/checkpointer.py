@@ -34,6 +34,7 @@ from dragon.checkpoint.catalog import MARKER, damage_of, find_resume_checkpoint,
 from dragon.checkpoint.retention import all_or_nothing
 from dragon.errors import TrainingFailed
 from dragon.parallel.distributed import all_reduce_values, rank
+from dragon.parallel.neurons import universal_share_group
 
 logger = logging.getLogger("dragon")
 RNG_STATE = "rng_state"  # <tag>/rng_state_<rank>.pt
@@ -178,7 +179,8 @@ class Checkpointer:
         load_tag = target.tag
         if target.reshaped:  # through the form of the checkpoint that this layout loads
             load_tag = converted_tag(target.load_dir, target.tag, *_loadable_form(self.engine))
-        path, client_state = self.engine.load_checkpoint(target.load_dir, tag=load_tag)
+        with universal_share_group(self.engine):
+            path, client_state = self.engine.load_checkpoint(target.load_dir, tag=load_tag)
         if path is None:  # DeepSpeed only warns and carries on from fresh weights
             raise RuntimeError(f"no loadable DeepSpeed checkpoint in {target.load_dir} "
                                f"(tag {target.tag or 'from latest'})")

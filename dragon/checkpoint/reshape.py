@@ -98,13 +98,6 @@ def check_convertible(saved: Layout, launch: Layout) -> None:
             "ranks and any --neuron_parallel), or a ZeRO-0 fp32 pipeline (--deepspeed "
             "ds_configs/pipeline_zero0.json) of one neuron share"
         )
-    if saved.neurons != launch.neurons:
-        fits = f"--neuron_parallel {saved.neurons} on the layout it was saved with"
-        if launch.zero_stage == 3 and launch.neurons > 1:
-            # ZeRO-3 cuts a share from the universal form only with DeepSpeed's AutoTP group
-            raise ValueError(f"--resume_from_checkpoint: the checkpoint was saved as {saved}; "
-                             f"--neuron_parallel {launch.neurons} takes it on ZeRO-0, 1 or 2 "
-                             f"(--deepspeed ds_configs/zero2.json), or resume it with {fits}")
 
 
 def convert(load_dir: str, tag: str, form: str, parts: Optional[list[int]] = None,

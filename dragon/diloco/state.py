@@ -195,7 +195,8 @@ def relay(saved: list[dict], segments: list, numels: list[int], tensors_of,
     this rank (`share`, of a BDH `config`) takes its own share's."""
     found: dict[str, dict[int, torch.Tensor]] = {}  # name -> {offset in it: piece}
     whole: dict[str, torch.Tensor] = {}  # sharded names, placed in the whole parameter
-    dims = (config.n_head, config.n_embd, config.n_neurons) if config is not None else None
+    bdh = hasattr(config, "n_neurons")  # a baseline's config has no neurons to share
+    dims = (config.n_head, config.n_embd, config.n_neurons) if bdh else None
     for state in saved:
         j, k = state.get("neuron_share", (0, 1))
         for flat, pieces in zip(tensors_of(state), state["segments"]):

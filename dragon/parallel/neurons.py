@@ -14,11 +14,13 @@ The model code is the same for K = 1: a layer marks where its N-wide part begins
 collectives below (Megatron's f and g: identity one way, all-reduce the other).
 """
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
+from deepspeed.utils import groups
 from torch import nn
 
 from dragon.parallel.distributed import rank, world_size
@@ -126,6 +128,23 @@ def universal_cut(config: Any) -> list[dict]:
     by_neuron = {"partition_dim": 2, "logical_shape": (nh, D, N)}
     by_head_rows = {"partition_dim": 0, "logical_shape": (nh * N, D), "sub_param_sizes": [N] * nh}
     return [by_neuron, dict(by_neuron), by_head_rows]
+
+
+@contextlib.contextmanager
+def universal_share_group(engine: Any) -> Iterator[None]:
+    """While a ZeRO-3 engine of neuron shares loads a universal checkpoint: its neuron group as
+    DeepSpeed's tensor-parallel group. ZeRO-3's loader cuts each rank's share of a whole
+    parameter (universal_cut) over that group, which DeepSpeed sets only for its own AutoTP;
+    ZeRO-1/2 read the same group from the engine's mpu."""
+    mpu = getattr(engine, "mpu", None)
+    if mpu is None or groups._TENSOR_MODEL_PARALLEL_GROUP is not None:
+        yield
+        return
+    groups._TENSOR_MODEL_PARALLEL_GROUP = mpu.get_tensor_model_parallel_group()
+    try:
+        yield
+    finally:
+        groups._TENSOR_MODEL_PARALLEL_GROUP = None
 
 
 def split_neurons(model: nn.Module, group: Any, index: int, k: int) -> None:

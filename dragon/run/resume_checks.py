@@ -105,10 +105,6 @@ def check_reshape(
             if diloco.enabled and (saved.pipeline or launch.pipeline):
                 raise ValueError(f"{message[len('resume: '):]}: not yet with DiLoCo pipelines; "
                                  f"resume it on {saved}")
-            if diloco.enabled and saved.neurons != launch.neurons and \
-                    diloco.diloco_fragments > 1:
-                raise ValueError(f"{message[len('resume: '):]}: not yet with DiLoCo fragments; "
-                                 f"resume it with --neuron_parallel {saved.neurons}")
             if diloco.enabled:
                 check_diloco_state(os.path.join(load_dir, tag), saved.neurons)
             reshaped[island] = message
