@@ -165,19 +165,28 @@ def test_the_whole_grid_trains_resumes_and_ends_on_identical_islands(runs, tmp_p
 # ---- resume on another layout ----------------------------------------------------------------
 
 
+# where a K=2 ZeRO-2 checkpoint resumes: (ranks, DeepSpeed JSON, micro-batch, recipe, flags)
+ONTO = {"k1_zero1": (1, "zero1.json", 8, "recipes/pretrain.py", []),
+        "k4_zero3": (4, "zero3.json", 8, "recipes/pretrain.py", ["--neuron_parallel", "4"]),
+        "k4_zero0": (4, "zero0.json", 8, "recipes/pretrain.py", ["--neuron_parallel", "4"]),
+        "k1_pipe_zero1": (2, "pipeline_zero1.json", 2, PIPE, [
+            "--pipeline_stages", "2", "--gradient_accumulation_steps", "4"])}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("k, stage", [(1, 1), (4, 3), (4, 0)])
-def test_a_neuron_split_checkpoint_resumes_on_another_split(k, stage, runs, tmp_path):
-    """A K=2 checkpoint (ZeRO-2, 2 ranks) resumed at step 4 with K=1 (one rank, ZeRO-1) and K=4
-    (4 ranks, ZeRO-3, each share cut from the whole parameter over the neuron group, and ZeRO-0
-    with a file per share): the shares' weights and Adam moments are joined into the whole model
-    and re-split, and steps 5-8, the evaluation and the export continue the uninterrupted run
-    within 2e-5."""
+@pytest.mark.parametrize("onto", ONTO)
+def test_a_neuron_split_checkpoint_resumes_on_another_split(onto, runs, tmp_path):
+    """A K=2 checkpoint (ZeRO-2, 2 ranks) resumed at step 4 with K=1 (one rank, ZeRO-1; a
+    2-stage ZeRO-1 pipeline, which loads the pipeline form through a universal folder under its
+    parameters' names) and K=4 (4 ranks, ZeRO-3, each share cut from the whole parameter over
+    the neuron group; ZeRO-0 with a file per share): the shares' weights and Adam moments are
+    joined into the whole model and re-split, and steps 5-8, the evaluation and the export
+    continue the uninterrupted run within 2e-5."""
+    nproc, config, micro, script, flags = ONTO[onto]
     out, full, _ = runs("neurons_zero2", config="zero2.json", micro=8, extra=SPLIT)
     resumed_out, resumed, proc = runs(
-        f"neurons_resumed_at_{k}_zero{stage}", nproc=k, config=f"zero{stage}.json", micro=8,
-        out=resume_copy(out, tmp_path),
-        extra=["--neuron_parallel", str(k), "--resume_from_checkpoint", "latest"])
+        f"neurons_resumed_{onto}", nproc=nproc, config=config, micro=micro, script=script,
+        out=resume_copy(out, tmp_path), extra=[*flags, "--resume_from_checkpoint", "latest"])
     assert "resume: converting the checkpoint from ZeRO-2 on 1 data-parallel rank(s) x 2 neuron " \
         "shares" in proc.stderr + proc.stdout
     assert [m["step"] for m in resumed if "loss" in m] == [5, 6, 7, 8]

@@ -148,18 +148,18 @@ def test_a_changed_global_batch_warns_and_trains(uninterrupted, tmp_path, text_f
     assert got[-1]["eval_loss"] < saved[4]["eval_loss"]
 
 
-def test_a_zero1_pipeline_is_refused_before_start(uninterrupted, monkeypatch, tmp_path,
-                                                  text_file):
-    """A pipeline with ZeRO-1 on a ZeRO checkpoint (its optimizer is partitioned per stage:
-    not converted) stops before any process group starts, in one line."""
+def test_a_bf16_pipeline_is_refused_before_start(uninterrupted, monkeypatch, tmp_path,
+                                                 text_file):
+    """A bf16 pipeline on a ZeRO checkpoint (DeepSpeed's bf16 optimizer keeps its own per-stage
+    state: not converted) stops before any process group starts, in one line that names the
+    layouts that take it."""
     script, args = recipe_args("pipeline", tmp_path / "refused", text_file, "8")
     args += ["--resume_from_checkpoint", str(uninterrupted("zero2 x2") / "checkpoints" / "step4"),
-             "--deepspeed", str(REPO / "ds_configs" / "pipeline_zero1.json")]
+             "--deepspeed", str(REPO / "ds_configs" / "pipeline_zero1.json"), "--bf16", "true"]
     line = run_recipe_in_process(monkeypatch, script, [str(a) for a in args], {"WORLD_SIZE": "2"})
     assert ("saved as ZeRO-2 on 2 data-parallel rank(s) and this launch is a pipeline of 2 stages "
             "with ZeRO-1 on 1 data-parallel rank(s)") in line
-    assert "not supported yet" in line
-
+    assert "not supported yet" in line and "an fp32 pipeline of one neuron share" in line
 
 
 def islands_job(ranks, out, text_file, extra=()):

@@ -12,6 +12,7 @@ on the same all-reduced gradient, so the first stage's Adam state is the block's
 
 import glob
 import os
+import shutil
 
 import torch
 
@@ -97,3 +98,18 @@ def write_pipeline(states: dict, config: BDHConfig, parts: list[int], out: str) 
                  mp_world_size=stages, dp_world_size=1),
             os.path.join(out, f"mp_rank_{stage:02d}_model_states.pt"),
         )
+
+
+def pipeline_universal(universal_dir: str, config: BDHConfig, out: str) -> None:
+    """out/zero: the whole model's universal folder under the names a PipelineModule gives its
+    parameters (the tied block's, the embedding's layer 0, the head's layer n + 1), so that a
+    ZeRO-1 pipeline engine loads its stage's weights and Adam moments from it. Each parameter's
+    folder is a link into the universal folder beside `out`."""
+    source, zero = os.path.join(universal_dir, "zero"), os.path.join(out, "zero")
+    os.makedirs(zero, exist_ok=True)
+    names = {f"tied_modules.{SHARED_KEY}.{name[len('layer.'):]}": name for name in SHARED}
+    names.update({"0.embed.weight": "embed.weight", f"{config.n_layer + 1}.lm_head": "lm_head"})
+    for ours, whole in names.items():
+        target = os.path.relpath(os.path.join(source, whole), zero)
+        os.symlink(target, os.path.join(zero, ours), target_is_directory=True)
+    shutil.copy(os.path.join(source, "optimizer_state.pt"), zero)

@@ -137,7 +137,8 @@ def universal_share_group(engine: Any) -> Iterator[None]:
     parameter (universal_cut) over that group, which DeepSpeed sets only for its own AutoTP;
     ZeRO-1/2 read the same group from the engine's mpu."""
     mpu = getattr(engine, "mpu", None)
-    if mpu is None or groups._TENSOR_MODEL_PARALLEL_GROUP is not None:
+    if mpu is None or engine.zero_optimization_stage() != 3 or \
+            groups._TENSOR_MODEL_PARALLEL_GROUP is not None:
         yield
         return
     groups._TENSOR_MODEL_PARALLEL_GROUP = mpu.get_tensor_model_parallel_group()

@@ -108,7 +108,7 @@ def check_reshape(
             if diloco.enabled:
                 check_diloco_state(os.path.join(load_dir, tag), saved.neurons)
             reshaped[island] = message
-            if launch.zero_stage > 0 and not launch.pipeline:  # the others load their own form
+            if launch.zero_stage > 0:  # ZeRO-0 loads its own form
                 ds_config.setdefault("checkpoint", {})["load_universal"] = True
     return reshaped
 
