@@ -165,23 +165,24 @@ def test_the_whole_grid_trains_resumes_and_ends_on_identical_islands(runs, tmp_p
 # ---- resume on another layout ----------------------------------------------------------------
 
 
+ACCUMULATE4 = ["--gradient_accumulation_steps", "4"]
 # where a K=2 ZeRO-2 checkpoint resumes: (ranks, DeepSpeed JSON, micro-batch, recipe, flags)
 ONTO = {"k1_zero1": (1, "zero1.json", 8, "recipes/pretrain.py", []),
         "k4_zero3": (4, "zero3.json", 8, "recipes/pretrain.py", ["--neuron_parallel", "4"]),
         "k4_zero0": (4, "zero0.json", 8, "recipes/pretrain.py", ["--neuron_parallel", "4"]),
-        "k1_pipe_zero1": (2, "pipeline_zero1.json", 2, PIPE, [
-            "--pipeline_stages", "2", "--gradient_accumulation_steps", "4"])}
+        "k2_pipe_zero1": (4, "pipeline_zero1.json", 2, PIPE, [*PIPE_NEURONS, *ACCUMULATE4]),
+        "k2_pipe_zero0": (4, "pipeline_zero0.json", 2, PIPE, [*PIPE_NEURONS, *ACCUMULATE4])}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("onto", ONTO)
 def test_a_neuron_split_checkpoint_resumes_on_another_split(onto, runs, tmp_path):
-    """A K=2 checkpoint (ZeRO-2, 2 ranks) resumed at step 4 with K=1 (one rank, ZeRO-1; a
-    2-stage ZeRO-1 pipeline, which loads the pipeline form through a universal folder under its
-    parameters' names) and K=4 (4 ranks, ZeRO-3, each share cut from the whole parameter over
-    the neuron group; ZeRO-0 with a file per share): the shares' weights and Adam moments are
-    joined into the whole model and re-split, and steps 5-8, the evaluation and the export
-    continue the uninterrupted run within 2e-5."""
+    """A K=2 checkpoint (ZeRO-2, 2 ranks) resumed at step 4 with K=1 (one rank, ZeRO-1), K=4
+    (4 ranks, ZeRO-3, each share cut from the whole parameter over the neuron group; ZeRO-0 with
+    a file per share) and as 2 pipeline stages x K=2 (ZeRO-0, its files cut per share; ZeRO-1,
+    loading the same form through a universal folder under the pipeline's parameter names):
+    the shares' weights and Adam moments are joined into the whole model and re-split, and
+    steps 5-8, the evaluation and the export continue the uninterrupted run within 2e-5."""
     nproc, config, micro, script, flags = ONTO[onto]
     out, full, _ = runs("neurons_zero2", config="zero2.json", micro=8, extra=SPLIT)
     resumed_out, resumed, proc = runs(
@@ -223,6 +224,29 @@ def test_a_fragmented_diloco_run_resumes_on_another_island_layout(onto, config, 
     last = [[m for m in island_metrics(resumed, i) if "outer_step" in m][-1] for i in (0, 1)]
     for key in ("weights_sum", "outer_sum"):
         assert last[0][key] == last[1][key], key
+
+
+@pytest.mark.slow
+def test_diloco_islands_resume_into_and_out_of_a_pipeline(runs, tmp_path):
+    """2 delayed islands of a 2-stage ZeRO-1 pipeline resumed at step 4 (an average in flight)
+    as 2 islands of one ZeRO-2 rank, and the other way round: a stage's DiLoCo state names the
+    plain model's parameters, so theta_outer, the outer momentum and the average in flight are
+    joined into the whole model's and cut again; steps 5-8, the evaluation and the outer
+    checksums continue the uninterrupted run within 2e-5 on both islands."""
+    pipe = dict(nproc=4, config="pipeline_zero1.json", script=PIPE)
+    pipe_flags = [*ISLANDS, *DELAYED, "--pipeline_stages", "2"]
+    piped = islands_run(runs, "islands_pipe2_zero1", **pipe, extra=pipe_flags)
+    plain = islands_run(runs, "islands_delayed", extra=[*ISLANDS, *DELAYED])
+    for out, name, onto, flags in ((piped, "islands_pipe2_as_zero2", {}, [*ISLANDS, *DELAYED]),
+                                   (plain, "islands_as_pipe2_zero1", pipe, pipe_flags)):
+        resumed = islands_run(runs, name, **onto, out=resume_copy(out, tmp_path, (0, 1)),
+                              extra=[*flags, "--resume_from_checkpoint", "latest"])
+        for island in (0, 1):
+            full, again = island_metrics(out, island), island_metrics(resumed, island)
+            assert [m["step"] for m in again if "loss" in m] == [5, 6, 7, 8]
+            for key in ("loss", "eval_loss", "outer_sum"):
+                assert losses(again, key) == pytest.approx(
+                    losses(full, key)[-len(losses(again, key)):], abs=LOSS_ATOL), (name, key)
 
 
 @pytest.mark.slow

@@ -242,11 +242,12 @@ def _unmark(tag_dir: str) -> None:
 def _loadable_form(engine) -> tuple[str, Optional[list[int]], bool, int]:
     """(the converted form this engine loads, the pipeline's stage boundaries, bf16, neuron
     shares)."""
-    if getattr(engine, "pipeline_parallelism", False):
-        return "pipeline", [int(p) for p in engine.module.parts], False, 1
-    form = "zero0" if engine.zero_optimization_stage() == 0 else "universal"
     split = getattr(engine.module, "neuron_split", None)
-    return form, None, engine.bfloat16_enabled(), split[1] if split else 1
+    neurons = split[1] if split else 1
+    if getattr(engine, "pipeline_parallelism", False):
+        return "pipeline", [int(p) for p in engine.module.parts], False, neurons
+    form = "zero0" if engine.zero_optimization_stage() == 0 else "universal"
+    return form, None, engine.bfloat16_enabled(), neurons
 
 
 def resolve_resume(resume: str, save_dir: str) -> tuple[str, str]:

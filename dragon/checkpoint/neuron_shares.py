@@ -96,18 +96,23 @@ def write_zero0_shares(folder: str, out: str, config: BDHConfig, k: int, bf16: b
     """K ZeRO-0 checkpoints of neuron shares (mp_rank_0j_model_states.pt; fp32, or bf16 with
     fp32 masters) from the whole model's normalized universal `folder`."""
     whole = universal.zero0_states(folder)
-    names = list(universal.parameter_shapes(whole))
     os.makedirs(out, exist_ok=True)
     for j in range(k):
-        module = {n: share_of(n, t, config, j, k) for n, t in whole["module"].items()}
-        state = {i: {key: share_of(names[i], t, config, j, k) if t.dim() else t
-                     for key, t in moments.items()}
-                 for i, moments in whole["optimizer"]["state"].items()}
-        states = dict(whole, module=module, mp_world_size=k,
-                      optimizer=dict(whole["optimizer"], state=state),
-                      param_shapes=[{n: module[n].shape for n in names}])
+        states = share_states(whole, config, j, k)
         torch.save(universal.bf16_form(states) if bf16 else states,
                    os.path.join(out, f"mp_rank_{j:02d}_model_states.pt"))
+
+
+def share_states(whole: dict, config: BDHConfig, j: int, k: int) -> dict:
+    """Share j of k of a whole model's fp32 ZeRO-0 model states: its weights and Adam moments cut
+    by neuron (dragon.parallel.neurons.share_of)."""
+    names = list(universal.parameter_shapes(whole))
+    module = {n: share_of(n, t, config, j, k) for n, t in whole["module"].items()}
+    state = {i: {key: share_of(names[i], t, config, j, k) if t.dim() else t
+                 for key, t in moments.items()}
+             for i, moments in whole["optimizer"]["state"].items()}
+    return dict(whole, module=module, mp_world_size=k, optimizer=dict(whole["optimizer"],
+                state=state), param_shapes=[{n: module[n].shape for n in names}])
 
 
 def _states(folder: str) -> dict:

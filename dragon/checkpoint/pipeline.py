@@ -17,7 +17,8 @@ import shutil
 import torch
 
 from dragon.model.bdh import BDHConfig, BDHForCausalLM
-from dragon.parallel.pipeline import SHARED_KEY, SHARED_WEIGHTS, model_from_pipeline_checkpoint
+from dragon.parallel.pipeline import (SHARED_KEY, SHARED_WEIGHTS, model_from_pipeline_checkpoint,
+                                     plain_names)
 
 SHARED = [f"layer.{name}" for name in SHARED_WEIGHTS]
 
@@ -69,14 +70,18 @@ def zero0_states_of_pipeline(tag_dir: str) -> dict:
                 buffer_names=buffers, param_shapes=None, mp_world_size=1)
 
 
-def write_pipeline(states: dict, config: BDHConfig, parts: list[int], out: str) -> None:
+def write_pipeline(states: dict, config: BDHConfig, parts: list[int], out: str,
+                   share: tuple[int, int] = (0, 1)) -> None:
     """A pipeline checkpoint of stage boundaries `parts` from a plain model's fp32 ZeRO-0 model
-    states."""
+    states; with `share` (j, K), K > 1: neuron share j's files of a pipeline of K shares, from
+    that share's states (dragon.checkpoint.neuron_shares.share_states)."""
     module, n, stages = states["module"], config.n_layer, len(parts) - 1
+    j, k = share
     os.makedirs(out, exist_ok=True)
 
     def layer(index: int, tensors: dict) -> None:
-        torch.save(tensors, os.path.join(out, f"layer_{index:02d}-model_states.pt"))
+        model = f"-model_{j:02d}" if k > 1 else ""  # DeepSpeed's name of a model-parallel rank's
+        torch.save(tensors, os.path.join(out, f"layer_{index:02d}{model}-model_states.pt"))
 
     layer(0, {"embed.weight": module["embed.weight"]})
     block = {k[len("layer."):]: v for k, v in module.items() if k.startswith("layer.")}
@@ -89,14 +94,14 @@ def write_pipeline(states: dict, config: BDHConfig, parts: list[int], out: str) 
                if k.startswith("layer.")]
     for stage in range(stages):
         held = stage_parameters(stage, stages)
-        state = {j: optimizer["state"][names.index(name)] for j, name in enumerate(held)
+        state = {i: optimizer["state"][names.index(name)] for i, name in enumerate(held)
                  if names.index(name) in optimizer["state"]}
         group = dict(optimizer["param_groups"][0], params=list(range(len(held))))
-        torch.save(
+        torch.save(  # DeepSpeed numbers a pipeline's model-parallel ranks stage by stage
             dict(states, module=None, optimizer={"state": state, "param_groups": [group]},
                  buffer_names=buffers, param_shapes=None,
-                 mp_world_size=stages, dp_world_size=1),
-            os.path.join(out, f"mp_rank_{stage:02d}_model_states.pt"),
+                 mp_world_size=stages * k, dp_world_size=1),
+            os.path.join(out, f"mp_rank_{stage * k + j:02d}_model_states.pt"),
         )
 
 
@@ -107,9 +112,7 @@ def pipeline_universal(universal_dir: str, config: BDHConfig, out: str) -> None:
     folder is a link into the universal folder beside `out`."""
     source, zero = os.path.join(universal_dir, "zero"), os.path.join(out, "zero")
     os.makedirs(zero, exist_ok=True)
-    names = {f"tied_modules.{SHARED_KEY}.{name[len('layer.'):]}": name for name in SHARED}
-    names.update({"0.embed.weight": "embed.weight", f"{config.n_layer + 1}.lm_head": "lm_head"})
-    for ours, whole in names.items():
+    for ours, whole in plain_names(config).items():
         target = os.path.relpath(os.path.join(source, whole), zero)
         os.symlink(target, os.path.join(zero, ours), target_is_directory=True)
     shutil.copy(os.path.join(source, "optimizer_state.pt"), zero)

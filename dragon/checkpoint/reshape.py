@@ -18,11 +18,11 @@ moments, the average in flight) laid out for its new partition (diloco_state_for
 
 A ZeRO-0 checkpoint on another number of ranks loads as it is (one file). A ZeRO-0 pipeline
 checkpoint becomes a plain model's ZeRO-0 checkpoint and back (dragon.checkpoint.pipeline), so the
-recipes resume each other's checkpoints and a pipeline resumes on other stage boundaries; a
-ZeRO-1 pipeline loads the same pipeline form through the universal folder beside it.
-A bf16 ZeRO-0 checkpoint carries its fp32 masters into the universal form and out of it. A
-pipeline loads only the ZeRO-0 fp32 pipeline form; a bf16 pipeline (DeepSpeed's BF16 optimizer,
-per stage) resumes only on its own layout.
+recipes resume each other's checkpoints and a pipeline resumes on other stage boundaries, with
+its neuron shares' files cut from the whole model for a pipeline of K shares; a ZeRO-1 pipeline
+loads the same pipeline form through the universal folder beside it.
+A bf16 ZeRO-0 checkpoint carries its fp32 masters into the universal form and out of it. A bf16
+pipeline (DeepSpeed's BF16 optimizer, per stage) resumes only on its own layout.
 """
 
 import glob
@@ -39,7 +39,7 @@ from dragon.model.bdh import BDHConfig
 from dragon.checkpoint.pipeline import (pipeline_universal, stage_files, write_pipeline,
                                         zero0_states_of_pipeline)
 from dragon.checkpoint.retention import CONVERSIONS
-from dragon.checkpoint.neuron_shares import (neuron_shares, universal_from_shares,
+from dragon.checkpoint.neuron_shares import (neuron_shares, share_states, universal_from_shares,
                                              write_zero0_shares)
 from dragon.parallel.layout import Layout
 from dragon.parallel.pipeline import pipeline_neuron_shares
@@ -89,15 +89,12 @@ def reshape_message(saved: Layout, launch: Layout) -> Optional[str]:
 
 def check_convertible(saved: Layout, launch: Layout) -> None:
     """ValueError in one line for a pair no conversion covers."""
-    kept_elsewhere = any(x.pipeline and x.bf16 for x in (saved, launch))
-    # a pipeline's engine names its parameters by stage: it loads the ZeRO-0 pipeline form only
-    into_pipeline = launch.pipeline and launch.neurons > 1
-    if kept_elsewhere or into_pipeline:
+    if any(x.pipeline and x.bf16 for x in (saved, launch)):  # its optimizer's state per stage
         raise ValueError(
             f"--resume_from_checkpoint: the checkpoint was saved as {saved} and this launch is "
             f"{launch}; resuming across that change is not supported yet: resume it on its own "
             "layout, or with recipes/pretrain.py (ZeRO-0/1/2/3, fp32 or bf16, on any number of "
-            "ranks and any --neuron_parallel), or an fp32 pipeline of one neuron share"
+            "ranks and any --neuron_parallel), or an fp32 pipeline"
         )
 
 
@@ -138,14 +135,17 @@ def convert(load_dir: str, tag: str, form: str, parts: Optional[list[int]] = Non
         return tag + ZERO0
     pipe = os.path.join(load_dir, tag + PIPELINE)
     shape = os.path.join(pipe, "parts.json")
-    if not os.path.isfile(shape) or _read_json(shape) != parts:
+    if not os.path.isfile(shape) or _read_json(shape) != {"parts": parts, "neurons": neurons}:
         config = BDHConfig.from_pretrained(load_dir)
 
         def make(out: str) -> None:
-            write_pipeline(universal.zero0_states(target), config, parts, out)
+            whole = universal.zero0_states(target)
+            for j in range(neurons):
+                states = share_states(whole, config, j, neurons) if neurons > 1 else whole
+                write_pipeline(states, config, parts, out, (j, neurons))
             pipeline_universal(target, config, out)
             with open(os.path.join(out, "parts.json"), "w") as f:
-                json.dump(parts, f)
+                json.dump({"parts": parts, "neurons": neurons}, f)
 
         shutil.rmtree(pipe, ignore_errors=True)
         universal.write_atomically(make, pipe)

@@ -3,6 +3,9 @@ and how to push new values into the module's working weights."""
 
 import torch
 import torch.distributed as dist
+from deepspeed.pipe import PipelineModule
+
+from dragon.parallel.pipeline import plain_names
 
 
 class MasterWeights:
@@ -89,7 +92,7 @@ class MasterWeights:
         in the flattened parameter, offset in the tensor, numel) of each piece, so that a state
         laid out like them moves to another partitioning (dragon.checkpoint.reshape)."""
         opt = self.engine.optimizer
-        names = {id(p): n for n, p in self.engine.module.named_parameters()}
+        names = {id(p): n for n, p in self._named_parameters()}
         pieces: list[list[tuple[str, int, int, int]]] = [[] for _ in self.tensors()]
         if self.kind == "partitioned":
             for p in self.engine.module.parameters():
@@ -125,8 +128,14 @@ class MasterWeights:
 
     def shapes(self) -> dict[str, tuple]:
         """Every parameter's full shape by name (ZeRO-3 included)."""
-        return {n: tuple(getattr(p, "ds_shape", p.shape))
-                for n, p in self.engine.module.named_parameters()}
+        return {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in self._named_parameters()}
+
+    def _named_parameters(self):
+        """The module's parameters under the plain model's names (a pipeline stage's too, so that
+        DiLoCo's state moves between the recipes)."""
+        module = self.engine.module
+        plain = plain_names(module.config) if isinstance(module, PipelineModule) else {}
+        return [(plain.get(n, n), p) for n, p in module.named_parameters()]
 
     def fingerprint(self) -> list[float]:
         """[sum, sum of squares] in float64 of the weights the next forward uses, on this rank
@@ -150,7 +159,7 @@ class MasterWeights:
         split = getattr(self.engine.module, "neuron_split", None)
         if split is None or dist.get_rank(group=split[0]) == 0:
             return []
-        sharded = {n for n, p in self.engine.module.named_parameters()  # or a tied copy, left
+        sharded = {n for n, p in self._named_parameters()  # or a tied copy, left
                    if getattr(p, "tensor_model_parallel", False)  # out as one already
                    or getattr(p, "ds_pipe_replicated", False)}
         return [(k, offset, numel) for k, pieces in enumerate(self.segments())

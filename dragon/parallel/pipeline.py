@@ -186,6 +186,7 @@ def bdh_pipeline(
     stage_layer(pipe).layers_on_stage = len(range(max(start, 1), min(stop, config.n_layer + 1)))
     stage_layer(pipe).first_layer = max(start, 1) - 1
     load_into_pipeline(pipe, model)
+    pipe.config = config  # what the stages are parts of (DiLoCo's state names the plain model's)
     share = pipe._grid.get_slice_parallel_rank()
     if neurons > 1:
         group = pipe._grid.get_slice_parallel_group()
@@ -203,6 +204,14 @@ def bdh_pipeline(
         p.model_parallel = not copy and (sharded or share == 0)
         p.tensor_model_parallel = sharded and not copy  # DeepSpeed counts either mark
     return pipe
+
+
+def plain_names(config: BDHConfig) -> dict[str, str]:
+    """A BDH PipelineModule's parameter names -> the plain model's: the tied block's, the
+    embedding's (layer 0) and the head's (layer n + 1)."""
+    names = {f"tied_modules.{SHARED_KEY}.{name}": f"layer.{name}" for name in SHARED_WEIGHTS}
+    names.update({"0.embed.weight": "embed.weight", f"{config.n_layer + 1}.lm_head": "lm_head"})
+    return names
 
 
 @torch.no_grad()

@@ -102,9 +102,6 @@ def check_reshape(
                 "the uninterrupted run's"
             )
         if message is not None:
-            if diloco.enabled and (saved.pipeline or launch.pipeline):
-                raise ValueError(f"{message[len('resume: '):]}: not yet with DiLoCo pipelines; "
-                                 f"resume it on {saved}")
             if diloco.enabled:
                 check_diloco_state(os.path.join(load_dir, tag), saved.neurons)
             reshaped[island] = message
