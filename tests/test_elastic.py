@@ -105,7 +105,13 @@ def test_a_survivor_trains_on_as_a_one_island_diloco_would(tmp_path, store):
             assert r["metrics"]["outer_grad_norm"] == norm, (mode, k)
 
 
-@pytest.mark.parametrize("mode", ["sync", "delayed"])
+# delayed fragments: F = 2 of H 4, each landing a step after its sync; outer step 3 is fragment
+# 0's sync at step 4 (1: fragment 1's at step 2, 2: its landing at step 3)
+LOST = {"sync": ("2", []), "delayed": ("2", []),
+        "fragments": ("3", ["--diloco_mode", "delayed", "--diloco_fragments", "2"])}
+
+
+@pytest.mark.parametrize("mode", LOST)
 def test_an_island_lost_during_the_exchange_is_left_out_of_a_retry(
     tmp_path, text_file, store, mode
 ):
@@ -113,10 +119,12 @@ def test_an_island_lost_during_the_exchange_is_left_out_of_a_retry(
     before the exchange, so islands 0 and 1 retry outer step 2 without it, and agree
     (bit-identical weights after every outer step). Delayed: it dies with the exchange of outer
     step 2 in flight, so islands 0 and 1 find it failed at outer step 3, redo it among
-    themselves, and end the run on identical weights. Both train to the end."""
+    themselves, and end the run on identical weights. Delayed fragments: the same with fragment
+    0's exchange, found failed at its landing a step later. Both train to the end."""
     out = tmp_path / "run"
-    env = {"DRAGON_FAULT_EXIT_OUTER_STEP": "2", "DRAGON_FAULT_ISLAND": "2"}
-    extra = ["--diloco_mode", mode, "--diloco_outer_momentum", "0.3"]
+    dies_at, flags = LOST[mode]
+    env = {"DRAGON_FAULT_EXIT_OUTER_STEP": dies_at, "DRAGON_FAULT_ISLAND": "2"}
+    extra = [*(flags or ["--diloco_mode", mode]), "--diloco_outer_momentum", "0.3"]
     procs = [start(i, 3, out, text_file, store, env, extra) for i in (0, 1, 2)]
     for proc in procs[:2]:
         stdout, stderr = proc.communicate(timeout=600)
@@ -127,6 +135,10 @@ def test_an_island_lost_during_the_exchange_is_left_out_of_a_retry(
     if mode == "sync":
         assert "the exchange among islands [0, 1, 2] failed" in stdout + stderr
         assert [m["outer_quorum"] for m in outer(out, 0)] == [3, 2, 2, 2]
+    elif mode == "fragments":
+        assert "outer step 4: the exchange of fragment(s) [0] in flight failed; islands [0, 1] " \
+            "redo it among themselves" in stdout + stderr
+        assert [m["outer_quorum"] for m in outer(out, 0)][:5] == [3, 3, 3, 2, 2]
     else:
         assert "outer step 3: the average in flight since the last outer step failed; islands " \
             "[0, 1] redo it" in stdout + stderr
@@ -199,14 +211,13 @@ def both_end_after_the_rejoin(survivor, joiner, out) -> tuple[list[dict], dict[i
     return mine, theirs
 
 
-def start_joiner_after_step_8(live, out, store, start_joiner, wait_for_keys=None, every=4):
+def start_joiner_after_step_8(live, out, store, start_joiner, wait_for_keys=None):
     """The joiner, started once `live` (island 0) has ended step 8 alone: a joiner that started
     up within the quorum timeout would be a member of step 8, as if island 1 had never left.
     Island 0's ranks stay stopped until the joiner has announced itself for one of its next two
     outer steps, so it joins a few steps on on any machine (island 0 alone outruns a start-up).
     `wait_for_keys(store, keys, joiner)` waits until one of the keys is in the store (default:
-    a client of the store in this process). `every`: inner steps from one outer step (or
-    fragment step) to the next."""
+    a client of the store in this process)."""
     metrics = out / "island0" / "metrics.jsonl"
     while 8 not in logged_steps(metrics, having="outer_step"):
         assert live.poll() is None, live.stderr.read()[-3000:]
@@ -217,7 +228,7 @@ def start_joiner_after_step_8(live, out, store, start_joiner, wait_for_keys=None
     try:
         # The joiner announces for the outer step after the last one island 0 published, which
         # is the last one it logged, or the one after when it stopped in between.
-        last = max(logged_steps(metrics, having="outer_step")) // every
+        last = last_outer_step(metrics)
         keys = [f"{step_key(last + k)}/joining/1" for k in (1, 2)]
         joiner = start_joiner()
         (wait_for_keys or wait_in_store)(store, keys, joiner)
@@ -225,6 +236,17 @@ def start_joiner_after_step_8(live, out, store, start_joiner, wait_for_keys=None
         for pid in ranks:
             os.kill(pid, signal.SIGCONT)
     return joiner
+
+
+def last_outer_step(path) -> int:
+    """The last outer step logged in a metrics file being written (a torn last line ignored)."""
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return max(row["outer_step"] for row in rows if "outer_step" in row)
 
 
 def wait_in_store(store, keys, joiner):

@@ -169,9 +169,6 @@ class DiLoCoArguments:
         if h is None or h < f:
             raise ValueError(f"--diloco_fragments {f}: needs --diloco_inner_steps of at least "
                              f"{f}, got {h} (fragment f syncs at inner steps floor(f*H/F) + kH)")
-        if self.diloco_elastic and self.diloco_mode == "delayed":
-            raise ValueError(f"--diloco_fragments {f} with --diloco_elastic: with --diloco_mode "
-                             "sync only")
         if self.diloco_mode == "sync" and delay:
             raise ValueError(f"--diloco_fragment_delay {delay} overlaps the exchange with inner "
                              "steps: use it with --diloco_mode delayed")

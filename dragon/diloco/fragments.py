@@ -27,8 +27,8 @@ updates need the late average of the window before, and the merge keeps theta_ou
 value that every island steps with the same average (bit-identical theta_outer on every island
 after every landing). The last step lands what is in flight and syncs every fragment at once,
 blocking, so training ends with every island on the same weights. Elastic islands
-(--diloco_elastic) in sync mode: each event of the schedule is a round among the islands that
-reach it, and a joiner takes every fragment's theta_outer and outer optimizer.
+(--diloco_elastic): each event of the schedule is a round among the islands that reach it
+(dragon.diloco.fragment_rounds), in delayed mode with a fixed delay (auto: one step).
 
 Metrics of a step where a fragment syncs or lands: outer_step (such steps so far),
 outer_fragment (the one that syncs), outer_landed (the one that lands, the first if several do;
@@ -47,6 +47,7 @@ from typing import Optional
 import torch
 
 from dragon.diloco.exchange import Exchange, flatten
+from dragon.diloco.fragment_rounds import ElasticFragments
 from dragon.diloco.landing import AUTO, AutoLandings, InFlight, Together
 from dragon.diloco.outer import DiLoCo
 from dragon.diloco.state import _Resolved, relay, saved_states
@@ -96,7 +97,7 @@ def fragment_ids(segments: list, shapes: dict, numels: list[int], fragments: int
     return ids
 
 
-class FragmentedDiLoCo(DiLoCo):
+class FragmentedDiLoCo(ElasticFragments, DiLoCo):
     """The outer loop of one rank with --diloco_fragments F > 1 (see the module's docstring);
     call maybe_outer_step(step) after every inner step, as with DiLoCo. `ids`: the fragment of
     each of this rank's values (default: BDH's cut, from the weights' segments and shapes)."""
@@ -189,16 +190,20 @@ class FragmentedDiLoCo(DiLoCo):
     # ----------------------------------------------------------- pieces
 
     def _start(self, fragments: list[int], group, islands: int, contributors=None,
-               keep_back: bool = True, step: int = 0) -> list[Exchange]:
+               keep_back: bool = True, step: int = 0, kept: Optional[list] = None
+               ) -> list[Exchange]:
         """Start the exchanges of theta_outer_f - theta_f (plus what top-k kept back) of these
         fragments among `islands`, in flight after inner step `step` (0: none lands later);
         `keep_back`: top-k keeps what it did not send at once (an elastic round does so once it
-        succeeds)."""
+        succeeds); `kept`: gets a copy of each pseudo-gradient (an elastic island redoes a failed
+        exchange from it)."""
         if not fragments:
             return []
         local, started = flatten(self.weights.tensors()), []
         for f in fragments:
             delta = self._delta(f, local)
+            if kept is not None:
+                kept.append(delta.clone())
             then = self.auto.poster(f, step) if self.auto and step else None
             started.append(self.exchange(delta, group, islands, contributors, [delta.numel()],
                                          then))
@@ -214,45 +219,6 @@ class FragmentedDiLoCo(DiLoCo):
         if self.residual is not None:
             delta += self.residual[mask]
         return delta
-
-    def _elastic_step(self, step: int, final: bool, joining=None) -> dict:
-        """An event of the schedule among the islands that reach it (sync mode: every fragment
-        that syncs lands at once); a joiner first takes theta_outer, every fragment's outer
-        optimizer and the step from a live island, and every fragment's weights from
-        theta_outer, so that it sends zeros."""
-        start = time.perf_counter()
-        self.outer_step += 1
-
-        def attempt(members: list[int], group, joiners: list[int]):
-            at_step = step
-            if joiners:
-                at_step = self._share_state(group, members, joiners, step, None)[0]
-                if self.topology.island in joiners:
-                    self._write_fragments(list(range(self.F)), 0.0)
-            syncing = self.syncing(at_step, final)
-            started = self._start(syncing, group, len(members), len(members) - len(joiners),
-                                  keep_back=False)
-            averages = {f: x.result() for f, x in zip(syncing, started)}
-            self.membership.publish(self.outer_step, at_step, self.shape())
-            self.group = group
-            return syncing, started, averages, at_step
-
-        syncing, started, averages, self.joined_step = self.membership.run_round(
-            self.outer_step, attempt, joining, final)
-        if self.residual is not None:  # what top-k did not send, now that the round succeeded
-            local = flatten(self.weights.tensors())
-            for f, x in zip(syncing, started):
-                self.residual[self.mask(f)] = self._delta(f, local) - x.sent
-        for f in syncing:
-            self._step_fragment(f, averages[f])
-        self._write_fragments(syncing, 0.0)
-        metrics = {"outer_step": self.outer_step, "outer_quorum": len(self.membership.members),
-                   "outer_fragment": self.F if final else syncing[0], "outer_landed":
-                   self.F if final else syncing[0]}
-        applied = [Together(started, self._placed(averages))]
-        metrics.update(self._exchange_metrics(Together(started), applied, final))
-        metrics["outer_seconds"] = time.perf_counter() - start
-        return metrics
 
     def _decided(self, fragment: int, x: InFlight) -> InFlight:
         """x with its landing step decided (auto: waiting for its exchange, as a save does)."""
@@ -309,10 +275,19 @@ class FragmentedDiLoCo(DiLoCo):
             "outer_params": [p.detach().cpu().clone() for p in self.outer_params],
             "optimizers": self.outer_optimizer_state(),
             "residual": None if self.residual is None else self.residual.clone(),
-            "in_flight": {f: (self._decided(f, x).exchange.result().clone(), x.lands_at,
-                              x.synced_at) for f, x in self.in_flight.items()},
+            "in_flight": {f: self._saved_flight(f, x) for f, x in self.in_flight.items()},
             "peak_bytes": self.peak_bytes,
         }
+
+    def _saved_flight(self, fragment: int, x: InFlight) -> tuple:
+        """(its average, where it lands, where it synced, the kept pseudo-gradient, whether it is
+        this island's own) of an exchange in flight; the average is "lost" when an elastic
+        island died during it (its landing redoes it from the kept pseudo-gradients)."""
+        try:
+            average = self._decided(fragment, x).exchange.result().clone()
+        except RuntimeError:
+            average = "lost"
+        return average, x.lands_at, x.synced_at, x.delta, x.contributed
 
     def _load(self, state: dict) -> None:
         if (state.get("fragments", 1), state["numels"], state["mode"]) != (
@@ -368,8 +343,10 @@ class FragmentedDiLoCo(DiLoCo):
         for optimizer, buffer in zip(optimizers, buffers):
             if buffer is not None:
                 optimizer["state"] = {0: dict(optimizer["state"][0], momentum_buffer=buffer)}
-        landing = moved(lambda s: [s["in_flight"][f][0] if f in s["in_flight"] else None
-                                   for f in range(self.F)])
+        def flights(i: int):  # item i of each fragment's saved flight, where it is a vector
+            return lambda s: [_vector(s["in_flight"].get(f, ()), i) for f in range(self.F)]
+
+        landing, kept = moved(flights(0)), moved(flights(3))
         residual = None
         if first.get("residual") is not None:
             residual = torch.cat(relay(saved, self.weights.segments(), self.numels,
@@ -378,8 +355,8 @@ class FragmentedDiLoCo(DiLoCo):
         return dict(first, numels=self.numels, segments=self.weights.segments(),
                     neuron_share=self.weights.neuron_share(), optimizers=
                     optimizers, outer_params=moved(lambda s: s["outer_params"]), residual=residual,
-                    in_flight={f: (landing[f], *when) for f, (_, *when) in
-                               first["in_flight"].items()})
+                    in_flight={f: ("lost" if isinstance(v[0], str) else landing[f], *v[1:3],
+                                   kept[f], *v[4:]) for f, v in first["in_flight"].items()})
 
     def restart(self) -> None:
         """Start afresh from the current weights (a checkpoint saved without DiLoCo)."""
@@ -392,3 +369,7 @@ class FragmentedDiLoCo(DiLoCo):
             self.residual.zero_()
         self.optimizers = [self._make_optimizer([p]) for p in self.outer_params]
         self.in_flight, self.outer_step = {}, 0
+
+
+def _vector(saved: tuple, i: int) -> Optional[torch.Tensor]:
+    return saved[i] if len(saved) > i and torch.is_tensor(saved[i]) else None

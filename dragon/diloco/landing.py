@@ -41,6 +41,8 @@ class InFlight:
     exchange: object  # an Exchange, or a _Resolved average restored from a checkpoint
     lands_at: Optional[int]
     synced_at: int = 0
+    delta: Optional[torch.Tensor] = None  # elastic: the pseudo-gradient sent, for a redo
+    contributed: bool = True  # elastic: this island's own (a joiner sends zeros)
 
 
 class Together:
