@@ -53,14 +53,14 @@ def store():
         yield address
 
 
-def start(island, islands, out, text_file, store, env=None, extra=(), kind="zero2"):
+def start(island, islands, out, text_file, store, env=None, extra=(), kind="zero2", ranks=None):
     """Island `island` of `islands` as a launch of its own (ZeRO-2 on 1 rank, or a pipeline of
-    2 stages on 2 ranks)."""
+    2 stages on 2 ranks; `ranks`: so many instead)."""
     script, args = recipe_args(kind, out, text_file, STEPS, [*ELASTIC, *extra])
     args += ["--diloco_islands", str(islands), "--diloco_island_index", str(island)]
     args += ["--diloco_store", store]
     return subprocess.Popen(
-        launch_command("torchrun", 2 if kind == "pipeline" else 1, script, args),
+        launch_command("torchrun", ranks or (2 if kind == "pipeline" else 1), script, args),
         cwd=REPO,
         env=job_env(**(env or {})),
         stdout=subprocess.PIPE,
@@ -105,13 +105,16 @@ def test_a_survivor_trains_on_as_a_one_island_diloco_would(tmp_path, store):
             assert r["metrics"]["outer_grad_norm"] == norm, (mode, k)
 
 
-# delayed fragments: F = 2 of H 4, each landing a step after its sync; outer step 3 is fragment
-# 0's sync at step 4 (1: fragment 1's at step 2, 2: its landing at step 3)
-LOST = {"sync": ("2", []), "delayed": ("2", []),
-        "fragments": ("3", ["--diloco_mode", "delayed", "--diloco_fragments", "2"])}
+# mode -> (the outer step island 2 dies in, flags, ranks per island). Delayed fragments: F = 2
+# of H 4, each landing a step after its sync; outer step 3 is fragment 0's sync at step 4 (1:
+# fragment 1's at step 2, 2: its landing at step 3). Neurons: delayed islands of K=2 shares.
+LOST = {"sync": ("2", [], 1), "delayed": ("2", [], 1),
+        "fragments": ("3", ["--diloco_mode", "delayed", "--diloco_fragments", "2"], 1),
+        "neurons": ("2", ["--diloco_mode", "delayed", "--neuron_parallel", "2"], 2)}
 
 
-@pytest.mark.parametrize("mode", LOST)
+@pytest.mark.parametrize("mode", ["sync", "delayed", "fragments",
+                                  pytest.param("neurons", marks=pytest.mark.slow)])
 def test_an_island_lost_during_the_exchange_is_left_out_of_a_retry(
     tmp_path, text_file, store, mode
 ):
@@ -120,12 +123,13 @@ def test_an_island_lost_during_the_exchange_is_left_out_of_a_retry(
     (bit-identical weights after every outer step). Delayed: it dies with the exchange of outer
     step 2 in flight, so islands 0 and 1 find it failed at outer step 3, redo it among
     themselves, and end the run on identical weights. Delayed fragments: the same with fragment
-    0's exchange, found failed at its landing a step later. Both train to the end."""
+    0's exchange, found failed at its landing a step later. Delayed islands of 2 neuron shares:
+    as delayed, each rank redoing its share. Both train to the end."""
     out = tmp_path / "run"
-    dies_at, flags = LOST[mode]
+    dies_at, flags, ranks = LOST[mode]
     env = {"DRAGON_FAULT_EXIT_OUTER_STEP": dies_at, "DRAGON_FAULT_ISLAND": "2"}
     extra = [*(flags or ["--diloco_mode", mode]), "--diloco_outer_momentum", "0.3"]
-    procs = [start(i, 3, out, text_file, store, env, extra) for i in (0, 1, 2)]
+    procs = [start(i, 3, out, text_file, store, env, extra, ranks=ranks) for i in (0, 1, 2)]
     for proc in procs[:2]:
         stdout, stderr = proc.communicate(timeout=600)
         assert proc.returncode == 0, stderr[-3000:]
