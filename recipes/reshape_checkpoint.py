@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import HfArgumentParser
 
-from dragon.checkpoint.export import model_from_checkpoint, resolve_checkpoint
+from dragon.checkpoint.export import model_from_checkpoint
+from dragon.checkpoint.resolver import resolve_checkpoint
 from dragon.checkpoint.reshape import check_convertible, convert, saved_layout
 from dragon.parallel.layout import Layout
 from dragon.checkpoint.universal import fp32_weights

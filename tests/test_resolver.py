@@ -1,4 +1,4 @@
-"""One resolver for every tool's checkpoint path (dragon.checkpoint.export.resolve_checkpoint):
+"""One resolver for every tool's checkpoint path (dragon.checkpoint.resolver):
 a run directory, its checkpoints/, a tag directory (DeepSpeed's stepN of the ZeRO or the
 pipeline recipe, accelerate's checkpoint_N and its pytorch_model) all resolve to the same
 checkpoint, with one line that says what was found and what was taken; sample.py gives the same
@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO, job_env
 from test_checkpoints import STEPS, uninterrupted_run
 
-from dragon.checkpoint.export import resolve_checkpoint
+from dragon.checkpoint.resolver import resolve_checkpoint
 
 
 def forms(kind: str, out) -> list:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from dragon.checkpoint.background import BackgroundSaves
 from dragon.checkpoint.reshape import converted_tag
-from dragon.checkpoint.catalog import MARKER, damage_of, find_resume_checkpoint, last_complete
+from dragon.checkpoint.catalog import MARKER, last_complete
 from dragon.checkpoint.retention import all_or_nothing
 from dragon.errors import TrainingFailed
 from dragon.parallel.distributed import all_reduce_values, rank
@@ -248,31 +248,3 @@ def _loadable_form(engine) -> tuple[str, Optional[list[int]], bool, int]:
         return "pipeline", [int(p) for p in engine.module.parts], False, neurons
     form = "zero0" if engine.zero_optimization_stage() == 0 else "universal"
     return form, None, engine.bfloat16_enabled(), neurons
-
-
-def resolve_resume(resume: str, save_dir: str) -> tuple[str, str]:
-    """Map --resume_from_checkpoint (latest, a checkpoints dir, one tag dir or a tag of save_dir)
-    to (load_dir, tag).
-
-    A `latest` that is missing, corrupt or names a half-written or damaged tag falls back, with a
-    warning, to the newest whole checkpoint; a tag named outright must be whole. Every rank checks
-    every file's size and CRC-32 (a superset of the files it reads), so all ranks choose the same
-    checkpoint before any process group exists to agree on one.
-    """
-    path = save_dir if resume == "latest" else resume
-    if not os.path.isdir(path) and os.sep not in resume:  # a tag of this run's checkpoints
-        path = os.path.join(save_dir, resume)
-    if not os.path.isdir(path):
-        raise ValueError(f"--resume_from_checkpoint {resume}: no such directory ({path})")
-    if os.path.isfile(os.path.join(path, MARKER)):  # one complete tag directory
-        problem = damage_of(path, checksums=True)
-        if problem:
-            raise ValueError(f"--resume_from_checkpoint {resume}: {path} is damaged ({problem}); "
-                             "name another checkpoint, or `latest` for the newest whole one")
-        return os.path.dirname(os.path.abspath(path)), os.path.basename(os.path.normpath(path))
-    try:
-        return find_resume_checkpoint(path)
-    except ValueError:
-        raise ValueError(
-            f"--resume_from_checkpoint {resume}: {path} holds no complete checkpoint"
-        ) from None

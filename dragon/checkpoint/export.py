@@ -10,7 +10,6 @@ their checkpoints.
 """
 
 import os
-import sys
 import tempfile
 import time
 
@@ -25,15 +24,12 @@ from dragon.errors import TrainingFailed
 from dragon.parallel.distributed import rank
 from dragon.checkpoint.neuron_shares import neuron_shares, share_as_its_own
 from dragon.parallel.neurons import join_shares, whole_tensors
-from dragon.history import MetricHistory, metrics_path
 from dragon.model.baseline import is_bdh
 from dragon.model.bdh import BDHForCausalLM
 from dragon.model.remote_code import write_remote_code
 from dragon.parallel.pipeline import is_pipeline_checkpoint, model_from_pipeline_checkpoint
-from dragon.checkpoint.catalog import (ACCEL_RE, damage_of, find_resume_checkpoint, is_complete,
-                                       list_checkpoints, load_dir_and_tag, looks_like_tag_dir,
-                                       run_files_dir)
-from dragon.checkpoint.retention import RetentionPolicy
+from dragon.checkpoint.catalog import run_files_dir
+from dragon.checkpoint.resolver import is_hf_directory
 
 ROPE_KEY = "layer.attn.freqs"  # recomputed by the model, so a checkpoint may lack it
 
@@ -133,81 +129,6 @@ def _fp32_state(tag_dir: str) -> dict[str, torch.Tensor]:
     module = torch.load(os.path.join(tag_dir, universal.STATES), map_location="cpu",
                         weights_only=False)["module"]
     return {**module, **universal.fp32_weights(tag_dir)}
-
-
-def is_hf_directory(path: str) -> bool:
-    names = os.listdir(path) if os.path.isdir(path) else []
-    return "config.json" in names and any(n.endswith((".safetensors", ".bin")) for n in names)
-
-
-def resolve_checkpoint(path: str, checkpoint: str = "best", metric: str = "eval_loss") -> str:
-    """What PATH names, for every tool that reads a checkpoint (sample, export, reshape): a Hugging
-    Face directory or a checkpoint tag directory (DeepSpeed's stepN, accelerate's checkpoint_N or
-    its pytorch_model), as it is; a run's output directory (island 0's, for DiLoCo islands) or its
-    checkpoints/, its checkpoint `checkpoint`: "best" (by `metric` in the run's metrics.jsonl,
-    lowest; the latest complete one when none has it), "latest" (the one a resume takes) or a
-    tag. Says on stderr in one line what it found and chose; ValueError naming PATH otherwise."""
-    found, chosen = _resolve(os.path.normpath(path), checkpoint, metric)
-    print(f"{path}: {found}; takes {chosen}", file=sys.stderr)
-    return chosen
-
-
-def _resolve(path: str, checkpoint: str, metric: str) -> tuple[str, str]:
-    """(what `path` is, the directory to load) for resolve_checkpoint."""
-    if not os.path.isdir(path):
-        raise ValueError(f"{path}: no such directory")
-    if is_hf_directory(path):
-        return "a Hugging Face directory", path
-    if ACCEL_RE.match(os.path.basename(path)) and is_complete(path):  # accelerate's save_state
-        return "accelerate's checkpoint", _whole(os.path.join(*load_dir_and_tag(
-            os.path.dirname(path), os.path.basename(path))))
-    if _is_tag_dir(path):
-        return "a checkpoint tag directory", _whole(path)
-    if os.path.basename(path) == "checkpoints":
-        path = os.path.dirname(path) or "."
-    if os.path.isdir(os.path.join(path, "island0")):
-        path = os.path.join(path, "island0")
-    save_dir = os.path.join(path, "checkpoints")
-    if not os.path.isdir(save_dir):
-        raise ValueError(
-            f"{path}: neither a Hugging Face directory, a checkpoint tag directory, nor a run's "
-            "output directory (no checkpoints/)"
-        )
-    found = f"a run's checkpoints ({len(list_checkpoints(save_dir))} in {save_dir})"
-    if checkpoint not in ("best", "latest"):
-        named = os.path.join(save_dir, checkpoint)
-        if not is_complete(named):
-            raise ValueError(f"--checkpoint {checkpoint}: {named} is not a complete checkpoint")
-        return found, _whole(os.path.join(*load_dir_and_tag(save_dir, checkpoint)))
-    try:
-        latest = os.path.join(*find_resume_checkpoint(save_dir))
-    except ValueError:
-        raise ValueError(
-            f"{path}: no complete checkpoint in {save_dir} yet; pass a run that has saved one, "
-            "a checkpoint tag directory or a Hugging Face directory"
-        ) from None
-    if checkpoint == "latest":
-        return f"{found}, the one a resume takes", latest
-    complete = {n: s for n, s in list_checkpoints(save_dir).items()
-                if is_complete(os.path.join(save_dir, n))
-                and damage_of(os.path.join(save_dir, n), checksums=True) is None}
-    history = MetricHistory(metrics_path(path)).load()
-    best = RetentionPolicy(metric_for_best_model=metric).best(complete, history)
-    if not best:
-        return f"{found}, none with {metric}: the latest", latest
-    return f"{found}, the best by {metric}", os.path.join(*load_dir_and_tag(save_dir, best))
-
-
-def _whole(tag_dir: str) -> str:
-    problem = damage_of(tag_dir, checksums=True)
-    if problem:
-        raise ValueError(f"{tag_dir} is damaged ({problem}); name another checkpoint")
-    return tag_dir
-
-
-def _is_tag_dir(path: str) -> bool:
-    return os.path.isfile(os.path.join(run_files_dir(path), "config.json")) and (
-        looks_like_tag_dir(path))
 
 
 def load_model(path: str):

@@ -7,7 +7,7 @@ import os
 import warnings
 from typing import Optional
 
-from dragon.checkpoint.checkpointer import resolve_resume
+from dragon.checkpoint.resolver import resolve_resume
 from dragon.parallel.layout import Layout
 from dragon.checkpoint.reshape import (regroup_message, reshape_message, saved_islands,
                                        saved_layout)
