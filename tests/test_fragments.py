@@ -198,6 +198,9 @@ def test_four_delayed_int4_fragments_on_zero2_islands(runs, tmp_path, monkeypatc
            "--mlp_internal_dim_multiplier", "8", "--resume_from_checkpoint", "latest"]
     assert "holds DiLoCo state in 4 fragment(s); resume it with --diloco_fragments 4" in (
         run_recipe_in_process(monkeypatch, "recipes/pretrain.py", one, {"WORLD_SIZE": "4"}))
+    synced = [*one, "--diloco_fragments", "4"]  # sync mode, the default
+    assert "holds DiLoCo state of --diloco_mode delayed; resume it with --diloco_mode delayed" in (
+        run_recipe_in_process(monkeypatch, "recipes/pretrain.py", synced, {"WORLD_SIZE": "4"}))
 
 
 @pytest.mark.slow

@@ -226,7 +226,8 @@ def attach_retention(
     ce = getattr(engine, "checkpoint_engine", None)
     if ce is not None and hasattr(ce, "is_decoupled") and ce.is_decoupled():
         # a decoupled engine is still writing when save_checkpoint returns: no point is safe to mark
-        raise ValueError("attach_retention: decoupled checkpoint engines are not supported")
+        raise ValueError("attach_retention: decoupled checkpoint engines are not supported; "
+                         "--save_async writes in the background instead")
     original = getattr(engine, "_dragon_save_checkpoint", None) or engine.save_checkpoint
     first_save = [True]
 

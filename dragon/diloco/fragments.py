@@ -295,7 +295,8 @@ class FragmentedDiLoCo(ElasticFragments, DiLoCo):
             raise ValueError(
                 f"DiLoCo state of {state.get('fragments', 1)} fragments, mode {state['mode']} "
                 f"does not fit --diloco_fragments {self.F}, mode {self.mode} on this layout; "
-                "resume with the run's own --diloco_fragments, mode, ZeRO stage and island size")
+                f"resume with --diloco_fragments {state.get('fragments', 1)} --diloco_mode "
+                f"{state['mode']} on the ZeRO stage and island size it was saved with")
         if state.get("cut", RUNS) != self.cut:  # saved before the cut was interleaved
             self.cut = state.get("cut", RUNS)
             self.ids = fragment_ids(self.weights.segments(), self.weights.shapes(), self.numels,

@@ -82,12 +82,15 @@ class OuterState:
             raise ValueError(f"DiLoCo state of {state['fragments']} fragments does not fit "
                              f"--diloco_fragments 1; resume with --diloco_fragments "
                              f"{state['fragments']}")
-        if state["numels"] != self.numels or state["mode"] != self.mode:
+        if state["mode"] != self.mode:
+            raise ValueError(f"DiLoCo state of --diloco_mode {state['mode']} does not fit "
+                             f"--diloco_mode {self.mode}; resume with --diloco_mode "
+                             f"{state['mode']}")
+        if state["numels"] != self.numels:
             raise ValueError(
-                f"DiLoCo state for mode {state['mode']} and {len(state['numels'])} tensors "
-                "does not fit "
-                f"mode {self.mode} and {len(self.numels)} tensors; was the model, ZeRO stage or "
-                "island size changed?"
+                f"DiLoCo state of {len(state['numels'])} tensors does not fit this layout's "
+                f"{len(self.numels)}; resume with the model, ZeRO stage and island size it was "
+                "saved with"
             )
         with torch.no_grad():
             for p, saved in zip(self.outer_params, state["outer_params"]):
@@ -174,10 +177,11 @@ def check_diloco_state(tag_dir: str, neurons: int = 1) -> list[str]:
     return files
 
 
-def saved_fragments(tag_dir: str) -> Optional[int]:
-    """--diloco_fragments of the run that saved `tag_dir` (None: it holds no DiLoCo state)."""
+def saved_fragments(tag_dir: str) -> Optional[tuple[int, str]]:
+    """(--diloco_fragments, --diloco_mode) of the run that saved `tag_dir` (None: it holds no
+    DiLoCo state)."""
     first = _state_files(tag_dir)[1]
-    return None if first is None else first.get("fragments", 1)
+    return None if first is None else (first.get("fragments", 1), first["mode"])
 
 
 def saved_states(tag_dir: str) -> list[dict]:

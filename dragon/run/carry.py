@@ -97,7 +97,8 @@ class CarriedState:
         if len(state["states"]) != len(self.caches):
             raise ValueError(
                 f"the checkpoint carries {len(state['states'])} micro-batch slots of state, this "
-                f"run has {len(self.caches)}; resume with the same batch layout"
+                f"run has {len(self.caches)}; resume with the saved run's "
+                "--per_device_train_batch_size and --gradient_accumulation_steps"
             )
         for cache, states, position in zip(self.caches, state["states"], state["positions"]):
             cache.states = [None if s is None else s.to(self.device) for s in states]

@@ -136,9 +136,11 @@ def check_output_dir(args: TrainingArguments, diloco: DiLoCoArguments) -> None:
             )
 
 
-# What a model's size is, in BDH's config and in the baselines' (GPT-2, Llama)
+# What a model's size is, in BDH's config and in the baselines' (GPT-2, Llama); FLAGS: those
+# that are the recipes' flags as they are
 SIZES = ("model_type", "n_layer", "n_embd", "n_head", "mlp_internal_dim_multiplier", "vocab_size",
          "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+FLAGS = SIZES[:5]
 
 
 def check_resume_sizes(config, resume: dict[int, tuple[str, str]]) -> None:
@@ -155,20 +157,28 @@ def check_resume_sizes(config, resume: dict[int, tuple[str, str]]) -> None:
         if wrong:
             theirs = ", ".join(f"{k}={saved.get(k)}" for k in wrong)
             ours = ", ".join(f"{k}={ours_all.get(k)}" for k in wrong)
+            flags = [f"--{k} {saved.get(k)}" for k in wrong if k in FLAGS]
+            fix = (" ".join(flags) if len(flags) == len(wrong) else "the run's own arguments "
+                   f"(its {os.path.join(load_dir, 'run.json')} as the config file)")
             raise ValueError(
                 f"--resume_from_checkpoint: {os.path.join(load_dir, tag)} holds a model with "
-                f"{theirs}, this run builds {ours}; resume with the same sizes"
+                f"{theirs}, this run builds {ours}; resume with {fix}"
             )
 
 
 def check_resume_fragments(resume: dict[int, tuple[str, str]], diloco: DiLoCoArguments) -> None:
-    """Raise when a resume target's DiLoCo state is cut in another number of fragments."""
+    """Raise when a resume target's DiLoCo state is cut in another number of fragments, or kept
+    for another mode."""
     if not diloco.enabled:
         return
     for load_dir, tag in resume.values():
         path = os.path.join(load_dir, tag)
         saved = saved_fragments(path)
-        if saved is not None and saved != diloco.diloco_fragments:
+        if saved is not None and saved[0] != diloco.diloco_fragments:
             raise ValueError(
                 f"--diloco_fragments {diloco.diloco_fragments}: {path} holds DiLoCo state in "
-                f"{saved} fragment(s); resume it with --diloco_fragments {saved}")
+                f"{saved[0]} fragment(s); resume it with --diloco_fragments {saved[0]}")
+        if saved is not None and saved[1] != diloco.diloco_mode:
+            raise ValueError(
+                f"--diloco_mode {diloco.diloco_mode}: {path} holds DiLoCo state of "
+                f"--diloco_mode {saved[1]}; resume it with --diloco_mode {saved[1]}")
