@@ -25,7 +25,7 @@ from dragon.checkpoint import universal
 from dragon.model.bdh import BDHConfig, BDHForCausalLM
 from dragon.model.attention import rope_frequencies
 from dragon.parallel.neurons import SHARDED, join_shares, share_of
-from dragon.parallel.pipeline import SHARED_KEY, SHARED_WEIGHTS
+from dragon.parallel.pipeline import plain_names
 
 
 def neuron_shares(tag_dir: str) -> list[str]:
@@ -63,12 +63,13 @@ def universal_from_shares(tag_dir: str, out: str, config: BDHConfig, stages: int
             else:
                 universal.from_deepspeed(lone, folder)
             folders.append(folder)
-        # where each of the whole model's parameters is: (its name there, the parts' folders)
-        where = {f"layer.{n}": (f"tied_modules.{SHARED_KEY}.{n}", folders[:k])  # stage 0's copy
-                 for n in SHARED_WEIGHTS} if stages > 1 else {}
+        # where each of the whole model's parameters is: (its name there, the parts' folders:
+        # the block's on stage 0, the embedding's on stage 0, the head's on the last stage)
+        where = {}
         if stages > 1:
-            where["embed.weight"] = ("0.embed.weight", folders[:1])
-            where["lm_head"] = (f"{config.n_layer + 1}.lm_head", folders[-k:][:1])
+            held = {"embed.weight": folders[:1], "lm_head": folders[-k:][:1]}
+            where = {plain: (ours, held.get(plain, folders[:k]))
+                     for ours, plain in plain_names(config).items()}
         names = [n for n, _ in BDHForCausalLM(config).named_parameters()] if stages > 1 else \
             list(universal.parameter_shapes(_states(folders[0])))
         zero, weights = os.path.join(out, "zero"), {}
