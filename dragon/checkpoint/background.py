@@ -2,10 +2,10 @@
 
 A save hands every file it writes to BackgroundSaves instead of writing it. Once the save's calls
 return, start() takes the snapshot: it copies every tensor storage of the save's states into one
-shared-memory buffer of the rank (a memfd, allocated at the first save and grown only when a save
+shared-memory buffer of the rank (a memfd, sized at the first save and grown only when a save
 outgrows it) and pickles the rest of the states, a few kilobytes, with each storage named by its
-place in the buffer. The writer process of the rank (dragon.checkpoint.writer: started once, at
-the first save, from a fresh interpreter at the lowest priority) rebuilds the states on the buffer,
+place in the buffer. The rank's writer process (dragon.checkpoint.writer: a fresh interpreter at
+the lowest priority, started once, with the BackgroundSaves) rebuilds the states on the buffer,
 writes each file with the save's own writer (torch.save, DeepSpeed's checkpoint engine), checksums
 and fsyncs it, and reports back through a pipe. So the step pays for a memory copy and a message:
 no fork copies the rank's page tables, no copy-on-write charges the steps after it for every page
@@ -58,7 +58,7 @@ class BackgroundSaves:
     def __init__(self):
         self._jobs: list[tuple] = []  # (GuardedWrites, write, state, path) not yet started
         self._writing: list = []  # the GuardedWrites of the save in the writer, till it reports
-        self._writer: Optional[WriterProcess] = None
+        self._writer = WriterProcess()  # now: it has imported what it needs by the first save
         self._completions: list[Callable[[], None]] = []
 
     def submit(self, writes, write: Callable[[Any, str], None], state: Any, path: str) -> None:
@@ -80,7 +80,7 @@ class BackgroundSaves:
             return
         self._collect(block=True)  # the buffer is that save's until it is written
         jobs, self._jobs = self._jobs, []
-        if self._writer is None or not self._writer.alive():
+        if not self._writer.alive():  # it died with the save before: another
             self._writer = WriterProcess()
         groups = list({id(writes): writes for writes, *_ in jobs}.values())
         index = {id(writes): i for i, writes in enumerate(groups)}

@@ -12,8 +12,9 @@ A resume loads what the checkpoint holds for this rank. A piece whose own saved 
 or was saved by another layout (dragon.checkpoint.reshape) or by another island, is handed the
 whole checkpoint instead through its `resume_elsewhere(saved)`, when it has one.
 
-With `save_async` (--save_async) a save returns once it has forked a writer process of its files
-(the fork is the snapshot); the save completes at a later poll() (dragon.checkpoint.background).
+With `save_async` (--save_async) a save returns once its files' states are copied into shared
+memory for the rank's writer process (the copy is the snapshot); the save completes at a later
+poll() (dragon.checkpoint.background).
 A save waits for the one in flight first, and wait() (a preemption's save, the last one) waits
 for both.
 """

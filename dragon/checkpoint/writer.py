@@ -1,6 +1,6 @@
 """The writer process of a rank's background saves (--save_async; dragon.checkpoint.background).
 
-A rank starts one, at its first background save, as a fresh interpreter at the lowest priority:
+A rank starts one, with its BackgroundSaves, as a fresh interpreter at the lowest priority:
 it yields the CPU to training wherever both want it (the write takes longer, the steps do not). It
 reads saves from a pipe, each a skeleton of the save's states whose tensor storages lie in the
 rank's shared buffer; rebuilds the states on that buffer; writes, checksums and fsyncs every file
