@@ -1,7 +1,8 @@
 """The writer process of --save_async (dragon.checkpoint.background, dragon.checkpoint.writer),
 in one process: a file written from the shared buffer is torch.save's file byte for byte; a writer
 that dies fails the save in one line rather than hanging it, and the next save starts another; the
-writer dies with its rank. The jobs: tests/test_save_async.py."""
+writer dies with its rank. Also the finiteness check that every save makes first. The jobs:
+tests/test_save_async.py."""
 
 import os
 import signal
@@ -116,3 +117,18 @@ def _state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_the_finiteness_check_of_a_save_sees_one_bad_value(dtype, value):
+    """dragon.checkpoint.checkpointer.weights_finite, one pass over each tensor: one NaN or inf
+    anywhere, in a contiguous tensor or a strided view."""
+    from dragon.checkpoint.checkpointer import _finite
+
+    weights = torch.randn(100_003).to(dtype)
+    assert _finite(weights) and _finite(weights[::3]) and _finite(torch.empty(0))
+    for where in (0, 17, 50_001, 99_999, 100_002):
+        bad = weights.clone()
+        bad[where] = value
+        assert not _finite(bad) and not _finite(bad[where % 3::3]), where

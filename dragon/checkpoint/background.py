@@ -45,9 +45,12 @@ import torch.distributed as dist
 from dragon.parallel.distributed import all_reduce_values
 
 ALIGNMENT = 64  # bytes: each storage's place in the buffer
-# the writer takes the lowest priority before it imports anything; it runs this very dragon
-BOOT = ("import os, sys; os.setpriority(os.PRIO_PROCESS, 0, 19); sys.path.insert(0, sys.argv[1]);"
-        " from dragon.checkpoint.writer import main; main(*map(int, sys.argv[2:]))")
+# The writer takes the lowest priority before it imports anything (SCHED_IDLE: a training thread
+# that wakes takes its core at once, not after a slice), and runs this very dragon.
+BOOT = ("import os, sys; os.setpriority(os.PRIO_PROCESS, 0, 19); "
+        "os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0)); "
+        "sys.path.insert(0, sys.argv[1]); "
+        "from dragon.checkpoint.writer import main; main(*map(int, sys.argv[2:]))")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

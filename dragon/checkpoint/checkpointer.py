@@ -225,10 +225,17 @@ def _resume_elsewhere(state: Stateful, saved: Saved) -> None:
 
 def weights_finite(engine) -> bool:
     """Whether every rank's weights (its ZeRO-3 partitions) are finite: a collective."""
-    finite = all(
-        bool(torch.isfinite(getattr(p, "ds_tensor", p)).all()) for p in engine.module.parameters()
-    )
+    finite = all(_finite(getattr(p, "ds_tensor", p)) for p in engine.module.parameters())
     return all_reduce_values([float(not finite)], dist.ReduceOp.MAX)[0] == 0
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    """Whether every value is finite: its least and greatest are (a NaN anywhere makes both NaN),
+    in one pass that allocates nothing of the tensor's size."""
+    if tensor.numel() == 0:
+        return True
+    low, high = tensor.detach().aminmax()
+    return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
 def _unmark(tag_dir: str) -> None:
