@@ -1,8 +1,8 @@
 """The writer process of --save_async (dragon.checkpoint.background, dragon.checkpoint.writer),
 in one process: a file written from the shared buffer is torch.save's file byte for byte; a writer
 that dies fails the save in one line rather than hanging it, and the next save starts another; the
-writer dies with its rank. Also the finiteness check that every save makes first. The jobs:
-tests/test_save_async.py."""
+writer dies with its rank; it removes the checkpoints a prune deleted. Also the finiteness check
+that every save makes first. The jobs: tests/test_save_async.py."""
 
 import os
 import signal
@@ -132,3 +132,13 @@ def test_the_finiteness_check_of_a_save_sees_one_bad_value(dtype, value):
         bad = weights.clone()
         bad[where] = value
         assert not _finite(bad) and not _finite(bad[where % 3::3]), where
+
+
+def test_the_writer_removes_a_deleted_checkpoint_and_complete_waits_for_it(tmp_path):
+    trash = tmp_path / ".deleting-step2"
+    (trash / "global_step2").mkdir(parents=True)
+    (trash / "global_step2" / "optim.pt").write_bytes(b"x" * 2**20)
+    saves = BackgroundSaves()
+    saves.remove(str(trash))
+    saves.complete()
+    assert not trash.exists()

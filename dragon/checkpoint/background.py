@@ -17,7 +17,8 @@ waits for the writer's report of the one before it.
 What makes a save complete stays on the training thread, where every rank calls the same
 collectives in the same order: once every rank's writer has reported (poll(), after each step),
 the save's completions run (dragon.checkpoint.retention: every rank's writes agreed, then the
-completion marker, `latest` and the prune). Until then the checkpoint has no marker, so a crash or
+completion marker, `latest` and the prune, whose deleted checkpoints the writer removes: freeing
+their pages takes no training time). Until then the checkpoint has no marker, so a crash or
 a SIGKILL during a background write leaves the previous checkpoint as the resume point; the writer
 dies with its rank (it ignores the SIGTERM and SIGINT that its rank acts on). A writer that ends
 before it reports fails the save in flight on every rank (SaveFailed); the next save starts
@@ -34,6 +35,7 @@ import io
 import mmap
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from multiprocessing.connection import Connection
@@ -63,6 +65,7 @@ class BackgroundSaves:
         self._writing: list = []  # the GuardedWrites of the save in the writer, till it reports
         self._writer = WriterProcess()  # now: it has imported what it needs by the first save
         self._completions: list[Callable[[], None]] = []
+        self._removing = False  # the writer was handed a directory to remove since it settled
 
     def submit(self, writes, write: Callable[[Any, str], None], state: Any, path: str) -> None:
         """Have the writer process write `state` to `path` with write(state, path) for `writes`
@@ -111,16 +114,31 @@ class BackgroundSaves:
                 return
         elif not self.written():
             return
-        self.complete()
+        self.complete(settle=False)
 
-    def complete(self) -> None:
+    def complete(self, settle: bool = True) -> None:
         """Wait for this rank's writes, then run the completions in order (a collective): they
-        raise SaveFailed on every rank when some rank's writes failed."""
+        raise SaveFailed on every rank when some rank's writes failed. `settle`: then wait for
+        the directories the writer was handed to remove, too (before the rank goes on to a save
+        or exits)."""
         self.start()
         self._collect(block=True)
         completions, self._completions = self._completions, []
         for completion in completions:
             completion()
+        if settle and self._removing:
+            self._writer.settle()
+            self._removing = False
+
+    def remove(self, path: str) -> None:
+        """Have the writer remove the directory `path` (a deleted checkpoint, renamed out of the
+        way: dragon.checkpoint.retention), after what it was handed before; freeing the pages of
+        its files takes no training time. complete() waits for it."""
+        if self._writer.alive():
+            self._writer.outbox.send_bytes(pickle.dumps(("remove", path)))
+            self._removing = True
+        else:
+            shutil.rmtree(path, ignore_errors=True)
 
     def _collect(self, block: bool) -> bool:
         """The writer's report into each GuardedWrites of the save it writes, if it has reported
@@ -175,8 +193,17 @@ class WriterProcess:
             if size:
                 self.buffer.view[offset:offset + size].copy_(_bytes_of(storage))
         self._groups = groups
-        message = (self.buffer.size, places, groups, skeleton.getvalue())
+        message = ("save", self.buffer.size, places, groups, skeleton.getvalue())
         self.outbox.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def settle(self) -> None:
+        """Wait until the writer has done all it was handed (the removals after a save's
+        report); at once if it has ended."""
+        try:
+            self.outbox.send_bytes(pickle.dumps(("settle",)))
+            self.inbox.recv_bytes()
+        except (EOFError, OSError):
+            pass
 
     def report(self, block: bool) -> Optional[dict]:
         """The writer's report of the save it was sent ({group: (error, checksums)}), or None

@@ -5,9 +5,10 @@ it yields the CPU to training wherever both want it (the write takes longer, the
 reads saves from a pipe, each a skeleton of the save's states whose tensor storages lie in the
 rank's shared buffer; rebuilds the states on that buffer; writes, checksums and fsyncs every file
 with dragon.checkpoint.writes.GuardedWrites (the first failed write of a group of files skips the
-rest of that group); and sends back each group's error and checksums. It ends with its rank
-(Linux's PR_SET_PDEATHSIG, and the end of its pipe): a killed rank leaves no process writing into
-a checkpoint that a resume may save again.
+rest of that group); and sends back each group's error and checksums. Between saves it removes
+the checkpoints that the retention hook deleted (renamed out of the way), in the order handed. It
+ends with its rank (Linux's PR_SET_PDEATHSIG, and the end of its pipe): a killed rank leaves no
+process writing into a checkpoint that a resume may save again.
 """
 
 import ctypes
@@ -15,6 +16,7 @@ import io
 import mmap
 import os
 import pickle
+import shutil
 import signal
 import sys
 import traceback
@@ -38,10 +40,16 @@ def main(parent: int, inbox_fd: int, outbox_fd: int, buffer_fd: int) -> None:
         sys.path.extend(path for path in paths if path not in sys.path)
         buffer = Buffer(buffer_fd)
         while True:
-            size, places, groups, skeleton = pickle.loads(inbox.recv_bytes())
-            buffer.map(size)
-            report = write(groups, skeleton, [buffer.storage(*place) for place in places])
-            outbox.send_bytes(pickle.dumps(report))
+            kind, *message = pickle.loads(inbox.recv_bytes())
+            if kind == "save":
+                size, places, groups, skeleton = message
+                buffer.map(size)
+                report = write(groups, skeleton, [buffer.storage(*place) for place in places])
+                outbox.send_bytes(pickle.dumps(report))
+            elif kind == "remove":  # a deleted checkpoint, renamed out of the way
+                shutil.rmtree(message[0], ignore_errors=True)
+            elif kind == "settle":  # all that came before is done
+                outbox.send_bytes(b"")
     except (EOFError, OSError):  # the rank is done (or gone)
         pass
 
