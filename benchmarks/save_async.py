@@ -5,13 +5,15 @@
 One process, a real DeepSpeed ZeRO-2 engine (fp32, torch's AdamW) of a BDH at the reference's sizes
 but twice its neurons (--mult 256: 50.5M parameters, ~770 MB a checkpoint with the optimizer, so
 that a synchronous save takes seconds here), saved through dragon's Checkpointer and retention hook
-as the recipes save. Windows of --steps training steps are timed three ways, back to back,
---repeats times: no save, a synchronous save at the window's start, an asynchronous save at its
-start (polled after every step, and waited for at the window's end, so that a write that outlasts
-the window is counted). Other jobs on the machine only ever add time, so the time a save costs is
-its fastest window less the fastest no-save window; the asynchronous cost is also given as a ratio
-of the synchronous one, with how long the save call itself held the step (median) and the load
-average around the run.
+as the recipes save. The asynchronous saves' writer process is started with the engine, as a recipe
+starts it with its Checkpointer, and one untimed save of each kind comes first (the writer's
+shared buffer is allocated at the first save). Windows of --steps training steps are then timed
+three ways, back to back, --repeats times: no save, a synchronous save at the window's start, an
+asynchronous save at its start (polled after every step, and waited for at the window's end, so
+that a write that outlasts the window is counted). Other jobs on the machine only ever add time,
+so the time a save costs is its fastest window less the fastest no-save window; the asynchronous
+cost is also given as a ratio of the synchronous one, with how long the save call itself held the
+step (median) and the load average around the run.
 """
 
 import argparse
@@ -79,6 +81,7 @@ def main() -> None:
     args = parser.parse_args()
     load = f"{os.getloadavg()[0]:.1f}"
     deepspeed.init_distributed("gloo")
+    background = BackgroundSaves()  # its writer process starts now
     engine, batch = engine_of(args.n_layer, args.mult, args.block)
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
         attach_retention(engine, RetentionPolicy(1, None),
@@ -86,7 +89,8 @@ def main() -> None:
         checkpointer = Checkpointer(engine, os.path.join(tmp, "checkpoints"))
         for _ in range(3):
             train_step(engine, batch)
-        background = BackgroundSaves()
+        for mode in ("sync", "async"):  # untimed
+            window(engine, batch, checkpointer, 1, mode, background)
         times = {"none": [], "sync": [], "async": []}
         calls = {"sync": [], "async": []}
         for _ in range(args.repeats):

@@ -62,7 +62,7 @@ def test_a_full_disk_stops_in_one_line_and_resumes_exactly(small_disk, runs, tmp
 
 
 def test_a_disk_full_during_a_background_write_stops_in_one_line(small_disk, text_file):
-    """--save_async: the step-8 save's files do not fit; the writer thread's failure reaches every
+    """--save_async: the step-8 save's files do not fit; the writer process's failure reaches every
     rank at the next step's poll (or the last step's wait), which stops them in one line; `latest`
     keeps naming step4 and the partial step8 is gone."""
     out = small_disk / "run"

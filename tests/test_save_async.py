@@ -1,8 +1,9 @@
-"""--save_async: saves written in the background by real 2-rank jobs. The step returns once a
-writer process of the save's files is forked; a checkpoint is marked (and `latest` moves) only
-once every rank's files are written. A fault hook (tests/faults: DRAGON_FAULT_HOLD_SAVE_STEP)
-holds one save's writes, so that a write is in flight for as long as a test needs. The full
-disk: tests/test_disk.py."""
+"""--save_async: saves written in the background by real 2-rank jobs. The step returns once the
+save's states are copied into the rank's shared buffer for its writer process; a checkpoint is
+marked (and `latest` moves) only once every rank's files are written. A fault hook (tests/faults:
+DRAGON_FAULT_HOLD_SAVE_STEP) holds one save's writes, so that a write is in flight for as long as
+a test needs. The full disk: tests/test_disk.py; the writer process alone:
+tests/test_save_writer.py."""
 
 import json
 import os

@@ -12,8 +12,9 @@ A resume loads what the checkpoint holds for this rank. A piece whose own saved 
 or was saved by another layout (dragon.checkpoint.reshape) or by another island, is handed the
 whole checkpoint instead through its `resume_elsewhere(saved)`, when it has one.
 
-With `save_async` (--save_async) a save returns once it has forked a writer process of its files
-(the fork is the snapshot); the save completes at a later poll() (dragon.checkpoint.background).
+With `save_async` (--save_async) a save returns once its files' states are copied into shared
+memory for the rank's writer process (the copy is the snapshot); the save completes at a later
+poll() (dragon.checkpoint.background).
 A save waits for the one in flight first, and wait() (a preemption's save, the last one) waits
 for both.
 """
@@ -226,10 +227,17 @@ def _resume_elsewhere(state: Stateful, saved: Saved) -> None:
 
 def weights_finite(engine) -> bool:
     """Whether every rank's weights (its ZeRO-3 partitions) are finite: a collective."""
-    finite = all(
-        bool(torch.isfinite(getattr(p, "ds_tensor", p)).all()) for p in engine.module.parameters()
-    )
+    finite = all(_finite(getattr(p, "ds_tensor", p)) for p in engine.module.parameters())
     return all_reduce_values([float(not finite)], dist.ReduceOp.MAX)[0] == 0
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    """Whether every value is finite: its least and greatest are (a NaN anywhere makes both NaN),
+    in one pass that allocates nothing of the tensor's size."""
+    if tensor.numel() == 0:
+        return True
+    low, high = tensor.detach().aminmax()
+    return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
 def _unmark(tag_dir: str) -> None:

@@ -93,10 +93,15 @@ def _ignore_missing(func, path, exc_info) -> None:
         raise exc_info[1]
 
 
-def _delete(save_dir: str, name: str) -> bool:
-    """Rename to a hidden name first, so a crash mid-rmtree never leaves a checkpoint-looking dir.
-    The checkpoint's conversions for another layout (dragon.checkpoint.reshape) go with it, after
-    it.
+def _remove_tree(path: str) -> None:
+    shutil.rmtree(path, onerror=_ignore_missing)
+
+
+def _delete(save_dir: str, name: str, remove: Callable[[str], None] = _remove_tree) -> bool:
+    """Rename to a hidden name first, so a crash mid-rmtree never leaves a checkpoint-looking dir;
+    then remove(the hidden dir) (with --save_async the writer process's, off the training
+    thread). The checkpoint's conversions for another layout (dragon.checkpoint.reshape) go with
+    it, after it.
     """
     trash = os.path.join(save_dir, DELETING + name)
     if os.path.exists(trash):
@@ -105,7 +110,7 @@ def _delete(save_dir: str, name: str) -> bool:
         os.rename(os.path.join(save_dir, name), trash)
     except FileNotFoundError:
         return False
-    shutil.rmtree(trash, onerror=_ignore_missing)
+    remove(trash)
     for suffix in CONVERSIONS:
         shutil.rmtree(os.path.join(save_dir, name + suffix), onerror=_ignore_missing)
     return True
@@ -116,9 +121,10 @@ def prune(
     policy: RetentionPolicy,
     history: dict[int, dict],
     current_tag: Optional[str] = None,
+    remove: Callable[[str], None] = _remove_tree,
 ) -> list[str]:
     """Delete the checkpoints under save_dir that the policy does not keep; returns the names
-    deleted.
+    deleted. remove(path) removes a deleted checkpoint's renamed directory (_delete).
     """
     for name in list_dir(save_dir):  # leftovers of a delete that crashed
         if name.startswith(DELETING) and parse_name(name[len(DELETING) :]):
@@ -141,7 +147,7 @@ def prune(
     deleted = []
     for name in sorted(doomed - protected, key=lambda n: (found[n], n)):
         try:
-            if _delete(save_dir, name):
+            if _delete(save_dir, name, remove):
                 deleted.append(name)
         except OSError as e:  # a permission problem must not kill the training run
             logger.warning("retention: could not delete %s: %s", os.path.join(save_dir, name), e)
@@ -258,7 +264,8 @@ def attach_retention(
                                             "files": files})
                     if save_latest and rank() == 0:
                         _write_atomically(os.path.join(save_dir, "latest"), tag)
-                    prune(root, policy, history, current_tag=base if accelerate else tag)
+                    prune(root, policy, history, current_tag=base if accelerate else tag,
+                          remove=_remover(writes))
             finally:
                 # nobody starts the next save while deletion runs; a failure here still frees the
                 # others
@@ -271,6 +278,12 @@ def attach_retention(
 
     engine._dragon_save_checkpoint = original
     engine.save_checkpoint = save_checkpoint  # an instance attribute: recipes and accelerate use it
+
+
+def _remover(writes: GuardedWrites) -> Callable[[str], None]:
+    """How a prune removes a deleted checkpoint's directory: with --save_async the writer process
+    does, so that freeing its files' pages takes no training time."""
+    return _remove_tree if writes.background is None else writes.background.remove
 
 
 def _check_metric_recorded(metric: Optional[str], expected: set, hist_file: str) -> None:

@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
 
-from dragon.checkpoint.background import durable
 from dragon.checkpoint.verify import crc32_of
 
 # torch's writer and safetensors report a full disk as errors of their own, not OSError
@@ -52,10 +51,13 @@ class GuardedWrites:
         elif self.error is None:
             self.background.submit(self, write, state_dict, path)
 
-    def write_now(self, write: Callable[[Any, str], None], state_dict, path: str) -> None:
+    def write_now(self, write: Callable[[Any, str], None], state_dict, path: str,
+                  fsync: bool = False) -> None:
+        """write(state_dict, path), then its checksum; `fsync`: then make it durable (a
+        background save is marked only once its files are)."""
         self.run(write, state_dict, path)
         self.run(self._checksum, path)  # read back while the bytes are in the page cache
-        if self.background is not None:  # a background save is marked only once it is durable
+        if fsync:
             self.run(durable, path)
 
     def _checksum(self, path: str) -> None:
@@ -97,6 +99,16 @@ class GuardedWrites:
             raise SaveFailed(f"saving {what} failed on rank {', '.join(map(str, failed))} "
                              f"({reports[failed[0]][0]})")
         return {path: crc for _, checksums in reports for path, crc in checksums.items()}
+
+
+def durable(path: str) -> None:
+    """fsync a written file, so that a marker written after it never names bytes still in the
+    page cache only."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_error(error: BaseException, path: Optional[str], state: Any = None) -> str:

@@ -121,9 +121,10 @@ class TrainingArguments:
         "Save a DeepSpeed checkpoint every N steps (and at the end).", default=500
     )
     save_async: bool = _help(
-        "Write checkpoints in the background: each rank forks a writer process and trains on; "
-        "the checkpoint is marked once every rank's files are written (the ZeRO and pipeline "
-        "recipes; the JSON's checkpoint.writer.decoupled: true too).", default=False
+        "Write checkpoints in the background: each rank copies the state into shared memory for "
+        "its writer process and trains on; the checkpoint is marked once every rank's files are "
+        "written (the ZeRO and pipeline recipes; the JSON's checkpoint.writer.decoupled: true "
+        "too).", default=False
     )
     save_total_limit: int = _help("Checkpoints kept: the last N, plus the best one.", default=2)
     metric_for_best_model: Optional[str] = _help(
