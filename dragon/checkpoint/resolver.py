@@ -28,8 +28,6 @@ def resolve_resume(resume: str, save_dir: str) -> tuple[str, str]:
     path = save_dir if resume == "latest" else resume
     if not os.path.isdir(path) and os.sep not in resume:  # a tag of this run's checkpoints
         path = os.path.join(save_dir, resume)
-    if not os.path.isdir(path):
-        raise ValueError(f"--resume_from_checkpoint {resume}: no such directory ({path})")
     try:
         _, tag_dir = _resolve(os.path.normpath(path), "latest", "eval_loss", weights_only=False)
     except ValueError as e:

@@ -224,16 +224,7 @@ def attach_retention(
     """Wrap engine.save_checkpoint so that a save is complete only when every rank wrote all of
     it: then the completion marker, `latest` and the prune; else SaveFailed on every rank, and
     `latest` still names the previous checkpoint (dragon.checkpoint.writes)."""
-    if not isinstance(policy, RetentionPolicy):
-        raise ValueError(f"policy must be a RetentionPolicy, got {type(policy).__name__}")
-    if isinstance(expected_metrics, str):
-        raise ValueError("expected_metrics must be a collection of metric names, not one string")
-    expected = set(expected_metrics)
-    ce = getattr(engine, "checkpoint_engine", None)
-    if ce is not None and hasattr(ce, "is_decoupled") and ce.is_decoupled():
-        # a decoupled engine is still writing when save_checkpoint returns: no point is safe to mark
-        raise ValueError("attach_retention: decoupled checkpoint engines are not supported; "
-                         "--save_async writes in the background instead")
+    expected = _checked(engine, policy, expected_metrics)
     original = getattr(engine, "_dragon_save_checkpoint", None) or engine.save_checkpoint
     first_save = [True]
 
@@ -278,6 +269,20 @@ def attach_retention(
 
     engine._dragon_save_checkpoint = original
     engine.save_checkpoint = save_checkpoint  # an instance attribute: recipes and accelerate use it
+
+
+def _checked(engine, policy: RetentionPolicy, expected_metrics: Iterable[str]) -> set:
+    """attach_retention's arguments, checked: the metrics it expects, as a set."""
+    if not isinstance(policy, RetentionPolicy):
+        raise ValueError(f"policy must be a RetentionPolicy, got {type(policy).__name__}")
+    if isinstance(expected_metrics, str):
+        raise ValueError("expected_metrics must be a collection of metric names, not one string")
+    ce = getattr(engine, "checkpoint_engine", None)
+    if ce is not None and hasattr(ce, "is_decoupled") and ce.is_decoupled():
+        # a decoupled engine is still writing when save_checkpoint returns: no point is safe to mark
+        raise ValueError("attach_retention: decoupled checkpoint engines are not supported; "
+                         "--save_async writes in the background instead")
+    return set(expected_metrics)
 
 
 def _remover(writes: GuardedWrites) -> Callable[[str], None]:

@@ -30,7 +30,8 @@ from dragon.checkpoint.writes import GuardedWrites
 
 def main(parent: int, inbox_fd: int, outbox_fd: int, buffer_fd: int) -> None:
     """The writer's loop: one save in, its report out, until the rank closes its pipe."""
-    _die_with(parent)
+    if not _dies_with(parent):  # the rank died before the writer could follow it
+        return
     for preemption in (signal.SIGTERM, signal.SIGINT):  # the rank acts on it, and waits for this
         signal.signal(preemption, signal.SIG_IGN)
     inbox = Connection(inbox_fd, writable=False)
@@ -113,12 +114,12 @@ def _line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-def _die_with(parent: int) -> None:
-    """The writer ends with the rank that started it (Linux's PR_SET_PDEATHSIG; the rank starts
-    it from its main thread, which lives as long as the rank)."""
+def _dies_with(parent: int) -> bool:
+    """Have the writer end with the rank that started it (Linux's PR_SET_PDEATHSIG; the rank
+    starts it from its main thread, which lives as long as the rank); False when the rank is
+    already gone."""
     try:
         ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
     except (AttributeError, OSError):
         pass
-    if os.getppid() != parent:  # the rank died before the line above
-        os._exit(1)
+    return os.getppid() == parent

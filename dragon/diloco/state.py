@@ -177,7 +177,7 @@ def check_diloco_state(tag_dir: str, neurons: int = 1) -> list[str]:
     return files
 
 
-def saved_fragments(tag_dir: str) -> Optional[tuple[int, str]]:
+def saved_fragments_and_mode(tag_dir: str) -> Optional[tuple[int, str]]:
     """(--diloco_fragments, --diloco_mode) of the run that saved `tag_dir` (None: it holds no
     DiLoCo state)."""
     first = _state_files(tag_dir)[1]

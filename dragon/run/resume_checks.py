@@ -12,7 +12,7 @@ from dragon.parallel.layout import Layout
 from dragon.checkpoint.reshape import (regroup_message, reshape_message, saved_islands,
                                        saved_layout)
 from dragon.checkpoint.catalog import has_complete, list_checkpoints
-from dragon.diloco.state import check_diloco_state, saved_fragments
+from dragon.diloco.state import check_diloco_state, saved_fragments_and_mode
 from dragon.diloco.arguments import DiLoCoArguments
 from dragon.run.args import TrainingArguments
 from dragon.run.lock import take_run_lock
@@ -173,7 +173,7 @@ def check_resume_fragments(resume: dict[int, tuple[str, str]], diloco: DiLoCoArg
         return
     for load_dir, tag in resume.values():
         path = os.path.join(load_dir, tag)
-        saved = saved_fragments(path)
+        saved = saved_fragments_and_mode(path)
         if saved is not None and saved[0] != diloco.diloco_fragments:
             raise ValueError(
                 f"--diloco_fragments {diloco.diloco_fragments}: {path} holds DiLoCo state in "
