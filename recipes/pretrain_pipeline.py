@@ -35,7 +35,7 @@ from dragon.parallel.distributed import (
     init_distributed,
     rank,
 )
-from dragon.parallel.pipeline import bdh_pipeline, carrying, stage_layer
+from dragon.parallel.pipeline import bdh_pipeline, carrying, norm_on_every_rank, stage_layer
 from dragon.parallel.topology import enter_island
 from dragon.run.data import run_data
 from dragon.run.lock import check_every_rank_sees
@@ -80,6 +80,7 @@ def deepspeed_engine(pipe, inputs):
         config=inputs.ds_config,
     )
     skip_nonfinite_updates(engine)  # where DeepSpeed steps torch's optimizer as it is (ZeRO-0)
+    norm_on_every_rank(engine)  # bf16 neuron shares
     if inputs.train.torch_compile:
         engine.compile()  # each stage's layers, in place
     return engine, lr_schedule

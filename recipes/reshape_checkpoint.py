@@ -19,8 +19,7 @@ from transformers import HfArgumentParser
 
 from dragon.checkpoint.export import model_from_checkpoint
 from dragon.checkpoint.resolver import resolve_checkpoint
-from dragon.checkpoint.reshape import check_convertible, convert, saved_layout
-from dragon.parallel.layout import Layout
+from dragon.checkpoint.reshape import convert, saved_layout
 from dragon.checkpoint.universal import fp32_weights
 
 
@@ -45,8 +44,6 @@ def main():
         tag_dir = resolve_checkpoint(args.checkpoint, "latest")
         load_dir, tag = os.path.split(os.path.normpath(tag_dir))
         saved = saved_layout(load_dir, tag)
-        check_convertible(saved, Layout(zero_stage=args.zero_stage, bf16=args.bf16,
-                                        data_parallel=saved.data_parallel))
     except ValueError as e:
         sys.exit(f"error: {e}")
     if saved.zero_stage == args.zero_stage == 0 and saved.bf16 == args.bf16:

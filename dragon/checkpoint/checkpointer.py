@@ -28,6 +28,7 @@ from typing import Any, Optional, Protocol
 import numpy as np
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
 from dragon.checkpoint.background import BackgroundSaves
 from dragon.checkpoint.reshape import converted_tag
@@ -181,7 +182,7 @@ class Checkpointer:
         if target.reshaped:  # through the form of the checkpoint that this layout loads
             load_tag = converted_tag(target.load_dir, target.tag, *_loadable_form(self.engine))
         with universal_share_group(self.engine):
-            path, client_state = self.engine.load_checkpoint(target.load_dir, tag=load_tag)
+            path, client_state = load_engine(self.engine, target.load_dir, load_tag)
         if path is None:  # DeepSpeed only warns and carries on from fresh weights
             raise RuntimeError(f"no loadable DeepSpeed checkpoint in {target.load_dir} "
                                f"(tag {target.tag or 'from latest'})")
@@ -203,6 +204,21 @@ class Checkpointer:
             else:
                 state.load_state_dict(own)
         return step
+
+
+def load_engine(engine, load_dir: str, tag: str) -> tuple[Optional[str], dict]:
+    """engine.load_checkpoint. DeepSpeed's bf16 optimizer outside ZeRO (a bf16 pipeline on
+    ZeRO-0) is handed the model states' optimizer dict where it takes a list of its data-parallel
+    ranks' files and fails; such an engine loads everything else first, then its optimizer's own
+    files (or the universal folder) as under ZeRO."""
+    if engine.zero_optimization() or not isinstance(engine.optimizer, BF16_Optimizer):
+        return engine.load_checkpoint(load_dir, tag=tag)
+    path, client_state = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=False)
+    if path is not None:
+        engine._load_zero_checkpoint(load_dir, tag)
+        if engine.load_universal_checkpoint():  # the bf16 weights from the loaded fp32 masters
+            engine.optimizer.update_lp_params()
+    return path, client_state
 
 
 def write_rank_states(engine, save_dir: str, tag: str, states: dict[str, Any]) -> str:

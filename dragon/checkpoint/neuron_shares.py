@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import tempfile
+from typing import Optional
 
 import torch
 from deepspeed.checkpoint.constants import CHECKPOINT_PARALLEL_DIMS
@@ -25,6 +26,7 @@ from dragon.checkpoint import universal
 from dragon.model.bdh import BDHConfig, BDHForCausalLM
 from dragon.model.attention import rope_frequencies
 from dragon.parallel.neurons import SHARDED, join_shares, share_of
+from dragon.checkpoint.pipeline import stage_parameters
 from dragon.parallel.pipeline import plain_names
 
 
@@ -54,10 +56,12 @@ def universal_from_shares(tag_dir: str, out: str, config: BDHConfig, stages: int
     k = len(parts) // stages
     with tempfile.TemporaryDirectory() as tmp:
         folders = []
-        for part in parts:
+        for index, part in enumerate(parts):
             folder = os.path.join(tmp, f"{part}_universal")
             lone = share_as_its_own(tag_dir, part, tmp)
-            _one_model_parallel_rank(lone)
+            shapes = _stage_shapes(tag_dir, config, index // k, stages, (index % k, k)) \
+                if stages > 1 else None
+            _one_model_parallel_rank(lone, shapes)
             if universal.is_zero0(tag_dir):
                 universal.from_zero0(lone, folder)
             else:
@@ -120,16 +124,37 @@ def _states(folder: str) -> dict:
     return torch.load(universal.model_states_file(folder), map_location="cpu", weights_only=False)
 
 
-def _one_model_parallel_rank(linked: str) -> None:
+def _one_model_parallel_rank(linked: str, shapes: Optional[dict] = None) -> None:
     """Its model states files as copies that record one model-parallel rank (ds_to_universal
-    reads the count there)."""
+    reads the count there) and, where DeepSpeed recorded none, the parameter `shapes`."""
     for name in os.listdir(linked):
         if name.endswith("model_states.pt"):
             path = os.path.join(linked, name)
             states = torch.load(path, map_location="cpu", weights_only=False)
             os.remove(path)
             dims = dict(states.get(CHECKPOINT_PARALLEL_DIMS) or {}, tp_degree=1, pp_degree=1)
+            if states.get("param_shapes") is None and shapes:
+                states["param_shapes"] = [shapes]
             torch.save(dict(states, mp_world_size=1, **{CHECKPOINT_PARALLEL_DIMS: dims}), path)
+
+
+def _stage_shapes(tag_dir: str, config: BDHConfig, stage: int, stages: int,
+                  share: tuple[int, int]) -> dict[str, torch.Size]:
+    """A pipeline stage's parameter shapes under the PipelineModule's names, in its optimizer's
+    order, from the stage's layer files: DeepSpeed records them only under ZeRO, and a bf16
+    pipeline's optimizer keeps files of its own under ZeRO-0 too."""
+    j, k = share
+    model = f"-model_{j:02d}" if k > 1 else ""
+    layer = lambda i: torch.load(  # noqa: E731
+        os.path.join(tag_dir, f"layer_{i:02d}{model}-model_states.pt"), map_location="cpu",
+        weights_only=False, mmap=True)
+    block = next(layer(i) for i in range(1, config.n_layer + 1) if os.path.isfile(
+        os.path.join(tag_dir, f"layer_{i:02d}{model}-model_states.pt")))
+    tensors = dict(block, **{"embed.weight": layer(0)["embed.weight"],
+                             "lm_head": layer(config.n_layer + 1)["lm_head"]})
+    ours = {plain: name for name, plain in plain_names(config).items()}
+    return {ours[plain]: tensors[plain.removeprefix("layer.")].shape
+            for plain in stage_parameters(stage, stages)}
 
 
 def _param(folder: str, name: str, key: str) -> torch.Tensor:

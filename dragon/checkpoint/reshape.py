@@ -20,9 +20,9 @@ A ZeRO-0 checkpoint on another number of ranks loads as it is (one file). A ZeRO
 checkpoint becomes a plain model's ZeRO-0 checkpoint and back (dragon.checkpoint.pipeline), so the
 recipes resume each other's checkpoints and a pipeline resumes on other stage boundaries, with
 its neuron shares' files cut from the whole model for a pipeline of K shares; a ZeRO-1 pipeline
-loads the same pipeline form through the universal folder beside it.
-A bf16 ZeRO-0 checkpoint carries its fp32 masters into the universal form and out of it. A bf16
-pipeline (DeepSpeed's BF16 optimizer, per stage) resumes only on its own layout.
+loads the same pipeline form through the universal folder beside it, as a bf16 pipeline does
+(DeepSpeed's bf16 optimizer keeps its fp32 masters in files of its own, per stage, under ZeRO-0
+too). A bf16 ZeRO-0 checkpoint carries its fp32 masters into the universal form and out of it.
 """
 
 import glob
@@ -70,13 +70,11 @@ def saved_layout(load_dir: str, tag: str) -> Layout:
 
 
 def reshape_message(saved: Layout, launch: Layout) -> Optional[str]:
-    """None when the checkpoint loads as it is; the one line a conversion prints; ValueError for
-    a pair not converted."""
+    """None when the checkpoint loads as it is; else the one line a conversion prints."""
     if saved == launch or (saved.zero_stage == launch.zero_stage == 0 and not saved.pipeline
                            and not launch.pipeline and saved.neurons == launch.neurons
                            and saved.bf16 == launch.bf16):
         return None  # ZeRO-0: one file (per share) with everything, loaded on any number of ranks
-    check_convertible(saved, launch)
     ranks = lambda x: x.data_parallel * x.stages  # noqa: E731
     rng = ("" if ranks(saved) == ranks(launch) else
            f"; RNG streams only for ranks below {min(ranks(saved), ranks(launch))} (dropout "
@@ -85,17 +83,6 @@ def reshape_message(saved: Layout, launch: Layout) -> Optional[str]:
         f"resume: converting the checkpoint from {saved} to {launch} (a universal checkpoint); "
         f"weights, Adam moments and step, LR schedule and data position are kept{rng}"
     )
-
-
-def check_convertible(saved: Layout, launch: Layout) -> None:
-    """ValueError in one line for a pair no conversion covers."""
-    if any(x.pipeline and x.bf16 for x in (saved, launch)):  # its optimizer's state per stage
-        raise ValueError(
-            f"--resume_from_checkpoint: the checkpoint was saved as {saved} and this launch is "
-            f"{launch}; resuming across that change is not supported yet: resume it on its own "
-            "layout, or with recipes/pretrain.py (ZeRO-0/1/2/3, fp32 or bf16, on any number of "
-            "ranks and any --neuron_parallel), or an fp32 pipeline"
-        )
 
 
 def convert(load_dir: str, tag: str, form: str, parts: Optional[list[int]] = None,
@@ -108,8 +95,8 @@ def convert(load_dir: str, tag: str, form: str, parts: Optional[list[int]] = Non
     target = os.path.join(load_dir, tag + UNIVERSAL)
     if not os.path.isdir(target):
         saved = saved_layout(load_dir, tag)
-        if saved.neurons > 1 or (saved.pipeline and saved.zero_stage > 0):
-            # the shares and stages joined into the whole model
+        if saved.neurons > 1 or (saved.pipeline and (saved.zero_stage > 0 or saved.bf16)):
+            # the shares and stages (their optimizer's files) joined into the whole model
             config = BDHConfig.from_pretrained(load_dir)
             make = lambda out: universal_from_shares(tag_dir, out, config,  # noqa: E731
                                                      saved.stages)

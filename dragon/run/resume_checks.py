@@ -89,7 +89,7 @@ def check_reshape(
 ) -> dict[int, str]:
     """island -> the line a resume on another layout prints (dragon.checkpoint.reshape; `layout`:
     this launch's); switches the engine to DeepSpeed's universal checkpoint loading when one
-    converts for ZeRO-1/2/3."""
+    converts for ZeRO-1/2/3 or a bf16 pipeline (its optimizer's masters)."""
     launch = layout.one_island()
     reshaped = {}
     for island, (load_dir, tag) in resume.items():
@@ -105,7 +105,7 @@ def check_reshape(
             if diloco.enabled:
                 check_diloco_state(os.path.join(load_dir, tag), saved.neurons)
             reshaped[island] = message
-            if launch.zero_stage > 0:  # ZeRO-0 loads its own form
+            if launch.zero_stage > 0 or (launch.pipeline and launch.bf16):  # ZeRO-0: its form
                 ds_config.setdefault("checkpoint", {})["load_universal"] = True
     return reshaped
 
