@@ -5,15 +5,17 @@
 
 A budget is a number of training FLOPs per run (dragon.model.cost: forward + backward per token
 times the tokens a step trains), the same for every family; each family trains at two sizes per
-budget, so steps = budget / FLOPs per step. Same data (the built-in corpus, bytes, blocks of
-BLOCK), batch, seed and schedule shape (warm-up WARMUP of the steps, cosine to the floor at the
-last step). The learning rate is swept over LRS at the smallest budget only, for every family and
-size alike; each family keeps the rate of its best run there. Per budget and family: the best
-final eval_bpb over its sizes, the training seconds (first to last logged step, from the run's
-metrics) and the mean MFU of that run. A second pass trains each family's larger size for
-TIMING_STEPS steps back to back, so the tokens/s ratios come from one stretch of the machine's
-load. --sparsity_steps trains the smaller BDH that long at its chosen rate, evaluating every
-SPARSITY_EVERY steps, and plots the fraction of positive x, y and x*y per layer against tokens.
+budget, so steps = budget / FLOPs per step. Same data (each of CORPORA in turn: the built-in
+corpus of Python source, and the Python documentation's prose that the standard library ships in
+pydoc_data; bytes, blocks of BLOCK), batch, seed and schedule shape (warm-up WARMUP of the steps,
+cosine to the floor at the last step). The learning rate is swept over LRS at the smallest budget
+only, per corpus, for every family and size alike; each family keeps the rate of its best run
+there. Per corpus, budget and family: the best final eval_bpb over its sizes, the training
+seconds (first to last logged step, from the run's metrics) and the mean MFU of that run. A
+second pass trains each family's larger size for TIMING_STEPS steps back to back, so the
+tokens/s ratios come from one stretch of the machine's load. --sparsity_steps trains the smaller
+BDH that long at its chosen rate (built-in corpus), evaluating every SPARSITY_EVERY steps, and
+plots the fraction of positive x, y and x*y per layer against tokens.
 """
 
 import argparse
@@ -28,8 +30,9 @@ from recipe_runs import REPO, run_recipe
 sys.path.insert(0, str(REPO))
 
 BLOCK, BATCH, WARMUP = 64, 8, 0.05
-LRS = (1e-3, 3e-3, 1e-2)
-BUDGETS = (2e10, 5e10, 1.25e11)
+LRS = (1e-3, 3e-3, 1e-2, 3e-2)
+BUDGETS = (2e10, 8e10, 3.2e11)
+CORPORA = ("built-in", "pydoc")  # the recipe's own corpus; pydoc_data.topics as one text file
 TIMING_STEPS, SPARSITY_EVERY = 40, 100
 # (n_layer, n_embd, n_head, mlp_internal_dim_multiplier); the multiplier is BDH's only.
 SIZES = {"bdh": ((2, 32, 2, 8), (3, 64, 2, 8)),
@@ -61,11 +64,25 @@ def flops_per_step(family: str, size: tuple) -> float:
     return model_profile(config, BLOCK + 1).train_flops_per_token * (BLOCK + 1) * BATCH
 
 
+def corpus_args(corpus: str, out: Path) -> list[str]:
+    """The recipe's data flags for `corpus`: none for the built-in one; the Python documentation's
+    topics (pydoc_data, in the standard library) written once as one text file under `out`."""
+    if corpus == "built-in":
+        return []
+    from pydoc_data.topics import topics
+
+    path = out / "pydoc_topics.txt"
+    if not path.exists():
+        out.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n\n".join(topics[key] for key in sorted(topics)))
+    return ["--train_file", str(path)]
+
+
 def train(out: Path, family: str, size: tuple, steps: int, lr: float,
-          eval_every: int = 0) -> dict:
-    """One recipe run; its final eval_bpb, training seconds, mean MFU and tokens/s, and the
-    records of its evaluations."""
-    args = ["--deepspeed", str(REPO / "ds_configs" / "zero0.json"), *size_args(family, size),
+          eval_every: int = 0, data: tuple = ()) -> dict:
+    """One recipe run on `data` (corpus_args); its final eval_bpb, training seconds, mean MFU and
+    tokens/s, and the records of its evaluations."""
+    args = [*data, "--deepspeed", str(REPO / "ds_configs" / "zero0.json"), *size_args(family, size),
             "--block_size", str(BLOCK), "--per_device_train_batch_size", str(BATCH),
             "--max_steps", str(steps), "--learning_rate", str(lr),
             "--warmup_steps", str(max(1, round(WARMUP * steps))), "--dropout", "0.0",
@@ -85,41 +102,45 @@ def train(out: Path, family: str, size: tuple, steps: int, lr: float,
 
 
 def run_study(out: Path, budgets: tuple, lrs: tuple, smoke_steps: int = 0) -> dict:
-    """Every run of the study, as {"runs": [...], "lr": {family: rate}}; with smoke_steps, every
-    family and size for that many steps at the first rate and the smallest budget."""
+    """Every run of the study, as {"runs": [...], "lr": {corpus: {family: rate}}}; with
+    smoke_steps, every family's smaller size for that many steps at the first rate and the
+    smallest budget, on each corpus."""
     runs, lr = [], {}
-    for b, budget in enumerate(budgets):
-        for family, sizes in SIZES.items():
-            for s, size in enumerate(sizes):
-                steps = smoke_steps or max(1, round(budget / flops_per_step(family, size)))
-                rates = lrs if b == 0 else (lr[family],)
-                for rate in rates:
-                    t0 = time.time()
-                    result = train(out / f"b{b}-{family}-s{s}-lr{rate:g}", family, size, steps,
-                                   rate)
-                    result.pop("evals")
-                    runs.append({"budget": budget, "family": family, "size": s, "lr": rate,
-                                 "steps": steps, "flops": steps * flops_per_step(family, size),
-                                 "wall": time.time() - t0, **result})
-                    print(json.dumps(runs[-1]), flush=True)
-            if b == 0:
-                first = [r for r in runs if r["family"] == family]
-                lr[family] = min(first, key=lambda r: r["eval_bpb"])["lr"]
+    for corpus in CORPORA:
+        data, lr[corpus] = corpus_args(corpus, out), {}
+        for b, budget in enumerate(budgets):
+            for family, sizes in SIZES.items():
+                for s, size in enumerate(sizes[:1] if smoke_steps else sizes):
+                    steps = smoke_steps or max(1, round(budget / flops_per_step(family, size)))
+                    for rate in (lrs if b == 0 else (lr[corpus][family],)):
+                        t0 = time.time()
+                        result = train(out / f"{corpus}-b{b}-{family}-s{s}-lr{rate:g}", family,
+                                       size, steps, rate, data=data)
+                        result.pop("evals")
+                        runs.append({"corpus": corpus, "budget": budget, "family": family,
+                                     "size": s, "lr": rate, "steps": steps,
+                                     "flops": steps * flops_per_step(family, size),
+                                     "wall": time.time() - t0, **result})
+                        print(json.dumps(runs[-1]), flush=True)
+                if b == 0:
+                    first = [r for r in runs if (r["corpus"], r["family"]) == (corpus, family)]
+                    lr[corpus][family] = min(first, key=lambda r: r["eval_bpb"])["lr"]
     return {"runs": runs, "lr": lr}
 
 
 def best_per_budget(runs: list[dict]) -> dict:
-    """{(budget, family): the run of least final eval_bpb}, the swept rates included."""
+    """{(corpus, budget, family): the run of least final eval_bpb}, the swept rates included."""
     best = {}
     for r in runs:
-        key = (r["budget"], r["family"])
+        key = (r["corpus"], r["budget"], r["family"])
         if key not in best or r["eval_bpb"] < best[key]["eval_bpb"]:
             best[key] = r
     return best
 
 
 def plot_study(best: dict, out: Path) -> list[Path]:
-    """eval_bpb against training FLOPs and against training seconds, one line per family."""
+    """eval_bpb against training FLOPs and against training seconds, one line per family, a
+    panel per corpus."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -129,14 +150,17 @@ def plot_study(best: dict, out: Path) -> list[Path]:
     for key, label, name in (("flops", "training FLOPs", "iso_compute_flops.png"),
                              ("seconds", "training seconds (this machine)",
                               "iso_compute_seconds.png")):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for family in SIZES:
-            points = sorted((r[key], r["eval_bpb"]) for (_, f), r in best.items() if f == family)
-            ax.plot(*zip(*points), marker="o", label=NAMES[family])
-        ax.set_xscale("log")
-        ax.set_xlabel(label)
-        ax.set_ylabel("final validation bits per byte")
-        ax.legend()
+        fig, axes = plt.subplots(1, len(CORPORA), figsize=(6 * len(CORPORA), 4))
+        for ax, corpus in zip(axes, CORPORA):
+            for family in SIZES:
+                points = sorted((r[key], r["eval_bpb"]) for (c, _, f), r in best.items()
+                                if (c, f) == (corpus, family))
+                ax.plot(*zip(*points), marker="o", label=NAMES[family])
+            ax.set_xscale("log")
+            ax.set_xlabel(label)
+            ax.set_title(f"{corpus} corpus")
+        axes[0].set_ylabel("final validation bits per byte")
+        axes[0].legend()
         fig.tight_layout()
         paths.append(out / name)
         fig.savefig(paths[-1], dpi=100)
@@ -170,17 +194,19 @@ def plot_sparsity(evals: list[dict], out: Path) -> Path:
 
 
 def timing_pass(out: Path, lr: dict, steps: int) -> dict:
-    """Each family's larger size for `steps` steps, one after another: {family: tokens/s}."""
+    """Each family's larger size for `steps` steps, one after another, on the built-in corpus
+    (`lr`: its rates): {family: tokens/s}."""
     return {family: train(out / f"timing-{family}", family, SIZES[family][1], steps,
                           lr[family])["tokens_per_second"] for family in SIZES}
 
 
 def table(best: dict, speeds: dict) -> str:
-    lines = ["| budget (FLOPs) | family | best final eval_bpb | size | lr | steps | "
-             "training s | MFU | back-to-back tokens/s |", "|---|---|---|---|---|---|---|---|---|"]
-    for (budget, family), r in sorted(best.items()):
+    lines = ["| corpus | budget (FLOPs) | family | best final eval_bpb | size | lr | steps | "
+             "training s | MFU | back-to-back tokens/s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for (corpus, budget, family), r in sorted(best.items()):
         speed = f"{speeds[family]:,.0f}" if family in speeds else "-"
-        lines.append(f"| {budget:.3g} | {NAMES[family]} | {r['eval_bpb']:.4f} | "
+        lines.append(f"| {corpus} | {budget:.3g} | {NAMES[family]} | {r['eval_bpb']:.4f} | "
                      f"{'SL'[r['size']]} | {r['lr']:g} | {r['steps']} | {r['seconds']:.1f} | "
                      f"{r['mfu']:.2%} | {speed} |")
     return "\n".join(lines)
@@ -200,13 +226,13 @@ def main() -> None:
         speeds = {}
     else:
         study = run_study(out / "runs", BUDGETS, LRS)
-        speeds = timing_pass(out / "runs", study["lr"], TIMING_STEPS)
+        speeds = timing_pass(out / "runs", study["lr"]["built-in"], TIMING_STEPS)
     best = best_per_budget(study["runs"])
     plots = plot_study(best, out)
     if args.sparsity_steps and not args.smoke:
         bdh = SIZES["bdh"][0]
         evals = train(out / "runs" / "sparsity", "bdh", bdh, args.sparsity_steps,
-                      study["lr"]["bdh"], SPARSITY_EVERY)["evals"]
+                      study["lr"]["built-in"]["bdh"], SPARSITY_EVERY)["evals"]
         study["sparsity"] = evals
         plots.append(plot_sparsity(evals, out))
     study["seconds"], study["speeds"] = time.time() - t0, speeds

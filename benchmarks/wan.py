@@ -15,13 +15,16 @@ also holds the final evaluation and checkpoint, so start-up and the end are left
 DiLoCo's outer steps at H and 2H are inside), the fraction of the config's own unshaped figure, and
 the bytes each node sent per step (its interface's tx_bytes over the whole launch / steps), and in
 delayed mode the inner steps from an exchange's start to its landing and the seconds island 0's
-training thread waited for exchanges (outer_wait_seconds, steps 1..N).
+training thread waited for exchanges (outer_wait_seconds, steps 1..N), and whether the window's
+bytes fit in the window's compute time at the link rate the run measured (its one-line warning
+when they do not: the seconds the exchange needs against the window's).
 Data parallel on a shaped link runs --dp_shaped_steps steps: every step costs the same there
 (the gradient exchange dominates), and 40 steps at 10 Mbit/s would take ~10 minutes.
 """
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import sysconfig
@@ -118,7 +121,7 @@ def measure(config: str, rate: str | None, root: Path, data: Path, steps: int, h
                 tokens_per_s=TOKENS_PER_STEP * (steps - 1) / span,
                 mb_per_step=[s / (steps + 1) / 1e6 for s in sent],
                 loss=[m["loss"] for m in records if "loss" in m][-1],
-                landing=landing(config, records, steps, h),
+                landing=landing(config, records, steps, h), fits=fits(out.parent),
                 waited=sum(m.get("outer_wait_seconds", 0.0) for m in records
                            if m["step"] <= steps))
 
@@ -135,6 +138,17 @@ def landing(config: str, records: list[dict], steps: int, h: int) -> str:
     return f"{sum(after) / len(after):.1f} ({min(after)}-{max(after)})" if after else "-"
 
 
+def fits(logs: Path) -> str:
+    """"yes", or the seconds a window's exchange needs against the window's from the run's
+    one-line warning that the link is slower than the window."""
+    for log in sorted(logs.glob("node*.log")):
+        found = re.search(r"take ([\d.]+) s, the window's \d+ inner steps ([\d.]+) s",
+                          log.read_text())
+        if found:
+            return f"no ({found[1]} s of {found[2]} s)"
+    return "yes"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", default="none,100mbit,50mbit,10mbit")
@@ -147,8 +161,8 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="wan-"))
     data = corpus(root)
     print("| config | link | steps | global tokens/s | of unshaped | landing after (steps) | "
-          "waited s | MB sent per step (node 0 / node 1) | last loss | wall s |\n"
-          "|---|---|---|---|---|---|---|---|---|---|", flush=True)
+          "waited s | window's bytes fit | MB sent per step (node 0 / node 1) | last loss | "
+          "wall s |\n|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for config in cli.configs.split(","):
         base = None
         for rate in rates:
@@ -157,7 +171,7 @@ def main() -> None:
             base = r["tokens_per_s"] if rate is None else base
             frac = f"{r['tokens_per_s'] / base:.2f}" if base else "-"
             print(f"| {config} | {r['rate']} | {steps} | {r['tokens_per_s']:,.0f} | {frac} | "
-                  f"{r['landing']} | {r['waited']:.1f} | "
+                  f"{r['landing']} | {r['waited']:.1f} | {r['fits']} | "
                   f"{r['mb_per_step'][0]:.2f} / {r['mb_per_step'][1]:.2f} | {r['loss']:.4f} | "
                   f"{r['wall']:.0f} |", flush=True)
 

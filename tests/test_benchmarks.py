@@ -1,5 +1,5 @@
 """benchmarks/iso_compute.py --smoke: every family through the real recipe for a few steps at the
-smallest budget, and both plots written."""
+smallest budget on each corpus, and both plots written."""
 
 import json
 import subprocess
@@ -15,6 +15,6 @@ def test_iso_compute_smoke(tmp_path):
     for name in ("iso_compute_flops.png", "iso_compute_seconds.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
     runs = json.loads((tmp_path / "results.json").read_text())["runs"]
-    assert {(r["family"], r["size"]) for r in runs} == {
-        (f, s) for f in ("bdh", "gpt2", "llama") for s in (0, 1)}
+    assert sorted((r["corpus"], r["family"], r["size"]) for r in runs) == [
+        (c, f, 0) for c in ("built-in", "pydoc") for f in ("bdh", "gpt2", "llama")]
     assert all(0 < r["eval_bpb"] < 9 and r["mfu"] > 0 and r["flops"] > 0 for r in runs)
