@@ -85,6 +85,22 @@ def describe(layout) -> str:
     return f"ZeRO-{config[4]} on {ranks} data-parallel rank(s){bf16}"
 
 
+def continues(base, other, saved: str, resumed: str, bound: float) -> None:
+    """Steps 5-8 and the evaluation of the run resumed in `other` are the uninterrupted run's
+    in `base` within `bound` (bit for bit on the saved layout); prints the gaps."""
+    expected = {m["step"]: m for m in read_jsonl(base / "metrics.jsonl") if m["step"] > 4}
+    got = {m["step"]: m for m in read_jsonl(other / "metrics.jsonl") if m["step"] > 4}
+    assert sorted(got) == sorted(expected) == [5, 6, 7, 8]
+    for key in ("loss", "eval_loss"):
+        ours, theirs = losses(got.values(), key), losses(expected.values(), key)
+        assert len(ours) == len(theirs) > 0
+        if saved == resumed:
+            assert ours == theirs, key
+        gap = max(abs(a - b) for a, b in zip(ours, theirs))
+        print(f"| {describe(saved)} | {describe(resumed)} | {key} | {gap:.1e} |")
+        assert gap < bound, (key, ours, theirs)
+
+
 @pytest.mark.parametrize(
     "saved, resumed",
     [("zero2 x2", "zero1 x1"), ("zero3 x2", "zero2 x4"), ("zero0 x1", "zero3 x2"),
@@ -121,15 +137,7 @@ def test_a_zero_checkpoint_resumes_on_another_layout_with_the_same_losses(
         assert os.stat(f"{tag}_zero0/mp_rank_00_model_states.pt").st_mtime_ns == written
     assert (f"resume: converting the checkpoint from {describe(saved)} to {describe(resumed)}"
             in stderr)
-    expected = {m["step"]: m for m in read_jsonl(base / "metrics.jsonl") if m["step"] > 4}
-    got = {m["step"]: m for m in read_jsonl(other / "metrics.jsonl") if m["step"] > 4}
-    assert sorted(got) == sorted(expected) == [5, 6, 7, 8]
-    for key in ("loss", "eval_loss"):
-        ours, theirs = losses(got.values(), key), losses(expected.values(), key)
-        assert len(ours) == len(theirs) > 0
-        gap = max(abs(a - b) for a, b in zip(ours, theirs))
-        print(f"| {describe(saved)} | {describe(resumed)} | {key} | {gap:.1e} |")
-        assert gap < 2e-5, (key, ours, theirs)
+    continues(base, other, saved, resumed, 2e-5)
 
 
 def test_a_changed_global_batch_warns_and_trains(uninterrupted, tmp_path, text_file):
@@ -170,17 +178,7 @@ def test_a_bf16_pipeline_resumes_on_its_own_layout_and_on_another(uninterrupted,
     if saved != resumed:
         assert (f"resume: converting the checkpoint from {describe(saved)} to "
                 f"{describe(resumed)}") in stderr
-    expected = {m["step"]: m for m in read_jsonl(base / "metrics.jsonl") if m["step"] > 4}
-    got = {m["step"]: m for m in read_jsonl(other / "metrics.jsonl") if m["step"] > 4}
-    assert sorted(got) == sorted(expected) == [5, 6, 7, 8]
-    for key in ("loss", "eval_loss"):
-        ours, theirs = losses(got.values(), key), losses(expected.values(), key)
-        assert len(ours) == len(theirs) > 0
-        if saved == resumed:
-            assert ours == theirs, key
-        gap = max(abs(a - b) for a, b in zip(ours, theirs))
-        print(f"| {describe(saved)} | {describe(resumed)} | {key} | {gap:.1e} |")
-        assert gap < 1e-4, (key, ours, theirs)
+    continues(base, other, saved, resumed, 1e-4)
 
 
 def islands_job(ranks, out, text_file, extra=()):
