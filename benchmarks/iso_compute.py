@@ -104,12 +104,13 @@ def train(out: Path, family: str, size: tuple, steps: int, lr: float,
 def run_study(out: Path, budgets: tuple, lrs: tuple, smoke_steps: int = 0) -> dict:
     """Every run of the study, as {"runs": [...], "lr": {corpus: {family: rate}}}; with
     smoke_steps, every family's smaller size for that many steps at the first rate and the
-    smallest budget, on each corpus."""
+    smallest budget on the first corpus, and BDH's on the others."""
     runs, lr = [], {}
     for corpus in CORPORA:
         data, lr[corpus] = corpus_args(corpus, out), {}
+        families = SIZES if not smoke_steps or corpus == CORPORA[0] else {"bdh": SIZES["bdh"]}
         for b, budget in enumerate(budgets):
-            for family, sizes in SIZES.items():
+            for family, sizes in families.items():
                 for s, size in enumerate(sizes[:1] if smoke_steps else sizes):
                     steps = smoke_steps or max(1, round(budget / flops_per_step(family, size)))
                     for rate in (lrs if b == 0 else (lr[corpus][family],)):

@@ -104,7 +104,7 @@ def continues(base, other, saved: str, resumed: str, bound: float) -> None:
 @pytest.mark.parametrize(
     "saved, resumed",
     [("zero2 x2", "zero1 x1"), ("zero3 x2", "zero2 x4"), ("zero0 x1", "zero3 x2"),
-     ("zero3 x2", "zero0 x1"), ("pipe x2", "zero2 x2"), ("zero2 x2", "pipe x2"),
+     ("zero3 x2", "zero0 x1"), ("pipe x2", "zero2 x2"),
      ("bf16 zero0 x2", "bf16 zero2 x2"), ("bf16 zero2 x2", "bf16 zero0 x2")],
 )
 def test_a_zero_checkpoint_resumes_on_another_layout_with_the_same_losses(
@@ -115,9 +115,10 @@ def test_a_zero_checkpoint_resumes_on_another_layout_with_the_same_losses(
     recipes/reshape_checkpoint.py, which checks the weights, and reused): steps 5-8 of the
     resumed run equal the uninterrupted run's within 2e-5 (2 ranks already equal 1 rank with
     accumulation 2 within it), as do the evaluation losses; so do a 2-stage pipeline resumed
-    by the ZeRO recipe on 2 ranks and the reverse (the pipeline equals the plain model within
-    it); so do bf16 ZeRO-0 (its fp32 masters kept beside Adam by DeepSpeed's unfused bf16
-    optimizer) and bf16 ZeRO-2 resumed on each other. So the weights, Adam's moments and step
+    by the ZeRO recipe on 2 ranks (the pipeline equals the plain model within it; into a
+    pipeline: test_layouts' neuron-split cases and the bf16 test below); so do bf16 ZeRO-0
+    (its fp32 masters kept beside Adam by DeepSpeed's unfused bf16 optimizer) and bf16 ZeRO-2
+    resumed on each other. So the weights, Adam's moments and step
     and the LR schedule came across (fresh moments, or bf16-rounded masters, would change steps
     5-8 by far more); the resume says from what it converted to what."""
     base = uninterrupted(saved)
