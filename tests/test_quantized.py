@@ -37,18 +37,33 @@ def test_the_int4_code_is_the_documented_one():
     assert torch.equal(decoded[:64], torch.zeros(64))
 
 
-def exchange_among(n: int, tmp_path, codec: str = "int4") -> list[dict]:
-    """Each island's saved result of one exchange among `n` real processes."""
+def exchange_among(n: int, tmp_path, codecs: tuple[str, ...] = ("int4", "topk")
+                   ) -> dict[str, list[dict]]:
+    """{codec: each island's saved result} of one exchange of each codec among `n` real
+    processes."""
     port = free_port()
-    outs = [tmp_path / f"island{i}.pt" for i in range(n)]
+    outs = [tmp_path / f"island{i}" for i in range(n)]
     procs = [subprocess.Popen([sys.executable, str(REPO / "tests/scripts/quantized_exchange.py"),
-                               str(i), str(n), str(port), str(outs[i]), codec], cwd=REPO,
-                              env=job_env(), stderr=subprocess.PIPE, text=True)
+                               str(i), str(n), str(port), str(outs[i]), ",".join(codecs)],
+                              cwd=REPO, env=job_env(), stderr=subprocess.PIPE, text=True)
              for i in range(n)]
     for p in procs:
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0, err[-3000:]
-    return [torch.load(out) for out in outs]
+    return {codec: [torch.load(f"{out}.{codec}.pt") for out in outs] for codec in codecs}
+
+
+_EXCHANGES: dict[str, dict[int, list[dict]]] = {}
+
+
+def exchanges_by_codec(tmp_path_factory) -> dict[str, dict[int, list[dict]]]:
+    """{codec: {n: each island's result}} among 2, 3 and 4 islands, run once for this module and
+    test_sparse (one launch exchanges both codecs)."""
+    if not _EXCHANGES:
+        for n in (2, 3, 4):
+            for codec, results in exchange_among(n, tmp_path_factory.mktemp(f"x{n}")).items():
+                _EXCHANGES.setdefault(codec, {})[n] = results
+    return _EXCHANGES
 
 
 def reference_average(n: int) -> torch.Tensor:
@@ -64,7 +79,7 @@ def reference_average(n: int) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def exchanges(tmp_path_factory):
-    return {n: exchange_among(n, tmp_path_factory.mktemp(f"x{n}")) for n in (2, 3, 4)}
+    return exchanges_by_codec(tmp_path_factory)["int4"]
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])

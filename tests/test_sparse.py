@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from test_quantized import exchange_among
+from test_quantized import exchanges_by_codec
 
 from dragon.diloco.sparse import topk_encode, topk_sum
 from quantized_exchange import LENGTH, TOPK, pseudo_gradient
@@ -42,7 +42,7 @@ def test_error_feedback_sends_every_pseudo_gradient_in_the_end():
 
 @pytest.fixture(scope="module")
 def exchanges(tmp_path_factory):
-    return {n: exchange_among(n, tmp_path_factory.mktemp(f"t{n}"), "topk") for n in (2, 3, 4)}
+    return exchanges_by_codec(tmp_path_factory)["topk"]
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
