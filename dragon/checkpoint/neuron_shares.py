@@ -145,11 +145,10 @@ def _stage_shapes(tag_dir: str, config: BDHConfig, stage: int, stages: int,
     pipeline's optimizer keeps files of its own under ZeRO-0 too."""
     j, k = share
     model = f"-model_{j:02d}" if k > 1 else ""
-    layer = lambda i: torch.load(  # noqa: E731
-        os.path.join(tag_dir, f"layer_{i:02d}{model}-model_states.pt"), map_location="cpu",
-        weights_only=False, mmap=True)
-    block = next(layer(i) for i in range(1, config.n_layer + 1) if os.path.isfile(
-        os.path.join(tag_dir, f"layer_{i:02d}{model}-model_states.pt")))
+    path = lambda i: os.path.join(tag_dir, f"layer_{i:02d}{model}-model_states.pt")  # noqa: E731
+    layer = lambda i: torch.load(path(i), map_location="cpu", weights_only=False,  # noqa: E731
+                                 mmap=True)
+    block = next(layer(i) for i in range(1, config.n_layer + 1) if os.path.isfile(path(i)))
     tensors = dict(block, **{"embed.weight": layer(0)["embed.weight"],
                              "lm_head": layer(config.n_layer + 1)["lm_head"]})
     ours = {plain: name for name, plain in plain_names(config).items()}
