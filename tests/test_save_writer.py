@@ -1,5 +1,6 @@
 """The writer process of --save_async (dragon.checkpoint.background, dragon.checkpoint.writer),
-in one process: a file written from the shared buffer is torch.save's file byte for byte; a writer
+in one process: a file written from the shared buffer is the synchronous save's file byte for byte,
+and the CRC-32 taken as it is written is the file's; a writer
 that dies fails the save in one line rather than hanging it, and the next save starts another; the
 writer dies with its rank; it removes the checkpoints a prune deleted. Also the finiteness check
 that every save makes first. The jobs: tests/test_save_async.py."""
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from collections import OrderedDict
 
 import pytest
@@ -53,13 +55,16 @@ def held_save(state, path: str) -> None:
     torch.save(state, path)
 
 
-def test_a_background_file_is_torch_saves_file(tmp_path):
+def test_a_background_file_is_the_synchronous_saves_file(tmp_path):
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
         TorchCheckpointEngine,
     )
     state, path = a_state(), str(tmp_path / "state.pt")
-    torch.save(state, path)
+    synchronous = GuardedWrites()
+    synchronous.save(state, path, torch.save)
     expected = (tmp_path / "state.pt").read_bytes()
+    assert synchronous.checksums == {path: zlib.crc32(expected)}
+    assert torch.load(path, weights_only=False)["square"].equal(state["square"])
     os.remove(path)
     engine = TorchCheckpointEngine()
     engine.zipfile_serialization = True  # DeepSpeed's default
@@ -69,7 +74,7 @@ def test_a_background_file_is_torch_saves_file(tmp_path):
         saves.complete()
         assert writes.error is None
         assert (tmp_path / "state.pt").read_bytes() == expected
-        assert list(writes.checksums) == [path]
+        assert writes.checksums == synchronous.checksums
         os.remove(path)
 
 

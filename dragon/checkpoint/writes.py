@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
 
+from dragon.checkpoint import stream
 from dragon.checkpoint.verify import crc32_of
 
 # torch's writer and safetensors report a full disk as errors of their own, not OSError
@@ -54,11 +55,20 @@ class GuardedWrites:
     def write_now(self, write: Callable[[Any, str], None], state_dict, path: str,
                   fsync: bool = False) -> None:
         """write(state_dict, path), then its checksum; `fsync`: then make it durable (a
-        background save is marked only once its files are)."""
+        background save is marked only once its files are); a torch.save is checksummed as it
+        writes, and with `fsync` straight to the disk (dragon.checkpoint.stream)."""
+        if stream.streams(write):
+            self.run(self._write_checksummed, state_dict, path, write, fsync)
+            return
         self.run(write, state_dict, path)
         self.run(self._checksum, path)  # read back while the bytes are in the page cache
         if fsync:
             self.run(durable, path)
+
+    def _write_checksummed(self, state_dict, path: str, write: Callable[[Any, str], None],
+                           direct: bool) -> None:
+        self.checksums[os.path.abspath(path)] = stream.write_checksummed(write, state_dict, path,
+                                                                         direct)
 
     def _checksum(self, path: str) -> None:
         self.checksums[os.path.abspath(path)] = crc32_of(path)

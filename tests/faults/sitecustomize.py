@@ -33,6 +33,12 @@ def _faulty_rank() -> bool:
     return rank == int(os.environ.get("DRAGON_FAULT_RANK", "0"))
 
 
+def _path(file) -> str:
+    """The path DeepSpeed's checkpoint engine is given, or the file object dragon writes it
+    through (dragon.checkpoint.stream)."""
+    return str(getattr(file, "name", file))
+
+
 def _nan_forwards(steps: set[int]) -> None:
     """Every engine deepspeed.initialize returns gets a forward hook on its module."""
     import deepspeed
@@ -70,7 +76,7 @@ def _failing_saves(steps: set[int]) -> None:
 
     def failing_save(self, state_dict, path):
         tags = {f"step{s}" for s in steps}
-        if _faulty_rank() and tags & set(str(path).split(os.sep)):
+        if _faulty_rank() and tags & set(_path(path).split(os.sep)):
             raise OSError(errno.ENOSPC, "No space left on device (DRAGON_FAULT_SAVE_STEP)")
         return save(self, state_dict, path)
 
@@ -87,7 +93,7 @@ def _held_saves(steps: set[int]) -> None:
     release = os.environ.get("DRAGON_FAULT_RELEASE")
 
     def held_save(self, state_dict, path):
-        if {f"step{s}" for s in steps} & set(str(path).split(os.sep)):
+        if {f"step{s}" for s in steps} & set(_path(path).split(os.sep)):
             while not (release and os.path.exists(release)):
                 time.sleep(0.05)
         return save(self, state_dict, path)
