@@ -17,11 +17,12 @@ the synchronous save's file byte for byte.
 import fcntl
 import mmap
 import os
-import zlib
 from typing import Any, Callable
 
 import torch
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+from dragon.checkpoint.verify import crc32
 
 CHUNK = 8 * 2**20  # bytes a write hands the file: a multiple of every block size
 BLOCK = 4096  # O_DIRECT's alignment of a write's size (the last, short write clears O_DIRECT)
@@ -75,7 +76,7 @@ class ChecksummedFile:
 
     def _drain(self) -> None:
         chunk = self.buffer[:self.used]
-        self.crc = zlib.crc32(chunk, self.crc)
+        self.crc = crc32(chunk, self.crc)
         written = 0
         try:
             while written < len(chunk):  # a write may take part of it

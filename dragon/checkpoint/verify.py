@@ -3,15 +3,16 @@
 A completion marker says that every rank wrote its files; a file truncated later (a partial copy,
 a bad disk, a full disk during a sync) would still load as garbage or end a resume in tracebacks.
 So the marker also lists every file of the checkpoint with its size and CRC-32. The rank that
-writes a file checksums it right after (the bytes are still in the page cache); the marker's
+writes a file checksums it as it writes it (dragon.checkpoint.stream) or right after; the marker's
 writer checksums the few small files no rank reported. A resume, sample.py and export.py recompute
 the sizes and checksums of the checkpoint they take before loading it (every rank, in preflight),
 as the offline verifier (recipes/verify_checkpoints.py) does; a message at a stop compares sizes.
 """
 
 import os
-import zlib
 from typing import Optional
+
+from zlib_ng.zlib_ng import crc32  # zlib's CRC-32, several times faster than zlib's own
 
 CHUNK = 8 * 2**20
 
@@ -21,7 +22,7 @@ def crc32_of(path: str) -> int:
     crc = 0
     with open(path, "rb") as f:
         while block := f.read(CHUNK):
-            crc = zlib.crc32(block, crc)
+            crc = crc32(block, crc)
     return crc
 
 
