@@ -1,6 +1,6 @@
 """The training time a save costs, synchronous against --save_async (dragon.checkpoint.background).
 
-    python benchmarks/save_async.py [--mult 256] [--n_layer 1] [--steps 12] [--repeats 3]
+    python benchmarks/save_async.py [--mult 256] [--n_layer 1] [--steps 10] [--repeats 6]
 
 One process, a real DeepSpeed ZeRO-2 engine (fp32, torch's AdamW) of a BDH at the reference's sizes
 but twice its neurons (--mult 256: 50.5M parameters, ~770 MB a checkpoint with the optimizer, so
@@ -79,8 +79,8 @@ def main() -> None:
     parser.add_argument("--n_layer", type=int, default=1)  # compute only: layers share weights
     parser.add_argument("--mult", type=int, default=256)  # N per head = mult * 256 / 4
     parser.add_argument("--block", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=6)
     args = parser.parse_args()
     load = f"{os.getloadavg()[0]:.1f}"
     deepspeed.init_distributed("gloo")
@@ -113,7 +113,8 @@ def main() -> None:
     step = min(times["none"]) / args.steps
     print(f"BDH {sum(p.numel() for p in engine.module.parameters()):,} parameters, checkpoint "
           f"{size / 2**20:,.0f} MiB, {step:.2f} s/step, windows of {args.steps} steps, fastest "
-          f"of {args.repeats}; load average {load} before, {os.getloadavg()[0]:.1f} after")
+          f"of {args.repeats}; load average {load} before, {os.getloadavg()[0]:.1f} after; the "
+          f"no-save windows spread {max(times['none']) - min(times['none']):.2f} s")
     print("| save | call returns after | training time lost per save | lost / synchronous |")
     print("|---|---|---|---|")
     for mode, name in (("sync", "synchronous (baseline)"), ("async", "--save_async (ours)")):

@@ -9,6 +9,10 @@ with O_DIRECT and the disk takes the bytes from one aligned buffer that the proc
 system that refuses O_DIRECT gets the same writes through its page cache. The synchronous save
 keeps the page cache: its call returns once the bytes are there, not once the disk has them.
 
+The file's CRC-32 is what dragon checks (dragon.checkpoint.verify), so torch.save does not also
+take the CRC-32 of each record inside the file's zip archive (torch's set_crc32_options: torch.load
+never checks them; a zip tool that does reports them as wrong).
+
 torch.save names the records of a file object's archive `archive/`, where a path's archive takes
 the file's name: both ways of saving write through a file object, so that a background file is
 the synchronous save's file byte for byte.
@@ -20,11 +24,13 @@ import os
 from typing import Any, Callable
 
 import torch
+from torch.utils.serialization import config
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
 from dragon.checkpoint.verify import crc32
 
 CHUNK = 8 * 2**20  # bytes a write hands the file: a multiple of every block size
+PIECE = 2**20  # bytes checksummed, then copied, while they are in the CPU's cache
 BLOCK = 4096  # O_DIRECT's alignment of a write's size (the last, short write clears O_DIRECT)
 
 
@@ -51,8 +57,10 @@ class ChecksummedFile:
         data = memoryview(data).cast("B")
         taken = 0
         while taken < len(data):
-            size = min(CHUNK - self.used, len(data) - taken)
-            self.buffer[self.used:self.used + size] = data[taken:taken + size]
+            size = min(CHUNK - self.used, len(data) - taken, PIECE)
+            piece = data[taken:taken + size]
+            self.crc = crc32(piece, self.crc)
+            self.buffer[self.used:self.used + size] = piece
             self.used += size
             taken += size
             if self.used == CHUNK:
@@ -76,7 +84,6 @@ class ChecksummedFile:
 
     def _drain(self) -> None:
         chunk = self.buffer[:self.used]
-        self.crc = crc32(chunk, self.crc)
         written = 0
         try:
             while written < len(chunk):  # a write may take part of it
@@ -102,7 +109,8 @@ def write_checksummed(write: Callable, state: Any, path: str, direct: bool = Fal
     as far as it got: unmarked, so no resume takes it."""
     file = ChecksummedFile(path, direct)
     try:
-        write(state, file)
+        with config.patch({"save.compute_crc32": False}):
+            write(state, file)  # the file's CRC-32 stands for its records' (module docstring)
     except BaseException as e:
         os.close(file.fd)
         if file.error is not None and file.error is not e:
