@@ -54,13 +54,14 @@ def train_step(engine, batch) -> None:
     engine.step()
 
 
-def window(engine, batch, checkpointer, steps: int, mode: str, background: BackgroundSaves
-           ) -> tuple[float, float, float]:
+def window(engine, batch, checkpointer, steps: int, mode: str, background: BackgroundSaves,
+           settle: float = 0.0) -> tuple[float, float, float]:
     """(seconds of the window, seconds the save call itself took, seconds waited at its end for
     the write still in flight)."""
     # the same engine and Checkpointer save both ways (Checkpointer(save_async=...) sets these)
     engine.dragon_background = checkpointer.background = background if mode == "async" else None
     os.sync()  # no window pays for the page cache writeback of an earlier window's save
+    time.sleep(settle)  # nor for the kernel's work after it (freed pages handed back to the host)
     began = time.perf_counter()
     saved = 0.0
     if mode != "none":
@@ -81,6 +82,7 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--settle", type=float, default=5.0)  # seconds idle before each window
     args = parser.parse_args()
     load = f"{os.getloadavg()[0]:.1f}"
     deepspeed.init_distributed("gloo")
@@ -96,10 +98,11 @@ def main() -> None:
             window(engine, batch, checkpointer, 1, mode, background)
         times = {"none": [], "sync": [], "async": []}
         calls, waits = {"sync": [], "async": []}, []
-        for _ in range(args.repeats):
-            for mode in times:
+        for repeat in range(args.repeats):
+            modes = list(times)[repeat % 3:] + list(times)[:repeat % 3]  # no mode always first
+            for mode in modes:
                 seconds, call, waited = window(engine, batch, checkpointer, args.steps, mode,
-                                               background)
+                                               background, args.settle)
                 times[mode].append(seconds)
                 if mode in calls:
                     calls[mode].append(call)
@@ -115,6 +118,8 @@ def main() -> None:
           f"{size / 2**20:,.0f} MiB, {step:.2f} s/step, windows of {args.steps} steps, fastest "
           f"of {args.repeats}; load average {load} before, {os.getloadavg()[0]:.1f} after; the "
           f"no-save windows spread {max(times['none']) - min(times['none']):.2f} s")
+    for mode, seconds in times.items():
+        print(f"{mode} windows: " + " ".join(f"{t:.2f}" for t in seconds))
     print("| save | call returns after | training time lost per save | lost / synchronous |")
     print("|---|---|---|---|")
     for mode, name in (("sync", "synchronous (baseline)"), ("async", "--save_async (ours)")):
