@@ -6,8 +6,9 @@ shared-memory buffer of the rank (a memfd, sized at the first save and grown onl
 outgrows it) and pickles the rest of the states, a few kilobytes, with each storage named by its
 place in the buffer. The rank's writer process (dragon.checkpoint.writer: a fresh interpreter at
 the lowest priority, started once, with the BackgroundSaves) rebuilds the states on the buffer,
-writes each file with the save's own writer (torch.save, DeepSpeed's checkpoint engine), checksums
-and fsyncs it, and reports back through a pipe. So the step pays for a memory copy and a message:
+writes each file with the save's own writer (torch.save, DeepSpeed's checkpoint engine) straight
+to the disk, checksummed as it writes (dragon.checkpoint.stream), fsyncs it, and reports back
+through a pipe. So the step pays for a memory copy and a message:
 no fork copies the rank's page tables, no copy-on-write charges the steps after it for every page
 they write, and no writer thread contends for the training process's GIL. A rebuilt state pickles
 exactly as the original (the same storages, views, shared storages and objects), so a background
