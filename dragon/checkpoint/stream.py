@@ -96,12 +96,13 @@ class ChecksummedFile:
 
 def streams(write: Callable) -> bool:
     """Whether `write(state, path)` is torch.save's, which takes a file object for the path:
-    torch.save itself, or the save of DeepSpeed's TorchCheckpointEngine (its own or as
-    dragon.checkpoint.background pickles a method: `owner` and `name`)."""
+    torch.save itself, or the save of DeepSpeed's TorchCheckpointEngine (a bound method, or one
+    that dragon.checkpoint.background pickles by its `owner` and `name`)."""
     owner = getattr(write, "__self__", getattr(write, "owner", None))
-    name = getattr(write, "__name__", getattr(write, "name", None))
-    return write is torch.save or (isinstance(owner, TorchCheckpointEngine) and name == "save"
-                                   and type(owner).save is TorchCheckpointEngine.save)
+    function = getattr(write, "__func__", None) or getattr(type(owner), getattr(write, "name", ""),
+                                                           None)
+    return write is torch.save or (isinstance(owner, TorchCheckpointEngine)
+                                   and function is TorchCheckpointEngine.save)
 
 
 def write_checksummed(write: Callable, state: Any, path: str, direct: bool = False) -> int:
