@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import LOSS_ATOL, REPO, TINY, launch, losses
+from conftest import LOSS_ATOL, REPO, TINY, launch, losses, run_tool
 from test_checkpoints import STEPS, tag_dir, uninterrupted_run
 
 from dragon.checkpoint.catalog import list_checkpoints
@@ -81,14 +81,12 @@ def test_export_and_sample_read_an_accelerate_run(tmp_path_factory, text_file, t
     out, metrics = uninterrupted_run("accelerate", tmp_path_factory, text_file)
     evals = {m["step"]: m["eval_loss"] for m in metrics if "eval_loss" in m}
     assert evals[12] < evals[8]  # so the best kept checkpoint is the last
-    proc = launch("python", 1, "recipes/export.py",
-                  ["--checkpoint", str(out), "--output", str(tmp_path / "hf")], timeout=300)
+    proc = run_tool("recipes/export.py", "--checkpoint", out, "--output", tmp_path / "hf")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"from {out / 'checkpoints' / 'checkpoint_12' / 'pytorch_model'}" in proc.stdout
     ours, final = (BDHForCausalLM.from_pretrained(p) for p in (tmp_path / "hf", out / "final"))
     for (name, a), (_, b) in zip(ours.state_dict().items(), final.state_dict().items()):
         assert torch.equal(a, b), name
-    texts = [launch("python", 1, "recipes/sample.py",
-                    [str(path), "--prompt", "def ", "--max_new_tokens", "12"]).stdout
-             for path in (out, out / "final")]
+    texts = [run_tool("recipes/sample.py", path, "--prompt", "def ", "--max_new_tokens",
+                      "12").stdout for path in (out, out / "final")]
     assert texts[0] == texts[1] and texts[0].startswith("def ")

@@ -3,12 +3,10 @@ model trains, resumes exactly and exports like BDH does."""
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import LOSS_ATOL, REPO, job_env, losses, read_jsonl
+from conftest import LOSS_ATOL, losses, read_jsonl, run_tool
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -40,9 +38,8 @@ def test_a_baseline_of_the_bdh_s_size_trains_resumes_and_exports(model_type, run
     assert [m["step"] for m in resumed] == [5, 6, 7, 8]
     assert losses(resumed) == losses(metrics)[4:]
 
-    job = subprocess.run([sys.executable, "recipes/export.py", "--checkpoint",
-                          str(out / "checkpoints" / "step8"), "--output", str(tmp_path / "hf")],
-                         cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=300)
+    job = run_tool("recipes/export.py", "--checkpoint", out / "checkpoints" / "step8",
+                   "--output", tmp_path / "hf")
     assert job.returncode == 0, job.stderr[-3000:]
     ours, final = (load_file(d / "model.safetensors") for d in (tmp_path / "hf", out / "final"))
     assert ours.keys() == final.keys() and all(torch.equal(ours[k], final[k]) for k in ours)

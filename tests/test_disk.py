@@ -7,11 +7,11 @@ it."""
 import re
 import shutil
 import subprocess
-import sys
 import time
 
 import pytest
-from conftest import REPO, STEPS, TINY, job_env, launch, launch_command, losses, read_jsonl
+from conftest import (REPO, STEPS, TINY, job_env, launch, launch_command, losses, read_jsonl,
+                      run_tool)
 
 from dragon.checkpoint.catalog import MARKER
 
@@ -90,8 +90,7 @@ def damaged_copy(runs, tmp_path, file: str):
 
 
 def verify(run_dir, *extra) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "recipes/verify_checkpoints.py"), "--run",
-                           str(run_dir), *extra], capture_output=True, text=True, env=job_env())
+    return run_tool("recipes/verify_checkpoints.py", "--run", run_dir, *extra)
 
 
 def test_a_truncated_model_states_file_falls_back_and_resumes_exactly(runs, tmp_path, text_file):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CARRY, LOSS_ATOL, launch, losses
+from conftest import CARRY, LOSS_ATOL, losses, run_tool
 from test_diloco import final_logits, island_metrics, islands_run
 
 from dragon.model.bdh import BDHForCausalLM
@@ -121,8 +121,8 @@ def test_a_pipeline_of_neuron_shares_equals_one_process(runs, tmp_path):
     for key in ("loss", "eval_loss", "sparsity/layer1/xy"):
         assert losses(split, key) == pytest.approx(losses(single, key), abs=LOSS_ATOL), key
     assert (final_logits(out) - final_logits(single_out)).abs().max() < 1e-4
-    exported = launch("python", 1, "recipes/export.py", [
-        "--checkpoint", str(out / "checkpoints" / "step8"), "--output", str(tmp_path / "hf")])
+    exported = run_tool("recipes/export.py", "--checkpoint", out / "checkpoints" / "step8",
+                        "--output", tmp_path / "hf")
     assert exported.returncode == 0, exported.stderr[-3000:]
     ids = torch.arange(64).view(2, 32)
     with torch.no_grad():

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import LOSS_ATOL, REPO, TINY, free_port, job_env, losses, read_jsonl
+from conftest import LOSS_ATOL, REPO, TINY, free_port, job_env, losses, read_jsonl, run_tool
 from safetensors.torch import load_file
 from test_recipe import final_logits
 
@@ -105,9 +105,8 @@ def test_a_killed_split_run_resumes_exactly_and_exports_the_whole_model(tmp_path
     assert [m["step"] for m in resumed] == list(range(5, steps + 1))
     assert [m["loss"] for m in resumed] == expected[4:]
 
-    job = subprocess.run([sys.executable, "recipes/export.py", "--checkpoint",
-                          str(full / "checkpoints" / "step12"), "--output", str(tmp_path / "hf")],
-                         cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=300)
+    job = run_tool("recipes/export.py", "--checkpoint", full / "checkpoints" / "step12",
+                   "--output", tmp_path / "hf")
     assert job.returncode == 0, job.stderr[-3000:]
     ours = load_file(tmp_path / "hf" / "model.safetensors")
     final = load_file(full / "final" / "model.safetensors")

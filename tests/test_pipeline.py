@@ -6,7 +6,8 @@ import shutil
 
 import pytest
 import torch
-from conftest import LOSS_ATOL, REPO, STEPS, bad_input_base, launch, losses, run_recipe_in_process
+from conftest import (LOSS_ATOL, REPO, STEPS, bad_input_base, launch, losses,
+                      run_recipe_in_process, run_tool)
 
 from dragon import BDHConfig, BDHForCausalLM
 from dragon.parallel.pipeline import model_from_pipeline_checkpoint, partition
@@ -102,12 +103,8 @@ def test_trajectory_equals_single_process(runs):
         a = BDHForCausalLM.from_pretrained(out / "final")(ids).logits
         b = BDHForCausalLM.from_pretrained(single_out / "final")(ids).logits
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-    exported = launch(
-        "python",
-        1,
-        "recipes/export.py",
-        ["--checkpoint", str(out / "checkpoints" / "step8"), "--output", str(out / "exported")],
-    )
+    exported = run_tool("recipes/export.py", "--checkpoint", out / "checkpoints" / "step8",
+                        "--output", out / "exported")
     assert exported.returncode == 0, exported.stderr[-3000:]
     with torch.no_grad():
         torch.testing.assert_close(

@@ -22,6 +22,7 @@ from conftest import (
     losses,
     read_jsonl,
     run_recipe_in_process,
+    run_tool,
 )
 
 from dragon import BDHForCausalLM
@@ -272,12 +273,8 @@ def test_accelerate_launch_equals_torchrun(runs, yaml):
 def test_export_cli_turns_checkpoint_into_model(runs, tmp_path):
     """recipes/export.py merges the ZeRO-3 shards of the last checkpoint into the final model."""
     out, _, _ = runs("zero3")
-    proc = launch(
-        "python",
-        1,
-        "recipes/export.py",
-        ["--checkpoint", str(out / "checkpoints" / "step8"), "--output", str(tmp_path / "hf")],
-    )
+    proc = run_tool("recipes/export.py", "--checkpoint", out / "checkpoints" / "step8",
+                    "--output", tmp_path / "hf")
     assert proc.returncode == 0, proc.stderr[-3000:]
     model = BDHForCausalLM.from_pretrained(tmp_path / "hf").eval()
     ids = torch.arange(64).view(2, 32)
@@ -294,13 +291,13 @@ def test_export_never_replaces_a_users_files_silently(runs, tmp_path):
     (target / "notes.txt").write_text("keep me")
     (target / "config.json").write_text("{}")
     argv = ["--checkpoint", str(out / "checkpoints" / "step8"), "--output", str(target)]
-    proc = launch("python", 1, "recipes/export.py", argv)
+    proc = run_tool("recipes/export.py", *argv)
     assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith(
         f"error: --output {target}: holds files (config.json, notes.txt)"
     ), proc.stderr[-2000:]
     assert sorted(p.name for p in target.iterdir()) == ["config.json", "notes.txt"]
     assert (target / "config.json").read_text() == "{}"
-    proc = launch("python", 1, "recipes/export.py", [*argv, "--overwrite"])
+    proc = run_tool("recipes/export.py", *argv, "--overwrite")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (target / "notes.txt").read_text() == "keep me"
     assert BDHForCausalLM.from_pretrained(target).config.n_layer == 2

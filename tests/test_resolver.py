@@ -5,11 +5,10 @@ checkpoint, with one line that says what was found and what was taken; sample.py
 text and export.py the same model from every form, and verify_checkpoints.py takes every form."""
 
 import runpy
-import subprocess
 import sys
 
 import pytest
-from conftest import REPO, job_env
+from conftest import REPO, run_tool
 from test_checkpoints import STEPS, uninterrupted_run
 
 from dragon.checkpoint.resolver import resolve_checkpoint
@@ -52,8 +51,6 @@ def test_every_path_form_resolves_to_the_same_checkpoint(kind, capsys, monkeypat
         exports.add((target / "model.safetensors").read_bytes())
     assert len(exports) == 1
     for path in forms(kind, out):  # the verifier takes every form, each whole
-        checked = subprocess.run([sys.executable, str(REPO / "recipes/verify_checkpoints.py"),
-                                  "--run", str(path)], capture_output=True, text=True,
-                                 env=job_env())
+        checked = run_tool("recipes/verify_checkpoints.py", "--run", path)
         assert checked.returncode == 0, checked.stdout + checked.stderr
         assert checked.stdout.splitlines()[0].endswith(": whole"), checked.stdout
