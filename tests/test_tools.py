@@ -18,6 +18,7 @@ from conftest import (
     launch_command,
     read_jsonl,
     run_recipe_in_process,
+    run_tool,
 )
 
 PIPE = "recipes/pretrain_pipeline.py"
@@ -138,13 +139,12 @@ def made(runs) -> dict:
             "diloco": runs("diloco_zero3", **DILOCO_ZERO3)[0]}
 
 
-def recipe_in_process(monkeypatch, capsys, script: str, argv: list[str]) -> str:
-    """A tool's main() in this process; returns its stdout."""
-    monkeypatch.setattr(sys, "argv", [script, *argv])
-    runpy.run_path(str(REPO / script), run_name="__main__")
-    captured = capsys.readouterr()
-    recipe_in_process.stderr = captured.err
-    return captured.out
+def recipe_in_process(script: str, argv: list[str]) -> str:
+    """A tool run in this process to success (conftest.run_tool); returns its stdout."""
+    proc = run_tool(script, *argv)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recipe_in_process.stderr = proc.stderr
+    return proc.stdout
 
 
 def test_plots_of_one_run_and_of_two_overlaid(monkeypatch, capsys, made, tmp_path):
@@ -153,11 +153,11 @@ def test_plots_of_one_run_and_of_two_overlaid(monkeypatch, capsys, made, tmp_pat
     from matplotlib.image import imread
 
     one, two = tmp_path / "one.png", tmp_path / "two.png"
-    recipe_in_process(monkeypatch, capsys, "recipes/plot.py",
+    recipe_in_process("recipes/plot.py",
                       [str(made["pipeline"]), "--output", str(one), "--width", "6", "--height", "4",
                        "--dpi", "50"])
     assert imread(one).shape[:2] == (200, 300)
-    recipe_in_process(monkeypatch, capsys, "recipes/plot.py",
+    recipe_in_process("recipes/plot.py",
                       [str(made["pipeline"]), str(made["diloco"]), "--output", str(two)])
     assert imread(two).shape[:2] == (800, 1500)
     tool = runpy.run_path(str(REPO / "recipes/plot.py"))
@@ -198,7 +198,7 @@ def test_sampling_a_run_without_a_checkpoint_says_what_to_pass(monkeypatch, tmp_
 
 def greedy(monkeypatch, capsys, path, *extra) -> str:
     argv = [str(path), "--prompt", "def ", "--max_new_tokens", "12", *extra]
-    return recipe_in_process(monkeypatch, capsys, "recipes/sample.py", argv)
+    return recipe_in_process("recipes/sample.py", argv)
 
 
 def test_sampling_from_each_checkpoint_kind_equals_its_export(
@@ -214,7 +214,7 @@ def test_sampling_from_each_checkpoint_kind_equals_its_export(
         text = greedy(monkeypatch, capsys, path)
         assert text.startswith("def ") and text.count("\n") >= 1, text
         hf = tmp_path / name
-        recipe_in_process(monkeypatch, capsys, "recipes/export.py",
+        recipe_in_process("recipes/export.py",
                           ["--checkpoint", str(path), "--output", str(hf)])
         assert greedy(monkeypatch, capsys, hf) == text, name
     island0 = made["diloco"] / "island0"
@@ -239,7 +239,7 @@ def test_export_round_trips_logits_and_its_card_names_the_validation_loss(
     from dragon.model.bdh import BDHForCausalLM
 
     tag = made["diloco"] / "island0" / "checkpoints" / "step8"
-    recipe_in_process(monkeypatch, capsys, "recipes/export.py",
+    recipe_in_process("recipes/export.py",
                       ["--checkpoint", str(tag), "--output", str(tmp_path / "hf")])
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -318,7 +318,7 @@ def test_an_export_loads_and_generates_without_dragon(monkeypatch, capsys, made,
     where `import dragon` fails, and generate() gives dragon's own greedy ids."""
     from dragon.model.bdh import BDHForCausalLM
 
-    recipe_in_process(monkeypatch, capsys, "recipes/export.py",
+    recipe_in_process("recipes/export.py",
                       ["--checkpoint", str(made["pipeline"] / "checkpoints" / "step8"),
                        "--output", str(tmp_path / "hf")])
     blocked = tmp_path / "blocked"
