@@ -6,9 +6,9 @@ the resume load they precede, per GB.
 A state dict of fp32 tensors (64 MiB each) is written with torch.save, as DeepSpeed's checkpoint
 engine writes every file, then read back and checksummed as a resume does before it loads (the
 bytes in the page cache: a cold read adds the disk's time to the check and the load alike), then
-loaded with torch.load as a resume loads it. A resume recomputes
-every checksum before it loads, so its time with the check is CRC-32 + load, without it the load
-(and one stat per file, the size check).
+loaded with torch.load as a resume loads it. A resume recomputes every checksum before it loads,
+so its time with the check is CRC-32 + load, without it the load (and one stat per file, the size
+check).
 """
 
 import argparse

@@ -1,9 +1,9 @@
 """The writer process of --save_async (dragon.checkpoint.background, dragon.checkpoint.writer),
 in one process: a file written from the shared buffer is the synchronous save's file byte for byte,
-and the CRC-32 taken as it is written is the file's; a writer
-that dies fails the save in one line rather than hanging it, and the next save starts another; the
-writer dies with its rank; it removes the checkpoints a prune deleted. Also the finiteness check
-that every save makes first. The jobs: tests/test_save_async.py."""
+and the CRC-32 taken as it is written is the file's; a writer that dies fails the save in one line
+rather than hanging it, and the next save starts another; the writer dies with its rank; it
+removes the checkpoints a prune deleted. Also the finiteness check that every save makes first.
+The jobs: tests/test_save_async.py."""
 
 import os
 import signal

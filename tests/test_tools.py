@@ -196,7 +196,7 @@ def test_sampling_a_run_without_a_checkpoint_says_what_to_pass(monkeypatch, tmp_
     assert "a Hugging Face directory" in message and "\n" not in message
 
 
-def greedy(monkeypatch, capsys, path, *extra) -> str:
+def greedy(path, *extra) -> str:
     argv = [str(path), "--prompt", "def ", "--max_new_tokens", "12", *extra]
     return recipe_in_process("recipes/sample.py", argv)
 
@@ -211,21 +211,21 @@ def test_sampling_from_each_checkpoint_kind_equals_its_export(
         ("pipeline", made["pipeline"] / "checkpoints" / "step4"),
         ("diloco", made["diloco"]),
     ):
-        text = greedy(monkeypatch, capsys, path)
+        text = greedy(path)
         assert text.startswith("def ") and text.count("\n") >= 1, text
         hf = tmp_path / name
         recipe_in_process("recipes/export.py",
                           ["--checkpoint", str(path), "--output", str(hf)])
-        assert greedy(monkeypatch, capsys, hf) == text, name
+        assert greedy(hf) == text, name
     island0 = made["diloco"] / "island0"
     losses = {m["step"]: m["eval_loss"] for m in read_jsonl(island0 / "metrics.jsonl")
               if "eval_loss" in m}
-    greedy(monkeypatch, capsys, made["diloco"])
+    greedy(made["diloco"])
     assert f"step{min(losses, key=losses.get)}\n" in recipe_in_process.stderr
-    greedy(monkeypatch, capsys, made["diloco"], "--checkpoint", "latest")
+    greedy(made["diloco"], "--checkpoint", "latest")
     assert "step8\n" in recipe_in_process.stderr
-    sampled = greedy(monkeypatch, capsys, made["pipeline"], "--temperature", "1", "--seed", "3")
-    assert sampled == greedy(monkeypatch, capsys, made["pipeline"], "--temperature", "1", "--seed",
+    sampled = greedy(made["pipeline"], "--temperature", "1", "--seed", "3")
+    assert sampled == greedy(made["pipeline"], "--temperature", "1", "--seed",
                              "3")
 
 
