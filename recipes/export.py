@@ -21,7 +21,7 @@ from transformers import HfArgumentParser
 
 from dragon.checkpoint.card import write_model_card
 from dragon.data.sources import DataError
-from dragon.data.text import tokenizer_in
+from dragon.data.tokenizer import tokenizer_in
 from dragon.checkpoint.export import check_export_dir, model_from_checkpoint, save_model
 from dragon.checkpoint.resolver import resolve_checkpoint
 from dragon.checkpoint.catalog import list_checkpoints, run_files_dir

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from transformers import HfArgumentParser
 
-from dragon.data.text import tokenizer_in
+from dragon.data.tokenizer import tokenizer_in
 
 
 @dataclass

@@ -16,16 +16,15 @@ from datasets import Dataset  # noqa: E402
 
 from dragon.data.batches import TrainBatches, eval_batches, shard_indices  # noqa: E402
 from dragon.data.text import (  # noqa: E402
-    ByteTokenizer,
     DataArguments,
     DataError,
     build_datasets,
     builtin_corpus_files,
     load_text,
-    load_tokenizer,
     pack,
     split_blocks,
 )
+from dragon.data.tokenizer import ByteTokenizer, load_tokenizer  # noqa: E402
 
 datasets.disable_progress_bars()
 
@@ -112,7 +111,7 @@ def make_hf_tokenizer(path):
 
 
 def test_hf_tokenizer_from_local_path(tmp_path):
-    tok = load_tokenizer(DataArguments(tokenizer_name=make_hf_tokenizer(tmp_path / "tok")))
+    tok = load_tokenizer(make_hf_tokenizer(tmp_path / "tok"))
     assert tok.vocab_size > 256
     ids = tok.encode(DOCS[0])
     assert all(isinstance(i, int) for i in ids)
@@ -448,7 +447,7 @@ def test_bits_per_byte_factor_against_a_count_by_hand(tmp_path):
     rows = torch.tensor(list(text[: 6 * 16])).view(3, 2, 16)  # 3 batches of 2 rows of 16
     assert bits_per_byte_factor(list(rows), ByteTokenizer()) == pytest.approx(1 / math.log(2))
 
-    tok = load_tokenizer(DataArguments(tokenizer_name=make_hf_tokenizer(tmp_path / "tok")))
+    tok = load_tokenizer(make_hf_tokenizer(tmp_path / "tok"))
     docs = [DOCS[1], DOCS[4], DOCS[5]]
     batches = [torch.tensor([tok.encode(doc)]) for doc in docs]
     tokens = sum(len(tok.encode(doc)) - 1 for doc in docs)

@@ -14,6 +14,12 @@ class DataError(ValueError):
     """Bad data input; message is one line naming the bad value and what would be valid."""
 
 
+def one_line(error: BaseException, limit: int = 200) -> str:
+    """A short one-line reason from an exception, for DataError messages."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def builder_of(path: str, flag: str = "train_file") -> str:
     """The `datasets` builder ("text", "json", "parquet") that reads `path`, by its extension."""
     ext = os.path.splitext(path)[1].lower()

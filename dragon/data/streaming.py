@@ -30,10 +30,10 @@ from dragon.data.text import (
     DataError,
     check_data_args,
     pack_batch,
-    load_tokenizer,
     open_texts,
     pack,
 )
+from dragon.data.tokenizer import load_tokenizer
 from dragon.data.mixture import mixed_blocks
 
 STATE_FILE = "data_stream"  # <name>_<rank>.pt in each checkpoint: this rank's stream position
@@ -94,7 +94,7 @@ def build_streams(args: DataArguments, seed: int = 0) -> tuple[IterableDataset, 
     if args.validation_blocks < 1 and args.validation_file is None:
         raise DataError(f"validation_blocks {args.validation_blocks} is invalid; use >= 1 or give "
                         "--validation_file")
-    tokenizer = load_tokenizer(args)
+    tokenizer = load_tokenizer(args.tokenizer_name)
     blocks = _blocks(args, tokenizer, seed)
     valid = _validation(args, blocks, tokenizer)
     train = blocks if args.validation_file is not None else blocks.skip(args.validation_blocks)

@@ -1,11 +1,11 @@
 """Data pipeline for BDH training: text in, packed token blocks out, deterministic batches.
 
 Text comes from local files (dragon.data.sources), a hub dataset, or (by default) the running
-interpreter's standard library. Documents are tokenized (raw UTF-8 bytes unless a local HF
-tokenizer is given), concatenated, and cut into samples of block_size+1 ids, so input = ids[:-1] and
-target = ids[1:]. The last blocks are held out for validation, contiguously, as the
-reference's 90/10 split of one byte stream does. dragon.data.streaming reads the same sources as a
-stream instead (--streaming).
+interpreter's standard library. Documents are tokenized (raw UTF-8 bytes unless --tokenizer_name
+names a tokenizer: dragon.data.tokenizer), concatenated, and cut into samples of block_size+1
+ids, so input = ids[:-1] and target = ids[1:]. The last blocks are held out for validation,
+contiguously, as the reference's 90/10 split of one byte stream does. dragon.data.streaming reads
+the same sources as a stream instead (--streaming).
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ import os
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional
 
 import datasets
 import numpy as np
-import torch
 from datasets import Dataset
 
-from dragon.data.sources import DataError, builder_groups, resolve_files
+from dragon.data.sources import DataError, builder_groups, one_line, resolve_files
+from dragon.data.tokenizer import load_tokenizer
 
 PACK_BATCH_SIZE = 1000  # documents per map batch; only each batch's tail is dropped
 _EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
@@ -48,7 +48,8 @@ class DataArguments:
         default="text", metadata={"help": "Column holding the text (json/parquet/hub data)."}
     )
     tokenizer_name: Optional[str] = field(
-        default=None, metadata={"help": "Local path to a HF tokenizer; default: UTF-8 bytes."}
+        default=None, metadata={"help": "A tokenizer as AutoTokenizer.from_pretrained takes it (a "
+                                  "hub id or a local directory); default: UTF-8 bytes."}
     )
     block_size: int = field(
         default=512, metadata={"help": "Tokens predicted per sample (samples hold block_size+1)."}
@@ -86,121 +87,6 @@ class DataArguments:
     )
 
 
-def _one_line(error: BaseException, limit: int = 200) -> str:
-    """A short one-line reason from an exception, for DataError messages."""
-    text = " ".join(str(error).split()) or type(error).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-# ---------------------------------------------------------------- tokenizers
-
-
-class ByteTokenizer:
-    """The reference's tokenizer: UTF-8 bytes, vocab 256."""
-
-    vocab_size = 256
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def encode_concatenated(self, texts: list[str]) -> np.ndarray:
-        """The ids of `texts` one after another (for packing)."""
-        return np.frombuffer("".join(texts).encode("utf-8"), dtype=np.uint8)
-
-    def decode(self, ids: Union[Sequence[int], torch.Tensor]) -> str:
-        ids = ids.tolist() if hasattr(ids, "tolist") else ids
-        return bytes(ids).decode("utf-8", errors="replace")
-
-    def byte_count(self, ids: Union[Sequence[int], torch.Tensor]) -> int:
-        """UTF-8 bytes of the text `ids` stand for: one per id."""
-        return len(ids)
-
-    def save_pretrained(self, path: str) -> None:
-        """The same tokenizer as transformers loads it (AutoTokenizer.from_pretrained): byte-level
-        BPE with the 256 bytes as its vocabulary, id = byte value, and no merges."""
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-        from transformers import PreTrainedTokenizerFast
-        from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-        as_char = bytes_to_unicode()  # byte-level BPE's printable stand-in for each byte
-        bpe = Tokenizer(models.BPE(vocab={as_char[b]: b for b in range(256)}, merges=[]))
-        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-        bpe.decoder = decoders.ByteLevel()
-        PreTrainedTokenizerFast(tokenizer_object=bpe).save_pretrained(path)
-
-    __call__ = encode
-
-
-class HFTokenizer:
-    """A transformers tokenizer behind the ByteTokenizer API (no special tokens added)."""
-
-    def __init__(self, tokenizer: Any):
-        self.tokenizer = tokenizer
-        self.vocab_size = len(tokenizer)  # includes added tokens, unlike tokenizer.vocab_size
-
-    def encode(self, text: str) -> list[int]:
-        # verbose=False: documents are longer than model_max_length by design (we pack them).
-        return self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
-
-    def encode_concatenated(self, texts: list[str]) -> np.ndarray:
-        """The ids of `texts` one after another (for packing): one batched call, which the fast
-        tokenizers run in Rust."""
-        if not texts:
-            return np.zeros(0, dtype=np.int64)
-        ids = self.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
-        return np.concatenate([np.asarray(doc, dtype=np.int64) for doc in ids])
-
-    def decode(self, ids: Union[Sequence[int], torch.Tensor]) -> str:
-        ids = ids.tolist() if hasattr(ids, "tolist") else ids
-        return self.tokenizer.decode(ids)
-
-    def byte_count(self, ids: Union[Sequence[int], torch.Tensor]) -> int:
-        """UTF-8 bytes of the text `ids` stand for (special tokens stand for none). A byte-level
-        BPE token cut from its character at either end decodes to U+FFFD (3 bytes)."""
-        ids = ids.tolist() if hasattr(ids, "tolist") else ids
-        return len(self.tokenizer.decode(ids, skip_special_tokens=True).encode("utf-8"))
-
-    __call__ = encode
-
-    def save_pretrained(self, path: str) -> None:
-        self.tokenizer.save_pretrained(path)
-
-    def __repr__(self) -> str:
-        return f"HFTokenizer({self.tokenizer.name_or_path!r}, vocab_size={self.vocab_size})"
-
-
-def tokenizer_in(directory: str, vocab_size: int) -> Union[ByteTokenizer, HFTokenizer]:
-    """The tokenizer a run saved in `directory` (next to its checkpoints, or in an export);
-    bytes when it saved none and the model has the byte vocabulary."""
-    if os.path.isfile(os.path.join(directory, "tokenizer_config.json")):
-        return load_tokenizer(DataArguments(tokenizer_name=directory))
-    if vocab_size != ByteTokenizer.vocab_size:
-        raise DataError(
-            f"{directory} holds no tokenizer and the model's vocabulary is {vocab_size}, not "
-            "the 256 UTF-8 bytes; give --tokenizer_name"
-        )
-    return ByteTokenizer()
-
-
-def load_tokenizer(args: DataArguments) -> Union[ByteTokenizer, HFTokenizer]:
-    """ByteTokenizer by default, else the AutoTokenizer saved at local path tokenizer_name."""
-    if args.tokenizer_name is None:
-        return ByteTokenizer()
-    path = args.tokenizer_name
-    if not os.path.isdir(path):
-        raise DataError(
-            f"tokenizer_name {path!r} is not a local directory; "
-            "give a path saved with tokenizer.save_pretrained(), or omit it for bytes"
-        )
-    from transformers import AutoTokenizer  # deferred: importing transformers is slow
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception as e:  # transformers raises many types (OSError, ValueError, KeyError...)
-        raise DataError(f"tokenizer_name {path!r} could not be loaded: {_one_line(e)}") from e
-    return HFTokenizer(tokenizer)
-
-
 # ---------------------------------------------------------------- raw text
 
 
@@ -221,7 +107,7 @@ def _load(source: str, *args: Any, streaming: bool = False, **kwargs: Any) -> An
     try:
         return datasets.load_dataset(*args, split="train", streaming=streaming, **kwargs)
     except Exception as e:  # decoding/parsing errors arrive wrapped in DatasetGenerationError
-        raise DataError(f"{source} could not be loaded: {_one_line(e.__cause__ or e)}") from e
+        raise DataError(f"{source} could not be loaded: {one_line(e.__cause__ or e)}") from e
 
 
 def text_only(ds: Any, column: str, source: str) -> Any:
@@ -362,7 +248,7 @@ def check_data_args(args: DataArguments) -> None:
 def build_datasets(args: DataArguments) -> tuple[Dataset, Dataset, Any]:
     """(train blocks, validation blocks, tokenizer) from DataArguments."""
     check_data_args(args)
-    tokenizer = load_tokenizer(args)  # first: a bad tokenizer path fails before slow loading
+    tokenizer = load_tokenizer(args.tokenizer_name)  # first: fails before slow loading
     texts = load_text(args)
     blocks = pack(texts, tokenizer, args.block_size, args.preprocessing_num_workers)
     if len(blocks) == 0:
