@@ -1,13 +1,19 @@
 """A real run's data: hub and BPE tokenizers, prepared data, plans that count epochs, and resumes
 that say what changed (real jobs on CPU, gloo)."""
 
+import json
 import math
+import random
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, TINY, bad_input_base, launch, losses, read_jsonl, \
-    run_recipe_in_process
+from conftest import REPO, TINY, bad_input_base, job_env, launch, losses, read_jsonl, \
+    run_recipe_in_process, run_tool
 
 STEPS = 8
 
@@ -83,3 +89,78 @@ def test_a_bpe_run_logs_bits_per_utf8_byte(bpe_run, text_file, bpe_tokenizer):
     assert text_bytes > 32 * 64  # BPE: more bytes than tokens
     assert last["eval_bpb"] == pytest.approx(nats / (text_bytes * math.log(2)), rel=1e-5)
     assert losses(metrics)[-1] < losses(metrics)[0]
+
+
+# ---------------------------------------------------------------- prepared data
+
+
+@pytest.fixture(scope="session")
+def documents(tmp_path_factory) -> Path:
+    """5,500 short JSON-lines documents: 6 shards of 1,000."""
+    lines = [line for line in (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py")
+             .read_text().splitlines() if line.strip()]
+    chosen = random.Random(0)
+    path = tmp_path_factory.mktemp("documents") / "docs.jsonl"
+    with open(path, "w") as f:
+        for _ in range(5500):
+            f.write(json.dumps({"text": " ".join(chosen.sample(lines, 3)) + "\n"}) + "\n")
+    return path
+
+
+def prepare_args(data, out, *extra) -> list[str]:
+    return ["--train_file", str(data), "--prepared_data", str(out), "--block_size", "64",
+            "--shard_documents", "1000", "--disable_tqdm", *extra]
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_a_stopped_preparation_finishes_to_the_same_directory(tmp_path, documents):
+    """Killed (SIGKILL) as it starts its 4th shard, then run again: the 3 whole shards are kept,
+    the half-written file goes, and the directory is byte for byte an unstopped preparation's
+    (made by 2 worker processes)."""
+    whole = run_tool("recipes/prepare_data.py",
+                     *prepare_args(documents, tmp_path / "whole", "--preprocessing_num_workers",
+                                   "2"))
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    out = tmp_path / "stopped"
+    killed = subprocess.run([sys.executable, "recipes/prepare_data.py",
+                             *prepare_args(documents, out)], cwd=REPO, capture_output=True,
+                            text=True, env=job_env(DRAGON_FAULT_KILL_PREPARE_SHARD="3"))
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert sorted(p.name for p in (out / "shards").iterdir()) == [
+        *(f"shard-0000{i}-of-00006.arrow" for i in range(3)), "tmp-half-written"]
+    assert not (out / "dragon_prepared.json").exists()
+    again = run_tool("recipes/prepare_data.py", *prepare_args(documents, out))
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "prepare: 3 of 6 shards already written" in again.stdout
+    assert files_of(out) == files_of(tmp_path / "whole")
+
+
+def test_a_run_on_prepared_data_has_the_losses_of_tokenizing_in_the_job(runs, tmp_path,
+                                                                          text_file):
+    """The same run, its data prepared ahead: the same losses, bit for bit."""
+    prepared = tmp_path / "prepared"
+    done = run_tool("recipes/prepare_data.py", *prepare_args(text_file, prepared))
+    assert done.returncode == 0, done.stderr[-2000:]
+    _, metrics, proc = runs("prepared", extra=["--prepared_data", str(prepared)])
+    assert "Packing into blocks" not in proc.stderr  # nothing tokenized in the job
+    _, ref, _ = runs("zero2")
+    assert losses(metrics) == losses(ref) and len(losses(ref)) == STEPS
+    assert losses(metrics, "eval_loss") == losses(ref, "eval_loss")
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("--block_size", "32", "--block_size 32: {out} was prepared with block_size 64"),
+    ("--tokenizer_name", "{tok}", "--tokenizer_name {tok}: {out} was prepared with tokenizer "
+                                  "bytes"),
+])
+def test_prepared_data_of_another_block_size_or_tokenizer_is_refused(
+        monkeypatch, tmp_path, documents, bpe_tokenizer, flag, value, says):
+    out = tmp_path / "prepared"
+    assert run_tool("recipes/prepare_data.py", *prepare_args(documents, out)).returncode == 0
+    argv = [*bad_input_base("zero2.json", tmp_path / "x", documents), *TINY,
+            "--prepared_data", str(out), flag, value.format(tok=bpe_tokenizer)]
+    line = run_recipe_in_process(monkeypatch, "recipes/pretrain.py", argv)
+    assert line.startswith("error: " + says.format(out=out, tok=bpe_tokenizer)), line

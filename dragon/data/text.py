@@ -85,6 +85,11 @@ class DataArguments:
     cache_dir: Optional[str] = field(
         default=None, metadata={"help": "datasets cache directory (default: datasets' own)."}
     )
+    prepared_data: Optional[str] = field(
+        default=None,
+        metadata={"help": "A directory recipes/prepare_data.py wrote from these same data "
+                  "arguments (it writes there): the run opens its blocks without tokenizing."},
+    )
 
 
 # ---------------------------------------------------------------- raw text
@@ -196,8 +201,10 @@ def pack(
     block_size: int,
     num_proc: Optional[int] = None,
     batch_size: int = PACK_BATCH_SIZE,
+    cache_file_name: Optional[str] = None,
 ) -> Dataset:
-    """Token blocks of exactly block_size+1 ids in column "input_ids" (cached datasets.map)."""
+    """Token blocks of exactly block_size+1 ids in column "input_ids" (cached datasets.map; in
+    `cache_file_name` when given)."""
     # int16 halves int32 storage for byte-level and small vocabularies; formatted torch rows
     # are converted with .long() by the batch readers below.
     dtype = "int16" if tokenizer.vocab_size <= 2**15 else "int32"
@@ -209,6 +216,7 @@ def pack(
         remove_columns=texts.column_names,
         features=datasets.Features({"input_ids": datasets.List(datasets.Value(dtype))}),
         num_proc=num_proc,
+        cache_file_name=cache_file_name,
         desc=f"Packing into blocks of {block_size + 1} tokens",
     )
 
@@ -246,23 +254,30 @@ def check_data_args(args: DataArguments) -> None:
 
 
 def build_datasets(args: DataArguments) -> tuple[Dataset, Dataset, Any]:
-    """(train blocks, validation blocks, tokenizer) from DataArguments."""
+    """(train blocks, validation blocks, tokenizer) from DataArguments, tokenized and packed
+    here (dragon.data.prepared opens what was packed ahead)."""
     check_data_args(args)
     tokenizer = load_tokenizer(args.tokenizer_name)  # first: fails before slow loading
     texts = load_text(args)
     blocks = pack(texts, tokenizer, args.block_size, args.preprocessing_num_workers)
-    if len(blocks) == 0:
-        # Error path only, so re-tokenizing to count is acceptable.
-        n_tokens = sum(len(tokenizer.encode(t)) for t in texts["text"])
-        width = args.block_size + 1
-        if n_tokens >= width:  # long enough overall, but no map batch of documents was
-            raise DataError(
-                f"data has {n_tokens} tokens but no batch of {PACK_BATCH_SIZE} "
-                f"documents reaches block_size+1={width} tokens; lower --block_size"
-            )
-        raise DataError(
-            f"data has {n_tokens} tokens, shorter than one block of "
-            f"block_size+1={width} tokens; lower --block_size or add data"
-        )
+    check_blocks(blocks, texts, tokenizer, args.block_size)
     train, validation = split_blocks(blocks, args.validation_split_percentage)
     return train, validation, tokenizer
+
+
+def check_blocks(blocks: Dataset, texts: Dataset, tokenizer: Any, block_size: int) -> None:
+    """Raise when packing `texts` gave no block."""
+    if len(blocks) > 0:
+        return
+    # Error path only, so re-tokenizing to count is acceptable.
+    n_tokens = sum(len(tokenizer.encode(t)) for t in texts["text"])
+    width = block_size + 1
+    if n_tokens >= width:  # long enough overall, but no map batch of documents was
+        raise DataError(
+            f"data has {n_tokens} tokens but no batch of {PACK_BATCH_SIZE} "
+            f"documents reaches block_size+1={width} tokens; lower --block_size"
+        )
+    raise DataError(
+        f"data has {n_tokens} tokens, shorter than one block of "
+        f"block_size+1={width} tokens; lower --block_size or add data"
+    )

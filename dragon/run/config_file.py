@@ -66,11 +66,12 @@ def _convert(path: str, key: str, value: Any, action: Action) -> Any:
     return converted
 
 
-def apply_config_file(parser: HfArgumentParser, path: str) -> None:
+def apply_config_file(parser: HfArgumentParser, path: str, ignore: tuple[str, ...] = ()) -> None:
     """Make the file's values the parser's defaults (so flags override them); raise one line on a
-    key no argument has or a value its flag would refuse."""
+    key no argument has or a value its flag would refuse. Keys in `ignore` (another tool's
+    arguments in a shared file) are left out."""
     actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest != "help"}
-    values = read_config_file(path)
+    values = {k: v for k, v in read_config_file(path).items() if k not in ignore}
     for key, value in values.items():
         if key not in actions:
             close = difflib.get_close_matches(str(key), list(actions), n=1, cutoff=0.5)

@@ -9,6 +9,7 @@ import torch
 
 from dragon.data.batches import ContiguousRowBatches, TrainBatches, eval_batches, eval_streams
 from dragon.data.mixture import source_names
+from dragon.data.prepared import open_prepared
 from dragon.data.streaming import STATE_FILE as STREAM_STATE
 from dragon.data.streaming import StreamingBatches, build_streams, check_stream
 from dragon.data.sources import DataError
@@ -97,6 +98,8 @@ def load_data(data_args, args) -> tuple[Any, Any, Any]:
     _check_streaming(data_args, args)
     if data_args.streaming:
         return build_streams(data_args, args.seed)
+    if data_args.prepared_data is not None:  # packed ahead by recipes/prepare_data.py
+        return open_prepared(data_args)
     return build_datasets(data_args)
 
 
@@ -141,6 +144,9 @@ def _check_streaming(data_args, args) -> None:
             raise ValueError(f"--dataset_mixture {data_args.dataset_mixture}: mixtures are "
                              "streamed; add --streaming")
         return
+    if data_args.prepared_data is not None:
+        raise ValueError(f"--prepared_data {data_args.prepared_data} with --streaming: prepared "
+                         "data is opened whole; drop one of them")
     if args.carry_state:
         raise ValueError("--carry_state with --streaming: carried states read the corpus as "
                          "contiguous stretches, which needs its length; drop one of them")

@@ -12,6 +12,8 @@ job_env adds it when a test sets a DRAGON_FAULT_* variable); dragon itself carri
   background write (--save_async) is in flight for as long as a test needs.
 - DRAGON_FAULT_EXIT_OUTER_STEP=2 and DRAGON_FAULT_ISLAND=i: island i's processes exit at once
   (os._exit) in elastic outer step 2, after its quorum formed and before the exchange.
+- DRAGON_FAULT_KILL_PREPARE_SHARD=2: recipes/prepare_data.py is killed (SIGKILL) as it starts
+  shard 2, a half-written temporary file of it left behind.
 """
 
 import errno
@@ -117,6 +119,24 @@ def _dying_island(steps: set[int]) -> None:
     DiLoCo.exchange = dying_exchange
 
 
+def _killed_preparation(shards: set[int]) -> None:
+    import signal
+
+    from dragon.data import prepared
+
+    pack_shard = prepared._pack_shard
+
+    def killed(i: int) -> int:
+        if i in shards:
+            folder = os.path.dirname(prepared._WORK["paths"][i])
+            with open(os.path.join(folder, "tmp-half-written"), "wb") as f:
+                f.write(b"ARROW1" * 100)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return pack_shard(i)
+
+    prepared._pack_shard = killed
+
+
 if _steps("NAN_STEPS"):
     _nan_forwards(_steps("NAN_STEPS"))
 if _steps("SAVE_STEP"):
@@ -125,3 +145,5 @@ if _steps("HOLD_SAVE_STEP"):
     _held_saves(_steps("HOLD_SAVE_STEP"))
 if _steps("EXIT_OUTER_STEP"):
     _dying_island(_steps("EXIT_OUTER_STEP"))
+if _steps("KILL_PREPARE_SHARD"):
+    _killed_preparation(_steps("KILL_PREPARE_SHARD"))
