@@ -230,6 +230,34 @@ def bad_input_base(config: str, out, text_file) -> list[str]:
     ]
 
 
+@pytest.fixture(scope="session")
+def long_text_file(tmp_path_factory, text_file) -> Path:
+    """The test corpus 5 times (~2 MB): a stream of 2,049-token blocks that holds the 256
+    validation blocks and a global batch of a named config."""
+    path = tmp_path_factory.mktemp("long") / "corpus.txt"
+    path.write_text("\n".join([text_file.read_text()] * 5))
+    return path
+
+
+def with_local_data(words: list, data_file, folder: Path) -> list[str]:
+    """`words` with every named config (recipes/configs/) that names a hub dataset replaced by a
+    copy in `folder` that reads `data_file`: the hub is out of reach here."""
+    import yaml
+
+    found = []
+    for word in map(str, words):
+        path = Path(word) if os.path.isabs(word) else REPO / word
+        if word.endswith(".yaml") and path.parent == REPO / "recipes" / "configs":
+            values = yaml.safe_load(path.read_text())
+            if values.pop("dataset_name", None):
+                values.pop("dataset_config_name", None)
+                values["train_file"] = str(data_file)
+                word = str(folder / path.name)
+                Path(word).write_text(yaml.safe_dump(values))
+        found.append(word)
+    return found
+
+
 def losses(metrics, key="loss"):
     return [m[key] for m in metrics if key in m]
 

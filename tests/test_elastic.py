@@ -291,7 +291,8 @@ def test_a_joiner_of_another_model_size_or_h_is_refused(tmp_path, text_file, sto
     """A joiner whose model size or H differs from the live island's exits 1 with one line
     naming both values; the live island trains on, unaware."""
     out = tmp_path / "run"
-    live = start(0, 2, out, text_file, store, extra=["--max_steps", "100000"])
+    live = start(0, 2, out, text_file, store,
+                 extra=["--max_steps", "100000", "--max_data_epochs", "1e9"])
     extra = ["--diloco_inner_steps", "2", "--n_embd", "64", "--diloco_join"]
     joiner = start(1, 2, tmp_path / "joiner", text_file, store, extra=extra)
     _, stderr = joiner.communicate(timeout=300)

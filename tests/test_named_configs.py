@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, SHRINK, SHRUNK_STEPS as STEPS, dry_run_in_process, launch, losses, \
-    read_jsonl
+    read_jsonl, run_recipe_in_process, with_local_data
 
 CONFIGS = sorted((REPO / "recipes" / "configs").glob("*.yaml"))
 GPU_BYTES = 80 * 10**9  # the 80 GB class every config assumes
@@ -36,7 +36,8 @@ WORLDS = {
 
 
 FIELDS = ("GPU assumed", "Launch", "Plan", "Memory per device (dry-run estimate)",
-          "Tokens per step", "Sizes")
+          "Tokens per step", "Time to train (plan)", "Data", "Sizes")
+GPU_CONFIGS = [c for c in CONFIGS if c.stem != "quickstart_cpu"]
 
 
 def header(config: Path) -> dict[str, str]:
@@ -62,18 +63,26 @@ def test_every_config_is_named_and_has_a_header():
         assert set(fields) == set(FIELDS), config.name
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.stem)
-def test_config_plans_within_its_memory(monkeypatch, capsys, tmp_path, config):
-    fields = header(config)
-    words = shlex.split(fields["Plan"])
+def plan_argv(config: Path, folder: Path, data_file: Path) -> tuple[str, list[str], dict]:
+    """(script, arguments, launcher variables) of the header's `Plan:` command, writing to
+    `folder`, its hub data replaced by `data_file` (conftest.with_local_data)."""
+    words = shlex.split(header(config)["Plan"])
     env = dict(w.split("=", 1) for w in words if re.match(r"[A-Z_]+=", w))
     python, script, *argv = [w for w in words if not re.match(r"[A-Z_]+=", w)]
     assert python == "python" and argv[0] == f"recipes/configs/{config.name}"
     assert argv[-1] == "--dry_run"
-    # the plan of a real start, with the config's own data; only where it would write differs
-    argv = [str(config), *argv[1:-1], "--output_dir", str(tmp_path)]
-    dry_run_in_process(monkeypatch, script, argv, env)
-    plan = capsys.readouterr().out
+    argv = [str(config), *argv[1:-1], "--output_dir", str(folder / "out")]
+    return script, with_local_data(argv, data_file, folder), env
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.stem)
+def test_config_plans_within_its_memory(monkeypatch, capsys, tmp_path, long_text_file, config):
+    fields = header(config)
+    script, argv, env = plan_argv(config, tmp_path, long_text_file)
+    # the plan of a real start; only its data (~2 MB here) and where it would write differ
+    dry_run_in_process(monkeypatch, script, [*argv, "--max_data_epochs", "1e9"], env)
+    printed = capsys.readouterr()
+    plan = printed.out
     total = float(re.search(r"^  total: ([\d,.]+) MiB$", plan, re.M).group(1).replace(",", ""))
     assert total * MIB <= GPU_BYTES, f"{config.name}: {total:,.1f} MiB per device"
     # the header's figure is the plan's, within what a refinement of the estimate may move it
@@ -81,6 +90,23 @@ def test_config_plans_within_its_memory(monkeypatch, capsys, tmp_path, config):
     assert abs(stated - total) <= 0.05 * total, (config.name, stated, total)
     tokens = re.search(r"; ([\d,]+) tokens per step;", plan).group(1)
     assert fields["Tokens per step"].startswith(f"{tokens} ("), (config.name, tokens)
+    time = re.search(r"^time to train: (.*)$", plan, re.M).group(1)
+    assert fields["Time to train (plan)"] == time, (config.name, time)
+    # a real size's plan reads the 2 MB over and over: said in one line before it starts
+    repeats = [line for line in printed.err.splitlines() if line.startswith("warning: ")]
+    if config in GPU_CONFIGS:
+        assert len(repeats) == 1 and " epochs over --train_file " in repeats[0], printed.err
+    else:
+        assert not repeats and "0.15 epochs over the built-in corpus" in plan
+
+
+@pytest.mark.parametrize("config", GPU_CONFIGS, ids=lambda c: c.stem)
+def test_a_config_past_100_epochs_of_its_data_is_refused(monkeypatch, tmp_path, long_text_file,
+                                                         config):
+    script, argv, env = plan_argv(config, tmp_path, long_text_file)
+    line = run_recipe_in_process(monkeypatch, script, argv, env)
+    assert re.match(r"error: --max_steps \d+ plans [\d,.]+ epochs over --train_file .*, more "
+                    r"than --max_data_epochs 100; give more data", line), line
 
 
 @pytest.mark.slow
@@ -89,8 +115,8 @@ def test_config_trains_shrunk(tmp_path, text_file, config):
     ranks, shrink = WORLDS[config.stem]
     script = re.search(r"(recipes/pretrain\w*\.py)", header(config)["Launch"]).group(1)
     out = tmp_path / "run"
-    proc = launch("torchrun", ranks, script,
-                  [config, *shrink, "--train_file", text_file, "--output_dir", out])
+    argv = with_local_data([config, *shrink, "--output_dir", out], text_file, tmp_path)
+    proc = launch("torchrun", ranks, script, argv)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = out / "metrics.jsonl"
     if not metrics.exists():  # DiLoCo islands: island 0's

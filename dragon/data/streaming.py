@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import copy
 import queue
+import os
 import threading
 from typing import Any, Iterator, Optional
 
+import datasets
 import numpy as np
 import torch
 from datasets import Dataset, IterableDataset
@@ -27,12 +29,14 @@ from datasets import Dataset, IterableDataset
 from dragon.data.text import (
     PACK_BATCH_SIZE,
     DataArguments,
+    builtin_corpus_files,
     DataError,
     check_data_args,
     pack_batch,
     open_texts,
     pack,
 )
+from dragon.data.sources import resolve_files
 from dragon.data.tokenizer import load_tokenizer
 from dragon.data.mixture import mixed_blocks
 
@@ -249,3 +253,19 @@ def check_stream(blocks: IterableDataset, global_batch: int, block_size: int) ->
             "size, or add data"
         )
 
+
+def stream_text_bytes(args: DataArguments) -> Optional[int]:
+    """About how many bytes a stream reads in one pass: its files' sizes (text, JSON or Parquet:
+    an upper bound on their text), or the size the hub dataset's metadata gives; None when not
+    known (a mixture, a dataset without metadata, the hub out of reach)."""
+    if args.dataset_mixture is not None:
+        return None
+    if args.dataset_name is None:
+        files = resolve_files(args.train_file) if args.train_file else builtin_corpus_files()
+        return sum(os.path.getsize(f) for f in files)
+    try:
+        info = datasets.load_dataset_builder(args.dataset_name, args.dataset_config_name).info
+    except Exception:  # noqa: BLE001 - offline, gated, a script dataset: the size is unknown
+        return None
+    split = (info.splits or {}).get("train")
+    return (split.num_bytes if split is not None else None) or info.dataset_size or None

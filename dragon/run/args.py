@@ -9,7 +9,7 @@ from transformers import HfArgumentParser, SchedulerType
 
 from dragon.run.config_file import apply_config_file, split_config_file
 from dragon.run.faults import NAN_POLICIES, SAVE_FAILURES
-from dragon.run.metrics import RECORDED_METRICS
+from dragon.run.metrics import GPU_PEAK_TFLOPS, RECORDED_METRICS
 from dragon.model.attention import DEFAULT_CHUNK_SIZE
 from dragon.model.baseline import baseline_config, matched_config
 from dragon.model.bdh import BDHConfig
@@ -162,6 +162,17 @@ class TrainingArguments:
     )
     seed: int = _help("Seed for weights, data order and dropout.", default=42)
     dry_run: bool = _help("Print the checked plan (topology, sizes, memory); exit.", default=False)
+    plan_accelerator: str = _help(
+        "The accelerator --dry_run times the run on, at its dense bf16 peak: "
+        f"{', '.join(n.lower() for n in GPU_PEAK_TFLOPS)}.", default="h100"
+    )
+    plan_mfu: float = _help("The model FLOPs utilisation --dry_run times the run at.",
+                            default=0.35)
+    max_data_epochs: float = _help(
+        "Most passes over the training data a run may plan; more is refused (a long run on the "
+        "built-in corpus is a run whose data flags are missing). Over 4 is said in one line.",
+        default=100.0,
+    )
     torch_compile: bool = _help(
         "torch.compile the model (engine.compile()); losses equal eager's.", default=False
     )
@@ -241,6 +252,12 @@ class TrainingArguments:
         for name, valid in (("nan_policy", NAN_POLICIES), ("save_failure", SAVE_FAILURES)):
             if getattr(self, name) not in valid:
                 raise ValueError(f"--{name}={getattr(self, name)!r}: valid are {', '.join(valid)}")
+        if self.plan_accelerator.upper() not in GPU_PEAK_TFLOPS:
+            raise ValueError(f"--plan_accelerator {self.plan_accelerator}: valid are "
+                             f"{', '.join(n.lower() for n in GPU_PEAK_TFLOPS)}")
+        if not 0 < self.plan_mfu <= 1 or self.max_data_epochs <= 0:
+            raise ValueError(f"--plan_mfu {self.plan_mfu} must be in (0, 1] and "
+                             f"--max_data_epochs {self.max_data_epochs} > 0")
         for name in ("max_bad_steps", "max_eval_samples", "neuron_parallel"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name}={getattr(self, name)}: must be >= 1")

@@ -11,7 +11,7 @@ from dragon.data.batches import ContiguousRowBatches, TrainBatches, eval_batches
 from dragon.data.mixture import source_names
 from dragon.data.prepared import open_prepared
 from dragon.data.streaming import STATE_FILE as STREAM_STATE
-from dragon.data.streaming import StreamingBatches, build_streams, check_stream
+from dragon.data.streaming import StreamingBatches, build_streams, check_stream, stream_text_bytes
 from dragon.data.sources import DataError
 from dragon.data.text import build_datasets
 from dragon.parallel.distributed import all_reduce_values
@@ -131,6 +131,53 @@ def check_data_fits(inputs, config, dp_world: int, islands: int) -> None:
         )
     rows = micro * accum + (args.per_device_eval_batch_size if args.eval_carried else 0)
     check_state_fits(config, rows, neurons=inputs.layout.neurons)
+
+
+def planned_epochs(inputs) -> tuple[Optional[float], str]:
+    """(the passes over the training data that --max_steps plans, what they are passes over);
+    None for a stream of unknown size (inputs: dragon.run.inputs.RecipeInputs)."""
+    data_args, ds, layout = inputs.data, inputs.ds_config, inputs.layout
+    samples = (ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
+               * layout.data_parallel * layout.islands * inputs.train.max_steps)
+    width = data_args.block_size + 1
+    if not data_args.streaming:
+        what = f"--prepared_data {data_args.prepared_data}" if data_args.prepared_data else \
+            _source(data_args)
+        n = len(inputs.train_set)
+        return samples / n, f"{what} ({n:,} training blocks of {width} tokens)"
+    text_bytes = stream_text_bytes(data_args)
+    if text_bytes is None:
+        return None, f"{_source(data_args)}, streamed, of a size not known"
+    valid = inputs.valid_set
+    rows = valid.select(range(min(64, len(valid)))).with_format("torch")["input_ids"]
+    per_byte = sum(len(r) for r in rows) / max(1, sum(inputs.tokenizer.byte_count(r) for r in rows))
+    tokens = text_bytes * per_byte
+    return samples * width / tokens, (f"{_source(data_args)}, streamed (about {tokens:,.0f} "
+                                      f"tokens in {text_bytes:,} bytes)")
+
+
+def check_epochs(inputs) -> Optional[str]:
+    """Raise when the run plans more than --max_data_epochs passes over its data; the warning
+    line for more than 4, else None."""
+    epochs, over = planned_epochs(inputs)
+    args, flags = inputs.train, "--dataset_name, --train_file or --prepared_data"
+    if epochs is None or epochs <= 4:
+        return None
+    if epochs > args.max_data_epochs:
+        raise ValueError(f"--max_steps {args.max_steps} plans {epochs:,.1f} epochs over {over}, "
+                         f"more than --max_data_epochs {args.max_data_epochs:g}; give more data "
+                         f"({flags}) or raise --max_data_epochs")
+    return (f"warning: --max_steps {args.max_steps} plans {epochs:,.1f} epochs over {over}: "
+            f"the run repeats its data; more data comes with {flags}")
+
+
+def _source(data_args) -> str:
+    if data_args.dataset_mixture is not None:
+        return f"--dataset_mixture {data_args.dataset_mixture}"
+    if data_args.train_file is not None:
+        return f"--train_file {data_args.train_file}"
+    name = data_args.dataset_name
+    return f"--dataset_name {name}" if name else "the built-in corpus"
 
 
 def _check_streaming(data_args, args) -> None:

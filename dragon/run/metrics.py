@@ -59,6 +59,8 @@ def source_tokens(sources: list[str], tokens: list[float]) -> dict[str, int]:
 
 # Dense bf16 peak per device, TFLOP/s (vendor datasheets). Matched by substring of the device name.
 GPU_PEAK_TFLOPS = {
+    "B200": 2250.0,
+    "MI300X": 1307.0,
     "H200": 989.0,
     "H100": 989.0,
     "A100": 312.0,

@@ -6,7 +6,9 @@ import json
 from dragon.errors import PlanShown
 from dragon.model.baseline import is_bdh
 from dragon.model.cost import model_profile
+from dragon.run.data import planned_epochs
 from dragon.run.memory import estimate, mark_baseline
+from dragon.run.metrics import GPU_PEAK_TFLOPS
 
 MIB = 2**20
 
@@ -50,6 +52,7 @@ def plan_lines(inputs, config) -> list[str]:
         f"{block + 1} tokens; {tokens:,} tokens per step; {epoch}; "
         f"{args.max_steps:,} steps = {args.max_steps * tokens:,} tokens"
     )
+    lines += time_lines(inputs, profile.train_flops_per_token, args.max_steps * tokens)
     if diloco.enabled:
         lines.append(
             f"DiLoCo: outer step every {diloco.diloco_inner_steps} steps, {diloco.diloco_mode}, "
@@ -63,6 +66,32 @@ def plan_lines(inputs, config) -> list[str]:
     lines += ["  " + line for line in json.dumps(ds, indent=2, sort_keys=True).splitlines()]
     lines += memory_lines(inputs, config)
     return lines
+
+
+def time_lines(inputs, flops_per_token: float, tokens: int) -> list[str]:
+    """The tokens to train, the passes over the data, and the time at --plan_mfu of the dense
+    bf16 peak of --plan_accelerator on every device of the layout."""
+    args, layout = inputs.train, inputs.layout
+    epochs, over = planned_epochs(inputs)
+    name = args.plan_accelerator.lower()
+    devices = layout.island_size * layout.islands
+    peak = GPU_PEAK_TFLOPS[name.upper()]
+    seconds = tokens * flops_per_token / (devices * peak * 1e12 * args.plan_mfu)
+    passes = f"{epochs:,.2f} epochs over {over}" if epochs is not None else \
+        f"epochs unknown ({over})"
+    return [
+        f"plan: {tokens:,} tokens to train, {passes}",
+        f"time to train: {_duration(seconds)} at {args.plan_mfu:.0%} MFU on {devices} x {name} "
+        f"({peak:g} dense bf16 TFLOP/s each; --plan_accelerator {name} --plan_mfu "
+        f"{args.plan_mfu:g})",
+    ]
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("days", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= 2 * size:
+            return f"{seconds / size:,.1f} {unit}"
+    return f"{seconds:,.0f} s"
 
 
 def memory_lines(inputs, config) -> list[str]:

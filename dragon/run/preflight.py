@@ -4,6 +4,7 @@ input raises InputRefused with one line naming it; what was built for the checks
 the run (dragon.run.inputs.RecipeInputs)."""
 
 import os
+import sys
 import warnings
 from dataclasses import replace
 
@@ -15,7 +16,7 @@ from dragon.run import resume_checks
 from dragon.parallel.distributed import launcher_world_size
 from dragon.parallel.layout import Layout, plan_layout
 from dragon.run.args import parse_arguments
-from dragon.run.data import check_data_fits, load_data
+from dragon.run.data import check_data_fits, check_epochs, load_data
 from dragon.run.inputs import RecipeInputs, model_config
 from dragon.run.plan import show_plan_or_begin
 
@@ -51,9 +52,12 @@ def preflight(pipeline: bool = False) -> RecipeInputs:
                               train_set, valid_set, tokenizer, resume={}, config=config,
                               layout=layout)
         check_data_fits(inputs, config, dp_world, islands)
+        repeats = check_epochs(inputs)  # a run that would read its data over and over
         _check_resume(inputs, config, dp_world)
     except ValueError as e:  # DataError and config errors are ValueErrors with one-line messages
         raise InputRefused(str(e)) from None
+    if repeats and os.environ.get("RANK", "0") == "0":
+        print(repeats, file=sys.stderr)
     if pipeline:
         _warn_about_the_bubble(ds_config["gradient_accumulation_steps"], pipe_args.pipeline_stages)
     show_plan_or_begin(inputs, config)
