@@ -4,6 +4,7 @@ that say what changed (real jobs on CPU, gloo)."""
 import json
 import math
 import random
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -164,3 +165,46 @@ def test_prepared_data_of_another_block_size_or_tokenizer_is_refused(
             "--prepared_data", str(out), flag, value.format(tok=bpe_tokenizer)]
     line = run_recipe_in_process(monkeypatch, "recipes/pretrain.py", argv)
     assert line.startswith("error: " + says.format(out=out, tok=bpe_tokenizer)), line
+
+
+# ---------------------------------------------------------------- resumes that say what changed
+
+
+def resumed_at_step4(runs, tmp_path, name, extra):
+    """runs("zero2") resumed from its step-4 checkpoint with `extra` changed: (its metrics, the
+    uninterrupted run's by step, what it printed)."""
+    src, full, _ = runs("zero2")
+    out = tmp_path / name
+    shutil.copytree(src / "checkpoints", out / "checkpoints",
+                    ignore=shutil.ignore_patterns("step8", "latest"))
+    _, metrics, proc = runs(name, out=out,
+                            extra=["--resume_from_checkpoint", str(out / "checkpoints" / "step4"),
+                                   *extra])
+    return metrics, {m["step"]: m for m in full}, proc.stdout + proc.stderr
+
+
+def test_a_resume_with_a_new_learning_rate_says_so_and_trains_at_it(runs, tmp_path):
+    """TINY's peak 3e-3 resumed at step 4 with 6e-3: one line names the change, and the kept
+    schedule runs at twice the uninterrupted run's rate from step 5 on."""
+    metrics, full, log = resumed_at_step4(runs, tmp_path, "lr_doubled", ["--learning_rate", "6e-3"])
+    said = [line for line in log.splitlines() if line.startswith("resume: --learning_rate")]
+    assert said == ["resume: --learning_rate 0.006 (the checkpoint's run: 0.003): the kept "
+                    "schedule is rescaled to the new peak from step 4"], log[-3000:]
+    assert [m["step"] for m in metrics] == [5, 6, 7, 8]
+    for m in metrics:
+        assert m["lr"] == pytest.approx(2 * full[m["step"]]["lr"], rel=1e-12), m["step"]
+
+
+def test_a_resume_with_a_larger_batch_counts_the_tokens_it_trains(runs, tmp_path):
+    """Micro-batches of 8 in place of 4 from step 4 on 2 ranks: one line names the change, and
+    `tokens` grows by 2 x 8 x 64 a step from the 4 x 2 x 4 x 64 trained before."""
+    metrics, full, log = resumed_at_step4(runs, tmp_path, "batch_doubled",
+                                          ["--per_device_train_batch_size", "8"])
+    said = [line for line in log.splitlines() if line.startswith("resume: the global batch")]
+    assert said == ["resume: the global batch changes from 8 to 16 samples "
+                    "(--per_device_train_batch_size 4 -> 8): applied from step 4; the data order "
+                    "differs from the uninterrupted run's, and `tokens` counts what each step "
+                    "trains"], log[-3000:]
+    assert full[4]["tokens"] == 4 * 2 * 4 * 64
+    assert [m["tokens"] for m in metrics] == [full[4]["tokens"] + k * 2 * 8 * 64
+                                              for k in range(1, 5)]

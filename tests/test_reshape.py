@@ -3,6 +3,7 @@ on another
 number of ranks or ZeRO stage, with the losses of the uninterrupted run."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -150,8 +151,9 @@ def test_a_changed_global_batch_warns_and_trains(uninterrupted, tmp_path, text_f
     tag = resumed_from_step4(uninterrupted("zero2 x2"), other)
     _, stderr = finish(job("zero2 x1, 4 a step", other, text_file,
                            ["--resume_from_checkpoint", tag]))
-    assert ("the global batch changes from 8 to 4 samples; the data order then differs from the "
-            "uninterrupted run's") in stderr
+    assert re.search(r"^resume: the global batch changes from 8 to 4 samples \(.*\): applied "
+                     r"from step 4; the data order differs from the uninterrupted run's", stderr,
+                     re.M), stderr[-3000:]
     got = read_jsonl(other / "metrics.jsonl")
     saved = {m["step"]: m for m in read_jsonl(uninterrupted("zero2 x2") / "metrics.jsonl")}
     assert [m["step"] for m in got] == [5, 6, 7, 8]

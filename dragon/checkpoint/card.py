@@ -54,6 +54,15 @@ def _final_eval(run_dir: str, up_to: Optional[int]) -> tuple[Optional[int], Opti
     return max(evals) if evals else (None, None)
 
 
+def _tokens_at(run_dir: str, step: Optional[int], info: dict) -> Optional[int]:
+    """The tokens trained by step `step`: metrics.jsonl's count where that step was logged (a
+    resume may have changed the batch), else the steps at run.json's batch."""
+    logged = MetricHistory(metrics_path(run_dir)).load().get(step, {}).get("tokens")
+    if logged is not None:
+        return int(logged)
+    return step * info["tokens_per_step"] if step and "tokens_per_step" in info else None
+
+
 def model_card(config: PretrainedConfig, save_dir: str, step: Optional[int], source: str) -> str:
     """The README.md of an export of checkpoint step `step` (None: the end of the run) of the run
     whose checkpoints are in `save_dir`."""
@@ -63,7 +72,7 @@ def model_card(config: PretrainedConfig, save_dir: str, step: Optional[int], sou
             info = json.load(f)
     steps = step if step is not None else info.get("max_steps")
     eval_step, eval_loss = _final_eval(os.path.dirname(os.path.abspath(save_dir)), step)
-    tokens = steps * info["tokens_per_step"] if steps and "tokens_per_step" in info else None
+    tokens = _tokens_at(os.path.dirname(os.path.abspath(save_dir)), steps, info)
     lines = [
         "---", "library_name: transformers", "tags: [bdh, dragon, deepspeed]", "---", "",
         *_about(config, source), "",

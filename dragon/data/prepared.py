@@ -117,13 +117,6 @@ def open_prepared(args: DataArguments) -> tuple[Dataset, Dataset, Any]:
             tokenizer)
 
 
-def prepared_tokens(args: DataArguments) -> Optional[int]:
-    """The tokens of args.prepared_data's blocks, or None without prepared data."""
-    if args.prepared_data is None:
-        return None
-    return _read(os.path.join(args.prepared_data, MARKER))["tokens"]
-
-
 def _pack_shard(i: int) -> int:
     """Pack shard i into its Arrow file (a worker's task); its blocks."""
     texts, size = _WORK["texts"], _WORK["size"]

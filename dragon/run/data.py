@@ -19,6 +19,24 @@ from dragon.run.carry import STATE_FILE as CARRIED_STATE
 from dragon.run.carry import CarriedState, check_state_fits
 
 
+class TokensTrained:
+    """The tokens every island's ranks have trained on (metrics.jsonl's `tokens`), a piece of the
+    run's state, so that a resume with another batch counts on from what was trained."""
+
+    def __init__(self, per_step: int):
+        self.per_step, self.count = per_step, 0
+
+    def state_dict(self) -> dict:
+        return {"tokens": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.count = int(state["tokens"])
+
+    def resume_elsewhere(self, saved) -> None:
+        """A checkpoint saved without the count: its steps at this run's batch."""
+        self.count = saved.step * self.per_step
+
+
 @dataclass
 class RunData:
     """`train` yields this rank's micro-batches; `valid` and `valid_streams` (eval_loss_carried)
@@ -31,11 +49,13 @@ class RunData:
     sources: list[str] = field(default_factory=list)  # a mixture's, whose tokens metrics count
     streamed: bool = False
     bpb_factor: float = float("nan")  # eval_loss x this = eval_bpb (bits_per_byte_factor)
+    tokens: TokensTrained = field(default_factory=lambda: TokensTrained(0))
 
     def checkpoint_pieces(self) -> tuple[dict, dict]:
         """(pieces the same on every rank, pieces of this rank) for a Checkpointer: the position
-        in the data (a stream's is each rank's own), the carried states."""
-        shared = {} if self.streamed else {"data": self.train}
+        in the data (a stream's is each rank's own), the tokens trained, the carried states."""
+        shared = {"tokens": self.tokens} if self.streamed else {"data": self.train,
+                                                                 "tokens": self.tokens}
         per_rank = {STREAM_STATE: self.train} if self.streamed else {}
         if self.carried is not None:
             per_rank[CARRIED_STATE] = self.carried
@@ -78,6 +98,7 @@ def run_data(
         source_names(data_args),
         data_args.streaming,
         bits_per_byte_factor(valid_batches, inputs.tokenizer),
+        TokensTrained(micro * accum * data_world * inputs.data.block_size),
     )
 
 

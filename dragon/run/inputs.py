@@ -36,6 +36,7 @@ class RecipeInputs:
     # island -> (the line of a resume by another number of islands, whether it is a new island)
     regrouped: dict[int, tuple[str, bool]] = field(default_factory=dict)
     layout: Layout = field(default_factory=Layout)  # islands x stages x neurons x data parallel
+    resume_changes: list[str] = field(default_factory=list)  # what the resume does with them
 
     def resume_target(self, island: int) -> Optional[ResumeTarget]:
         """What island `island` resumes from (--resume_from_checkpoint), or None."""

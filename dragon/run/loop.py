@@ -83,6 +83,7 @@ class TrainingRun:
         reads where an island that trained all along would read)."""
         if not resumed:
             self.data.train.seek(step)
+            self.data.tokens.count = step * self.run_tokens_per_step
         for _ in range(step - self.step):
             if self.engine.lr_scheduler is not None:
                 self.engine.lr_scheduler.step()
@@ -109,6 +110,7 @@ class TrainingRun:
         self.step += 1
         self.losses.append(loss)
         self._throughput.add(self.tokens_per_step)
+        self.data.tokens.count += self.run_tokens_per_step
         self._logger.advance()
         return self.step
 
@@ -158,7 +160,7 @@ class TrainingRun:
         return {
             "loss": mean,
             "lr": self.engine.get_lr()[0],
-            "tokens": self.step * self.run_tokens_per_step,
+            "tokens": self.data.tokens.count,  # trained: a resume may change the batch
             "grad_norm": None if grad_norm is None else float(grad_norm),
             # the most loaded rank's (a pipeline's stages differ)
             "memory_peak_mib": all_reduce_values([peak_bytes(self.engine.device) / 2**20],

@@ -16,9 +16,12 @@ class LRSchedule:
     """transformers' schedule (--lr_scheduler_type: warm-up, then cosine down to a floor of
     --min_lr_ratio by default) planned for --max_steps, and a piece of the run's state.
 
-    A resume keeps the schedule the run was planned with: a run extended past its end (resumed
+    A resume keeps the steps the schedule was planned for: a run extended past its end (resumed
     with a larger --max_steps) trains on at the schedule's final rate rather than stretching the
-    schedule again, which would send the rate back up."""
+    schedule again, which would send the rate back up. Everything else is the flags': a new
+    --learning_rate rescales the kept schedule from the resumed step, and a new schedule type,
+    warm-up, floor, weight decay, betas or epsilon apply from there too (the optimizer's state
+    restores its old ones; dragon.run.resume_changes says which changed)."""
 
     def __init__(self, args):
         self.args = args
@@ -40,15 +43,31 @@ class LRSchedule:
 
     def __call__(self, optimizer: torch.optim.Optimizer) -> LambdaLR:
         """The scheduler DeepSpeed steps (deepspeed.initialize calls this with its optimizer)."""
-        return LambdaLR(optimizer, lambda step: self._factor(min(step, self.planned)))
+        self.scheduler = LambdaLR(optimizer, lambda step: self._factor(min(step, self.planned)))
+        return self.scheduler
+
+    def _apply_flags(self) -> None:
+        """After a resume loaded the optimizer's and the scheduler's saved state: the peak rate
+        and the optimizer's settings of the flags, the rate at the resumed step."""
+        args, scheduler = self.args, self.scheduler
+        factor = self._factor(min(scheduler.last_epoch, self.planned))
+        for group in scheduler.optimizer.param_groups:
+            group.update(initial_lr=args.learning_rate, lr=args.learning_rate * factor,
+                         weight_decay=args.weight_decay, eps=args.adam_epsilon,
+                         betas=(args.adam_beta1, args.adam_beta2))
+        scheduler.base_lrs = [args.learning_rate] * len(scheduler.optimizer.param_groups)
+        scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
 
     def state_dict(self) -> dict:
         return {"planned_steps": self.planned}
 
     def load_state_dict(self, state: dict) -> None:
         planned = int(state["planned_steps"])
-        if planned == self.planned:
-            return
+        if planned != self.planned:
+            self._keep_plan(planned)
+        self._apply_flags()
+
+    def _keep_plan(self, planned: int) -> None:
         if rank() == 0:
             end = self.args.learning_rate * self._plan(planned)(planned)
             beyond = (f"from step {planned} to {self.args.max_steps} the rate stays at its final "

@@ -19,6 +19,7 @@ from dragon.run.args import parse_arguments
 from dragon.run.data import check_data_fits, check_epochs, load_data
 from dragon.run.inputs import RecipeInputs, model_config
 from dragon.run.plan import show_plan_or_begin
+from dragon.run.resume_changes import resume_changes
 
 
 def preflight(pipeline: bool = False) -> RecipeInputs:
@@ -56,8 +57,9 @@ def preflight(pipeline: bool = False) -> RecipeInputs:
         _check_resume(inputs, config, dp_world)
     except ValueError as e:  # DataError and config errors are ValueErrors with one-line messages
         raise InputRefused(str(e)) from None
-    if repeats and os.environ.get("RANK", "0") == "0":
-        print(repeats, file=sys.stderr)
+    if os.environ.get("RANK", "0") == "0":  # once per launch
+        for line in ([repeats] if repeats else []) + inputs.resume_changes:
+            print(line, file=sys.stderr)
     if pipeline:
         _warn_about_the_bubble(ds_config["gradient_accumulation_steps"], pipe_args.pipeline_stages)
     show_plan_or_begin(inputs, config)
@@ -103,6 +105,7 @@ def _check_resume(inputs: RecipeInputs, config, dp_world: int) -> None:
     resume_checks.check_resume_fragments(inputs.resume, diloco)
     inputs.reshaped = resume_checks.check_reshape(inputs.resume, inputs.ds_config, inputs.layout,
                                                   diloco)
+    inputs.resume_changes = resume_changes(inputs)  # settings that differ: applied, or refused
     resume_checks.take_locks(args, diloco)  # last: it creates the island directories
 
 

@@ -4,7 +4,6 @@ each island resumes, on which layout, and whether it fits the model this run bui
 import logging
 import json
 import os
-import warnings
 from typing import Optional
 
 from dragon.checkpoint.resolver import resolve_resume
@@ -95,12 +94,6 @@ def check_reshape(
     for island, (load_dir, tag) in resume.items():
         saved = saved_layout(load_dir, tag)
         message = reshape_message(saved, launch)
-        if saved.global_batch and saved.global_batch != ds_config["train_batch_size"]:
-            warnings.warn(
-                f"--resume_from_checkpoint: the global batch changes from {saved.global_batch} "
-                f"to {ds_config['train_batch_size']} samples; the data order then differs from "
-                "the uninterrupted run's"
-            )
         if message is not None:
             if diloco.enabled:
                 check_diloco_state(os.path.join(load_dir, tag), saved.neurons)

@@ -1,0 +1,69 @@
+"""What a resume does with training settings that differ from the checkpoint's run: each one is
+said in one line, once, and is either applied from the resumed step or refused naming its flag;
+none is ignored. The run's settings are those its run.json (beside the checkpoints) records, and
+the global batch the one its DeepSpeed files record."""
+
+import json
+import os
+
+from dragon.checkpoint.card import RUN_FILE
+from dragon.checkpoint.catalog import list_checkpoints, run_files_dir
+from dragon.checkpoint.reshape import saved_layout
+
+SCHEDULE = "the schedule takes it from there, over the steps it was planned for"
+OPTIMIZER = "the optimizer takes it from there (its saved state had the old value)"
+# flag -> what a resume does with a new value (dragon.run.optim.LRSchedule applies them)
+APPLIED = {
+    "learning_rate": "the kept schedule is rescaled to the new peak from there",
+    "lr_scheduler_type": SCHEDULE,
+    "warmup_steps": SCHEDULE,
+    "min_lr_ratio": SCHEDULE,
+    "weight_decay": OPTIMIZER,
+    "adam_beta1": OPTIMIZER,
+    "adam_beta2": OPTIMIZER,
+    "adam_epsilon": OPTIMIZER,
+    "max_grad_norm": "gradients are clipped at it from there",
+}
+# the outer optimizer's saved state holds these, and H sets where the outer steps fall
+REFUSED = ("diloco_outer_lr", "diloco_outer_momentum", "diloco_nesterov", "diloco_inner_steps")
+BATCH = ("per_device_train_batch_size", "gradient_accumulation_steps")
+
+
+def resume_changes(inputs) -> list[str]:
+    """The lines of the settings this resume changes (inputs: dragon.run.inputs.RecipeInputs,
+    resolved to its resume targets); ValueError in one line for a change a resume cannot make."""
+    ours, lines = inputs.arguments(), []
+    for load_dir, tag in inputs.resume.values():
+        saved = _saved_arguments(run_files_dir(os.path.join(load_dir, tag)))
+        at = f"step {list_checkpoints(load_dir).get(tag, tag)}"
+        changed = {k: saved[k] for k in ours if k in saved and saved[k] != ours[k]}
+        for key in REFUSED:
+            if key in changed and inputs.diloco.enabled:
+                raise ValueError(f"--{key} {ours[key]}: {os.path.join(load_dir, tag)} was trained "
+                                 f"with {changed[key]}, which its outer optimizer's state keeps; "
+                                 f"resume with --{key} {changed[key]}")
+        lines += [f"resume: --{key} {ours[key]} (the checkpoint's run: {changed[key]}): "
+                  f"{what.replace('from there', f'from {at}')}"
+                  for key, what in APPLIED.items() if key in changed]
+        lines += _batch_line(inputs, load_dir, tag, changed, at)
+    return list(dict.fromkeys(lines))  # once, where several islands resume alike
+
+
+def _batch_line(inputs, load_dir: str, tag: str, changed: dict, at: str) -> list[str]:
+    before = saved_layout(load_dir, tag).global_batch
+    after = inputs.ds_config["train_batch_size"]
+    if not before or before == after:
+        return []
+    flags = ", ".join(f"--{k} {changed[k]} -> {inputs.arguments()[k]}" for k in BATCH
+                      if k in changed) or "the data-parallel ranks"
+    return [f"resume: the global batch changes from {before} to {after} samples ({flags}): "
+            f"applied from {at}; the data order differs from the uninterrupted run's, and "
+            "`tokens` counts what each step trains"]
+
+
+def _saved_arguments(save_dir: str) -> dict:
+    path = os.path.join(save_dir, RUN_FILE)
+    if not os.path.isfile(path):  # a checkpoint written outside the recipes
+        return {}
+    with open(path) as f:
+        return json.load(f).get("arguments", {})
