@@ -50,7 +50,7 @@ def main():
         print(f"{tag_dir}: a ZeRO-0 checkpoint loads on any number of ranks as it is")
         return
     form = "zero0" if args.zero_stage == 0 else "universal"
-    converted = os.path.join(load_dir, convert(load_dir, tag, form, bf16=args.bf16))
+    converted = os.path.join(*convert(load_dir, tag, form, bf16=args.bf16))
     expected = model_from_checkpoint(tag_dir).state_dict()
     weights = fp32_weights(converted)
     wrong = [name for name, w in weights.items() if not torch.equal(w, expected[name])]

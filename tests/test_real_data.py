@@ -208,3 +208,28 @@ def test_a_resume_with_a_larger_batch_counts_the_tokens_it_trains(runs, tmp_path
     assert full[4]["tokens"] == 4 * 2 * 4 * 64
     assert [m["tokens"] for m in metrics] == [full[4]["tokens"] + k * 2 * 8 * 64
                                               for k in range(1, 5)]
+
+
+def test_a_resume_on_another_layout_leaves_a_read_only_source_alone(runs, tmp_path):
+    """runs("zero2")'s step-4 checkpoint, mounted read-only, resumed under ZeRO-3: the universal
+    checkpoint goes to the new run's own checkpoints/, the resume trains to step 8, and the
+    source is byte for byte what it was."""
+    src = tmp_path / "source"
+    shutil.copytree(runs("zero2")[0] / "checkpoints", src / "checkpoints",
+                    ignore=shutil.ignore_patterns("step8", "latest"))
+    before = files_of(src)
+    mounted = tmp_path / "read-only"
+    mounted.mkdir()
+    subprocess.run(["mount", "--bind", str(src), str(mounted)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(mounted)], check=True)
+        out = tmp_path / "zero3"
+        _, metrics, proc = runs("zero3_from_read_only", config="zero3.json", out=out, extra=[
+            "--resume_from_checkpoint", str(mounted / "checkpoints" / "step4")])
+        assert files_of(mounted) == before
+    finally:
+        subprocess.run(["umount", str(mounted)], check=True)
+    assert "resume: converting the checkpoint from ZeRO-2" in proc.stderr
+    assert [m["step"] for m in metrics] == [5, 6, 7, 8]
+    assert (out / "checkpoints" / "step4_universal").is_dir()
+    assert files_of(src) == before

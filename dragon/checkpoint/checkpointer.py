@@ -178,11 +178,12 @@ class Checkpointer:
         for line in (target.reshaped, target.regrouped):  # a resume on another layout says so
             if line and rank() == 0:
                 logger.info(line)
-        load_tag = target.tag
-        if target.reshaped:  # through the form of the checkpoint that this layout loads
-            load_tag = converted_tag(target.load_dir, target.tag, *_loadable_form(self.engine))
+        load_dir, load_tag = target.load_dir, target.tag
+        if target.reshaped:  # through the form this layout loads, written in this run's dir
+            load_dir, load_tag = converted_tag(target.load_dir, target.tag,
+                                               *_loadable_form(self.engine), out_dir=self.save_dir)
         with universal_share_group(self.engine):
-            path, client_state = load_engine(self.engine, target.load_dir, load_tag)
+            path, client_state = load_engine(self.engine, load_dir, load_tag)
         if path is None:  # DeepSpeed only warns and carries on from fresh weights
             raise RuntimeError(f"no loadable DeepSpeed checkpoint in {target.load_dir} "
                                f"(tag {target.tag or 'from latest'})")

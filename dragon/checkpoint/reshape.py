@@ -2,8 +2,9 @@
 
 A checkpoint saved on one layout is converted once into its universal form
 (dragon.checkpoint.universal:
-one file per parameter and state, fp32 weights, Adam's two moments, the step), next to it in
-<tag>_universal/; an engine whose config has "checkpoint": {"load_universal": true} loads that
+one file per parameter and state, fp32 weights, Adam's two moments, the step), in the resuming
+run's checkpoints/ as <tag>_universal/ (the source is only read); an engine whose config has
+"checkpoint": {"load_universal": true} loads that
 into its own partitioning, and a ZeRO-0 launch loads a ZeRO-0 checkpoint made from it
 (<tag>_zero0/). The LR schedule and the client state (step, data position) travel in the model
 states file. dragon's data position is global (the step), so with the same global batch the
@@ -46,7 +47,6 @@ from dragon.parallel.pipeline import pipeline_neuron_shares
 
 logger = logging.getLogger("dragon")
 UNIVERSAL, ZERO0, PIPELINE = CONVERSIONS  # retention deletes them with their checkpoint
-SUFFIX = {"universal": UNIVERSAL, "zero0": ZERO0, "pipeline": PIPELINE}  # form -> tag suffix
 
 
 def saved_layout(load_dir: str, tag: str) -> Layout:
@@ -86,13 +86,18 @@ def reshape_message(saved: Layout, launch: Layout) -> Optional[str]:
 
 
 def convert(load_dir: str, tag: str, form: str, parts: Optional[list[int]] = None,
-            bf16: bool = False, neurons: int = 1) -> str:
-    """The tag of checkpoint `tag` in the `form` a launch loads: "universal" (ZeRO-1/2/3), or
-    "zero0" (fp32 or `bf16`, of `neurons` shares) or "pipeline" (of stage boundaries `parts`)
-    made from that. Each is written once, atomically; a ZeRO-0 form of another precision or
-    share count, or a pipeline of other boundaries, is written again."""
+            bf16: bool = False, neurons: int = 1, out_dir: Optional[str] = None
+            ) -> tuple[str, str]:
+    """(folder, tag) of checkpoint `tag` in the `form` a launch loads: "universal" (ZeRO-1/2/3),
+    or "zero0" (fp32 or `bf16`, of `neurons` shares) or "pipeline" (of stage boundaries `parts`)
+    made from that. A form already beside the checkpoint (recipes/reshape_checkpoint.py) is
+    used as it is; anything to write goes to `out_dir` (default: beside the checkpoint), so a
+    resume never writes into another run's directory. Each is written once, atomically; a
+    ZeRO-0 form of another precision or share count, or a pipeline of other boundaries, is
+    written again."""
+    out_dir = out_dir or load_dir
     tag_dir = os.path.join(load_dir, tag)
-    target = os.path.join(load_dir, tag + UNIVERSAL)
+    target = _made(load_dir, out_dir, tag + UNIVERSAL, lambda folder: True)
     if not os.path.isdir(target):
         saved = saved_layout(load_dir, tag)
         if saved.neurons > 1 or (saved.pipeline and (saved.zero_stage > 0 or saved.bf16)):
@@ -107,22 +112,23 @@ def convert(load_dir: str, tag: str, form: str, parts: Optional[list[int]] = Non
             make = lambda out: universal.from_zero0(tag_dir, out)  # noqa: E731
         else:
             make = lambda out: universal.from_deepspeed(tag_dir, out)  # noqa: E731
+        os.makedirs(out_dir, exist_ok=True)
         universal.write_atomically(make, target)
     if form == "universal":
-        return tag + UNIVERSAL
+        return os.path.dirname(target), tag + UNIVERSAL
     if form == "zero0":
-        zero0 = os.path.join(load_dir, tag + ZERO0)
-        if os.path.isdir(zero0) and _zero0_form(zero0) != (bf16, neurons):
-            shutil.rmtree(zero0)
+        zero0 = _made(load_dir, out_dir, tag + ZERO0,
+                      lambda folder: _zero0_form(folder) == (bf16, neurons))
         if not os.path.isdir(zero0):
             config = BDHConfig.from_pretrained(load_dir) if neurons > 1 else None
             make = (lambda out: write_zero0_shares(target, out, config, neurons, bf16)) \
                 if neurons > 1 else (lambda out: universal.to_zero0(target, out, bf16))
             universal.write_atomically(make, zero0)
-        return tag + ZERO0
-    pipe = os.path.join(load_dir, tag + PIPELINE)
-    shape = os.path.join(pipe, "parts.json")
-    if not os.path.isfile(shape) or _read_json(shape) != {"parts": parts, "neurons": neurons}:
+        return os.path.dirname(zero0), tag + ZERO0
+    pipe = _made(load_dir, out_dir, tag + PIPELINE, lambda folder: os.path.isfile(
+        os.path.join(folder, "parts.json")) and _read_json(os.path.join(folder, "parts.json"))
+        == {"parts": parts, "neurons": neurons})
+    if not os.path.isdir(pipe):
         config = BDHConfig.from_pretrained(load_dir)
 
         def make(out: str) -> None:
@@ -134,9 +140,19 @@ def convert(load_dir: str, tag: str, form: str, parts: Optional[list[int]] = Non
             with open(os.path.join(out, "parts.json"), "w") as f:
                 json.dump({"parts": parts, "neurons": neurons}, f)
 
-        shutil.rmtree(pipe, ignore_errors=True)
         universal.write_atomically(make, pipe)
-    return tag + PIPELINE
+    return os.path.dirname(pipe), tag + PIPELINE
+
+
+def _made(load_dir: str, out_dir: str, name: str, fits) -> str:
+    """The folder `name` that serves: beside the checkpoint or in `out_dir` where it exists and
+    `fits`; else the path in `out_dir` to write it to (one there that does not fit is removed)."""
+    for folder in dict.fromkeys((os.path.join(load_dir, name), os.path.join(out_dir, name))):
+        if os.path.isdir(folder) and fits(folder):
+            return folder
+    mine = os.path.join(out_dir, name)
+    shutil.rmtree(mine, ignore_errors=True)
+    return mine
 
 
 def _zero0_form(folder: str) -> tuple[bool, int]:
@@ -152,14 +168,16 @@ def _read_json(path: str):
 
 
 def converted_tag(load_dir: str, tag: str, form: str, parts: Optional[list[int]] = None,
-                  bf16: bool = False, neurons: int = 1) -> str:
-    """convert() on global rank 0 while the others wait."""
+                  bf16: bool = False, neurons: int = 1, out_dir: Optional[str] = None
+                  ) -> tuple[str, str]:
+    """convert() on global rank 0 while the others wait; every rank gets its (folder, tag)."""
     import torch.distributed as dist
 
+    found = [None]
     if dist.get_rank() == 0:
-        convert(load_dir, tag, form, parts, bf16, neurons)
-    dist.barrier()
-    return tag + SUFFIX[form]
+        found = [convert(load_dir, tag, form, parts, bf16, neurons, out_dir)]
+    dist.broadcast_object_list(found, src=0)
+    return found[0]
 
 
 def saved_islands(root: str) -> int:
