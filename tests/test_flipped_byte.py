@@ -6,7 +6,7 @@ checkpoint it takes."""
 import shutil
 
 import pytest
-from conftest import REPO, TINY, launch, losses, read_jsonl
+from conftest import REPO, TINY, launch, losses, read_jsonl, run_recipe_in_process
 from test_disk import verify
 
 SAVES = 3  # step4, step8, step12: the newest is damaged, the one before it is taken
@@ -74,3 +74,23 @@ def test_a_flipped_byte_in_a_named_tag_is_refused_in_one_line(three_saves, tmp_p
     assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
     assert f"step{STEPS} is damaged ({file} fails its CRC-32 check)" in errors[0], errors
     assert not any(m["step"] > STEPS for m in read_jsonl(out / "metrics.jsonl"))
+
+
+@pytest.mark.slow
+def test_a_run_whose_every_checkpoint_is_damaged_is_refused_naming_each(three_saves, tmp_path,
+                                                                       text_file, monkeypatch):
+    """A byte flipped in each of the three checkpoints: the refusal names every one and says
+    that none is whole, not that nothing was saved."""
+    file = "mp_rank_00_model_states.pt"
+    out = flipped_copy(three_saves, tmp_path, file)
+    for step in (4, 8):
+        victim = out / "checkpoints" / f"step{step}" / file
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    line = run_recipe_in_process(monkeypatch, "recipes/pretrain.py",
+                                 args(out, text_file, ["--resume_from_checkpoint", "auto"]))
+    assert f"none of the 3 checkpoints in {out / 'checkpoints'} is whole: " in line, line
+    for step in (12, 8, 4):
+        assert f"step{step} is damaged ({file} fails its CRC-32 check)" in line, line
+    assert "no complete checkpoint" not in line

@@ -140,6 +140,10 @@ def last_complete(save_dir: str) -> str:
         return "none"
 
 
+class NoWholeCheckpoint(ValueError):
+    """Checkpoints were saved, and every one is damaged."""
+
+
 def find_resume_checkpoint(save_dir: str, checksums: bool = True) -> tuple[str, str]:
     """(load_dir, tag) to resume from: the tag `latest` names if complete and whole, else the
     newest one that is, saying why in one warning. Whole means every file at the size and (with
@@ -165,7 +169,8 @@ def find_resume_checkpoint(save_dir: str, checksums: bool = True) -> tuple[str, 
             break
         damaged.append(f"{name} is damaged ({problem})")
     else:
-        raise ValueError(f"resume: {save_dir} holds no whole checkpoint: {'; '.join(damaged)}")
+        raise NoWholeCheckpoint(f"none of the {len(damaged)} checkpoints in {save_dir} is whole: "
+                                f"{'; '.join(damaged)}")
     accelerate = ACCEL_RE.match(name) is not None  # no `latest` of its own at this level
     if name == latest or (accelerate and not damaged):
         return load_dir_and_tag(save_dir, name)

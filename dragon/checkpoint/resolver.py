@@ -13,9 +13,9 @@ of metrics.jsonl) or a tag. A checkpoint named outright must be whole.
 import os
 import sys
 
-from dragon.checkpoint.catalog import (ACCEL_RE, damage_of, find_resume_checkpoint, is_complete,
-                                       list_checkpoints, load_dir_and_tag, looks_like_tag_dir,
-                                       run_files_dir)
+from dragon.checkpoint.catalog import (ACCEL_RE, NoWholeCheckpoint, damage_of,
+                                       find_resume_checkpoint, is_complete, list_checkpoints,
+                                       load_dir_and_tag, looks_like_tag_dir, run_files_dir)
 from dragon.checkpoint.retention import RetentionPolicy
 from dragon.history import MetricHistory, metrics_path
 
@@ -83,6 +83,8 @@ def _resolve(path: str, checkpoint: str, metric: str, weights_only: bool = True
         return found, _whole(os.path.join(*load_dir_and_tag(save_dir, checkpoint)))
     try:
         latest = os.path.join(*find_resume_checkpoint(save_dir))
+    except NoWholeCheckpoint as e:  # saved, and every one damaged: each is named
+        raise ValueError(f"{path}: {e}") from None
     except ValueError:
         raise ValueError(
             f"{path}: no complete checkpoint in {save_dir} yet; pass a run that has saved one, "
