@@ -77,6 +77,63 @@ def test_streamed_blocks_are_the_materialised_blocks(tmp_path, shards, hf):
     assert ids(next(StreamingBatches(again, 4, 0, 1))) == expected[5:9]
 
 
+@pytest.fixture(scope="module")
+def four_shards(tmp_path_factory):
+    """4 JSON-lines files of random hexadecimal words: a stream of 4 shards whose 16-byte
+    blocks are all distinct."""
+    import random
+
+    root = tmp_path_factory.mktemp("four") / "shards"
+    root.mkdir()
+    draw = random.Random(0)
+    for k in range(4):
+        rows = [{"text": " ".join(f"{draw.getrandbits(32):08x}" for _ in range(1 + i % 9))}
+                for i in range(300 + 40 * k)]
+        (root / f"{k}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_of_a_sharded_stream_read_their_own_files_and_together_all(
+        tmp_path, four_shards, monkeypatch, world):
+    """4 file shards on 2 and 4 data ranks: each rank opens only its own files while it reads,
+    its blocks are those files' blocks as the materialised path packs them, and the ranks'
+    blocks with the held-out head are every block once."""
+    import builtins
+
+    args = DataArguments(train_file=str(four_shards), streaming=True, block_size=15,
+                         validation_blocks=5, cache_dir=str(tmp_path / "cache"))
+    train, valid, tok = build_streams(args, world=world)
+    assert train.by_shards and "4 shards split among" in train.describe()
+    files = sorted(four_shards.glob("*.jsonl"))
+    opened, real_open = [], builtins.open
+
+    def counting_open(path, *a, **kw):
+        if str(path).endswith(".jsonl"):
+            opened.append(os.path.basename(str(path)))
+        return real_open(path, *a, **kw)
+
+    read_by, every = {}, []
+    for r in range(world):
+        mine = files[r * 4 // world:(r + 1) * 4 // world]
+        expected = ids(pack(load_text(DataArguments(train_file=",".join(map(str, mine)))),
+                            tok, 15)["input_ids"])
+        opened.clear()
+        monkeypatch.setattr(builtins, "open", counting_open)
+        stream, stride = train.for_rank(r, world)
+        got = ids(row["input_ids"] for row in stream)
+        monkeypatch.setattr(builtins, "open", real_open)
+        assert stride == 1 and set(opened) == {f.name for f in mine}, (r, opened)
+        assert got == (expected[5:] if r == 0 else expected), r
+        assert ids(next(StreamingBatches(train, 3, r, world))) == got[:3]
+        read_by[r] = got
+        every += expected
+    assert ids(valid["input_ids"]) == every[:5]
+    together = ids(valid["input_ids"]) + [b for r in range(world) for b in read_by[r]]
+    assert Counter(map(tuple, together)) == Counter(map(tuple, every))
+    assert len(set(map(tuple, every))) == len(every)  # distinct blocks: no overlap is possible
+
+
 def read(batches, n) -> list[torch.Tensor]:
     return [next(batches) for _ in range(n)]
 
@@ -203,10 +260,10 @@ def test_pipeline_on_two_stages_equals_zero_on_two_ranks(runs):
     assert losses(pipe, "eval_loss") == pytest.approx(losses(zero, "eval_loss"), abs=LOSS_ATOL)
 
 
-def start_streamed(out, text_file, extra=()):
-    """In the background, the 2-rank ZeRO-2 run that runs("stream_zero2") makes."""
+def start_streamed(out, data, extra=()):
+    """In the background, the 2-rank ZeRO-2 run that runs("stream_zero2") makes (of `data`)."""
     args = ["--deepspeed", str(REPO / "ds_configs/zero2.json"), "--output_dir", str(out),
-            "--train_file", str(text_file), "--max_steps", str(STEPS),
+            "--train_file", str(data), "--max_steps", str(STEPS),
             "--per_device_train_batch_size", "4", *TINY, *STREAM, *extra]
     return subprocess.Popen(launch_command("torchrun", 2, "recipes/pretrain.py", args), cwd=REPO,
                             env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -214,18 +271,26 @@ def start_streamed(out, text_file, extra=()):
 
 
 @pytest.mark.slow
-def test_sigkill_then_resume_replays_the_uninterrupted_losses(runs, tmp_path, text_file):
-    """2 ranks, ZeRO-2, --streaming through a shuffling buffer: killed between the saves of steps
-    4 and 8, resumed from step 4 (each rank's stream position and buffer from its own file), the
-    losses are the uninterrupted run's (bit-equal)."""
-    _, expected, _ = runs("stream_zero2", extra=STREAM)
+@pytest.mark.parametrize("shards", [1, 4], ids=["one file", "4 shards"])
+def test_sigkill_then_resume_replays_the_uninterrupted_losses(runs, tmp_path, text_file,
+                                                              four_shards, shards):
+    """2 ranks, ZeRO-2, --streaming through a shuffling buffer, of one file (each rank keeps
+    every other block) or of 4 shards (each rank reads its own 2): killed between the saves of
+    steps 4 and 8, resumed from step 4 (each rank's stream position and buffer from its own
+    file), the losses are the uninterrupted run's (bit-equal)."""
+    data = text_file if shards == 1 else four_shards
+    name = "stream_zero2" if shards == 1 else "stream_zero2_shards"
+    _, expected, proc = runs(name, extra=[*STREAM, "--train_file", str(data)])
+    split = ("4 shards split among 2" if shards == 4 else
+             "1 shard(s) for 2 data-parallel ranks: every rank reads the whole stream")
+    assert f"streaming: {split}" in proc.stderr
     out = tmp_path / "killed"
     metrics = out / "metrics.jsonl"
-    proc = start_streamed(out, text_file)
+    proc = start_streamed(out, data)
     kill_when(proc, lambda: max(logged_steps(metrics), default=0) >= 5)
     assert max(logged_steps(metrics)) < STEPS, "killed too late"
     assert (out / "checkpoints" / "step4" / "data_stream_1.pt").exists()
-    finish(start_streamed(out, text_file, ["--resume_from_checkpoint", "latest"]))
+    finish(start_streamed(out, data, ["--resume_from_checkpoint", "latest"]))
     resumed = [m for m in read_jsonl(metrics) if m["step"] > 4][-(STEPS - 4) :]
     assert [m["step"] for m in resumed] == list(range(5, STEPS + 1))
     assert [m["loss"] for m in resumed] == losses(expected)[4:]

@@ -19,6 +19,7 @@ import copy
 import queue
 import os
 import threading
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import datasets
@@ -91,17 +92,64 @@ def _blocks(args: DataArguments, tokenizer: Any, seed: int) -> IterableDataset:
     return packed(texts, tokenizer, args.block_size)
 
 
-def build_streams(args: DataArguments, seed: int = 0) -> tuple[IterableDataset, Dataset, Any]:
-    """(train blocks: a global IterableDataset, validation blocks: a Dataset, tokenizer); `seed`
-    draws a mixture's sources."""
+@dataclass
+class BlockStream:
+    """The training blocks of a stream, for `world` data-parallel ranks (every island's): the
+    block stream less its `held_out` head. With at least `world` shards (files) each rank reads
+    its own shards, as datasets' split_dataset_by_node does, and the held-out head is data rank
+    0's; else every rank reads the whole stream and keeps every world-th block. Iterated, it is
+    the training order of one rank alone."""
+
+    blocks: IterableDataset
+    held_out: int = 0
+    world: int = 1
+    shardable: bool = True  # a mixture's interleaved sources are not
+
+    @property
+    def by_shards(self) -> bool:
+        return self.shardable and self.world > 1 and self.blocks.n_shards >= self.world
+
+    def head(self) -> IterableDataset:
+        """Where the held-out head is read from: the whole stream, or data rank 0's shards."""
+        return self.blocks.shard(self.world, 0, contiguous=True) if self.by_shards else self.blocks
+
+    def for_rank(self, rank: int, world: int) -> tuple[IterableDataset, int]:
+        """(what data rank `rank` of `world` reads, every how many blocks it keeps one)."""
+        if self.world > 1 and world != self.world:
+            raise RuntimeError(f"a stream split for {self.world} data ranks read by {world}")
+        if not self.by_shards:
+            return self.blocks.skip(self.held_out), world
+        mine = self.blocks.shard(self.world, rank, contiguous=True)
+        return (mine.skip(self.held_out) if rank == 0 else mine), 1
+
+    def describe(self) -> str:
+        n = self.blocks.n_shards
+        if self.by_shards:
+            return f"streaming: {n} shards split among {self.world} data-parallel ranks"
+        return (f"streaming: {n} shard(s) for {self.world} data-parallel ranks: every rank reads "
+                f"the whole stream and keeps one block in {self.world} (give at least "
+                f"{self.world} files, or a dataset of as many shards, to split by shards)")
+
+    def take(self, n: int) -> IterableDataset:
+        return self.blocks.skip(self.held_out).take(n)
+
+    def __iter__(self):
+        return iter(self.blocks.skip(self.held_out))
+
+
+def build_streams(args: DataArguments, seed: int = 0, world: int = 1
+                  ) -> tuple[BlockStream, Dataset, Any]:
+    """(the training stream for `world` data ranks, validation blocks: a Dataset, tokenizer);
+    `seed` draws a mixture's sources."""
     check_data_args(args)
     if args.validation_blocks < 1 and args.validation_file is None:
         raise DataError(f"validation_blocks {args.validation_blocks} is invalid; use >= 1 or give "
                         "--validation_file")
     tokenizer = load_tokenizer(args.tokenizer_name)
-    blocks = _blocks(args, tokenizer, seed)
-    valid = _validation(args, blocks, tokenizer)
-    train = blocks if args.validation_file is not None else blocks.skip(args.validation_blocks)
+    held_out = 0 if args.validation_file is not None else args.validation_blocks
+    train = BlockStream(_blocks(args, tokenizer, seed), held_out, world,
+                        shardable=args.dataset_mixture is None)
+    valid = _validation(args, train.head(), tokenizer)
     return train, valid, tokenizer
 
 
@@ -111,7 +159,7 @@ class StreamingBatches:
 
     def __init__(
         self,
-        blocks: IterableDataset,
+        blocks: BlockStream,
         micro_batch_size: int,
         dp_rank: int,
         dp_world: int,
@@ -122,7 +170,8 @@ class StreamingBatches:
     ):
         if not 0 <= dp_rank < dp_world:
             raise DataError(f"dp_rank {dp_rank} is not in [0, dp_world={dp_world})")
-        self.blocks, self.dp_rank, self.dp_world = blocks, dp_rank, dp_world
+        self.blocks, self.stride = blocks.for_rank(dp_rank, dp_world)
+        self.dp_rank, self.dp_world = dp_rank, dp_world
         self.micro_batch_size, self.grad_accum = micro_batch_size, grad_accum
         self.prefetch, self.shuffle_blocks, self.seed = prefetch, shuffle_blocks, seed
         self.epoch, self.micro_step = 0, 0  # micro-batches returned, over all epochs
@@ -143,7 +192,7 @@ class StreamingBatches:
             for row in stream:
                 for ids, source in buffer.swap(row):
                     seen += 1
-                    if (seen - 1) % self.dp_world != self.dp_rank:
+                    if (seen - 1) % self.stride != self.dp_rank % self.stride:
                         continue
                     rows.append(ids)
                     sources.append(source)
@@ -243,7 +292,7 @@ class ShuffleBuffer:
         return {"blocks": list(self.blocks), "rng": self.rng.bit_generator.state}
 
 
-def check_stream(blocks: IterableDataset, global_batch: int, block_size: int) -> None:
+def check_stream(blocks: BlockStream, global_batch: int, block_size: int) -> None:
     """Raise unless the training stream fills one global batch."""
     got = sum(1 for _ in blocks.take(global_batch))
     if got < global_batch:

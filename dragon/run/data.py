@@ -113,12 +113,13 @@ def bits_per_byte_factor(batches: list[torch.Tensor], tokenizer) -> float:
     return tokens / (text_bytes * math.log(2)) if text_bytes else float("nan")
 
 
-def load_data(data_args, args) -> tuple[Any, Any, Any]:
-    """(train set, validation set, tokenizer): streams with --streaming, else materialised
-    datasets. Raises ValueError in one line on flags that do not go together."""
+def load_data(data_args, args, data_world: int) -> tuple[Any, Any, Any]:
+    """(train set, validation set, tokenizer): streams with --streaming (split among
+    `data_world` ranks: every island's), else materialised datasets. Raises ValueError in one
+    line on flags that do not go together."""
     _check_streaming(data_args, args)
     if data_args.streaming:
-        return build_streams(data_args, args.seed)
+        return build_streams(data_args, args.seed, data_world)
     if data_args.prepared_data is not None:  # packed ahead by recipes/prepare_data.py
         return open_prepared(data_args)
     return build_datasets(data_args)

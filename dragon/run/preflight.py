@@ -41,7 +41,7 @@ def preflight(pipeline: bool = False) -> RecipeInputs:
                 f"--deepspeed {args.deepspeed}: ZeRO stage {zero_stage(ds_config)} cannot shard a "
                 "pipeline's gradients; use stage 0 or 1 (ds_configs/pipeline_zero*.json)"
             )
-        train_set, valid_set, tokenizer = load_data(data_args, args)
+        train_set, valid_set, tokenizer = load_data(data_args, args, dp_world * islands)
         config = model_config(model_args, tokenizer.vocab_size, data_args.block_size + 1,
                               pipe_args)
         if is_bdh(config):
@@ -58,7 +58,8 @@ def preflight(pipeline: bool = False) -> RecipeInputs:
     except ValueError as e:  # DataError and config errors are ValueErrors with one-line messages
         raise InputRefused(str(e)) from None
     if os.environ.get("RANK", "0") == "0":  # once per launch
-        for line in ([repeats] if repeats else []) + inputs.resume_changes:
+        split = [train_set.describe()] if data_args.streaming and dp_world * islands > 1 else []
+        for line in split + ([repeats] if repeats else []) + inputs.resume_changes:
             print(line, file=sys.stderr)
     if pipeline:
         _warn_about_the_bubble(ds_config["gradient_accumulation_steps"], pipe_args.pipeline_stages)
