@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, TINY, bad_input_base, job_env, launch, losses, read_jsonl, \
-    run_recipe_in_process, run_tool
+from conftest import REPO, SHRINK, SHRUNK_STEPS, TINY, bad_input_base, job_env, launch, losses, \
+    read_jsonl, run_recipe_in_process, run_tool
 
 STEPS = 8
 
@@ -233,3 +233,35 @@ def test_a_resume_on_another_layout_leaves_a_read_only_source_alone(runs, tmp_pa
     assert [m["step"] for m in metrics] == [5, 6, 7, 8]
     assert (out / "checkpoints" / "step4_universal").is_dir()
     assert files_of(src) == before
+
+
+def test_the_data_pages_prepare_and_train_commands(tmp_path):
+    """docs/data.md's preparation and the run on it, as written, shrunk (conftest.SHRINK: the
+    preparation takes its block size too) and writing under a temporary directory."""
+    from test_doc_commands import commands
+
+    page = REPO / "docs" / "data.md"
+    text = page.read_text()
+    marked = [block for line, block in blocks_with_skips(text)
+              if "test_the_data_pages_prepare_and_train_commands" in line]
+    assert len(marked) == 1
+    prepare, train = [[str(tmp_path / w) if w.startswith("runs/") else w for w in words]
+                      for words in commands(marked[0])]
+    assert prepare[:2] == ["python", "recipes/prepare_data.py"]
+    done = subprocess.run([sys.executable, *prepare[1:], "--block_size", "64", "--disable_tqdm"],
+                          cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ran = subprocess.run([*train, *SHRINK], cwd=REPO, env=job_env(), capture_output=True,
+                         text=True, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "Packing into blocks" not in ran.stderr  # nothing tokenized in the job
+    out = Path(train[train.index("--output_dir") + 1])
+    assert len(losses(read_jsonl(out / "metrics.jsonl"))) == SHRUNK_STEPS
+
+
+def blocks_with_skips(text: str) -> list[tuple[str, str]]:
+    """(the line before, the text) of every bash block of a page, skipped ones included."""
+    import re
+
+    return [(text[:m.start()].rstrip("\n").rsplit("\n", 1)[-1], m.group(1))
+            for m in re.finditer(r"^ *```bash\n(.*?)^ *```", text, re.M | re.S)]
