@@ -15,6 +15,7 @@ import datasets  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from conftest import (  # noqa: E402
+    CARRY,
     LOSS_ATOL,
     REPO,
     STEPS,
@@ -134,6 +135,58 @@ def test_ranks_of_a_sharded_stream_read_their_own_files_and_together_all(
     assert len(set(map(tuple, every))) == len(every)  # distinct blocks: no overlap is possible
 
 
+@torch.no_grad()
+def test_carried_rows_of_a_sharded_stream_are_stretches_of_their_documents(tmp_path,
+                                                                            four_shards):
+    """--carry_state --streaming on 4 shards and 2 data ranks, 2 micro-batches of 2 rows: row j
+    of rank 1 reads documents j, 4 + j, ... of its shards, cut into consecutive blocks one a step;
+    rank 0's rows start after the documents of the held-out head (its first blocks); and the
+    states carried through 12 steps give the logits and losses of one forward over each row's
+    stretch (atol=rtol=1e-5, tests/test_carry.py's bound)."""
+    from dragon import BDHConfig, BDHForCausalLM
+    from dragon.run.carry import CarriedState
+
+    args = DataArguments(train_file=str(four_shards), streaming=True, block_size=15,
+                         validation_blocks=5, cache_dir=str(tmp_path / "cache"))
+    train, valid, tok = build_streams(args, world=2, carry=True)
+    files = sorted(four_shards.glob("*.jsonl"))
+    docs = {r: load_text(DataArguments(train_file=",".join(map(str, files[2 * r: 2 * r + 2]))))[
+        "text"] for r in (0, 1)}
+    head = [t for doc in docs[0][:train.held_out_documents] for t in tok.encode(doc)]
+    assert ids(valid["input_ids"]) == [head[16 * i: 16 * (i + 1)] for i in range(5)]
+    assert len(head) >= 5 * 16 > len(head) - len(tok.encode(docs[0][train.held_out_documents - 1]))
+    torch.manual_seed(0)
+    model = BDHForCausalLM(BDHConfig(n_layer=2, n_embd=32, n_head=2,
+                                     mlp_internal_dim_multiplier=8, dropout=0.0)).eval()
+    for r in (0, 1):
+        mine = docs[r][train.held_out_documents if r == 0 else 0:]
+        rows = train.rows_for_rank(r, 2, tok, 15, micro_batch_size=2, grad_accum=2)
+        carried = CarriedState(slots=2, n_layer=2, steps_per_epoch=None)
+        steps, logits, step_losses = [], [], []
+        for step in range(12):
+            carried.begin_step(step)
+            batches = [next(rows) for _ in range(2)]
+            outs = [model(b, labels=b, cache=carried.caches[a]) for a, b in enumerate(batches)]
+            carried.end_step()
+            steps.append(torch.cat(batches))
+            logits.append(torch.cat([o.logits for o in outs]))
+            step_losses.append([o.loss for o in outs])
+        for j in range(4):
+            stretch = [t for doc in mine[j::4] for t in tok.encode(doc)][: 12 * 16]
+            assert [ids(s)[j] for s in steps] == [stretch[16 * k: 16 * (k + 1)]
+                                                  for k in range(12)], (r, j)
+        whole = torch.cat(steps, dim=1)  # each row's 12 blocks, one after another
+        once = model(whole).logits
+        torch.testing.assert_close(torch.cat(logits, dim=1), once, atol=1e-5, rtol=1e-5)
+        for k, (first, second) in enumerate(step_losses):
+            part = once[:, 16 * k: 16 * (k + 1)]
+            expect = [torch.nn.functional.cross_entropy(
+                part[a * 2: a * 2 + 2, :-1].reshape(-1, 256),
+                whole[a * 2: a * 2 + 2, 16 * k + 1: 16 * (k + 1)].reshape(-1)) for a in (0, 1)]
+            torch.testing.assert_close(torch.stack([first, second]), torch.stack(expect),
+                                       atol=1e-5, rtol=1e-5)
+
+
 def read(batches, n) -> list[torch.Tensor]:
     return [next(batches) for _ in range(n)]
 
@@ -233,7 +286,10 @@ def test_one_line_errors(tmp_path, make, needles):
 @pytest.mark.parametrize(
     "extra,needle",
     [
-        (["--streaming", "--carry_state"], "--carry_state with --streaming"),
+        (["--streaming", "--carry_state", "--shuffle_buffer_blocks", "8"],
+         "--carry_state with --shuffle_buffer_blocks 8: a row reads its text in order; use 0"),
+        (["--streaming", "--carry_state", "--dataset_mixture", "x.txt=1"],
+         "--carry_state with --dataset_mixture"),
         (["--validation_file", "x.txt"], "--validation_file x.txt: it is read with --streaming"),
         (["--dataset_mixture", "x.txt=1"], "--dataset_mixture x.txt=1: mixtures are streamed"),
     ],
@@ -260,40 +316,49 @@ def test_pipeline_on_two_stages_equals_zero_on_two_ranks(runs):
     assert losses(pipe, "eval_loss") == pytest.approx(losses(zero, "eval_loss"), abs=LOSS_ATOL)
 
 
-def start_streamed(out, data, extra=()):
+def start_streamed(out, data, flags=tuple(STREAM), extra=()):
     """In the background, the 2-rank ZeRO-2 run that runs("stream_zero2") makes (of `data`)."""
     args = ["--deepspeed", str(REPO / "ds_configs/zero2.json"), "--output_dir", str(out),
             "--train_file", str(data), "--max_steps", str(STEPS),
-            "--per_device_train_batch_size", "4", *TINY, *STREAM, *extra]
+            "--per_device_train_batch_size", "4", *TINY, *flags, *extra]
     return subprocess.Popen(launch_command("torchrun", 2, "recipes/pretrain.py", args), cwd=REPO,
                             env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
 
+CARRIED_STREAM = ["--streaming", "--validation_blocks", "64", *CARRY]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("shards", [1, 4], ids=["one file", "4 shards"])
+@pytest.mark.parametrize("kind", ["one file", "4 shards", "4 shards carried"])
 def test_sigkill_then_resume_replays_the_uninterrupted_losses(runs, tmp_path, text_file,
-                                                              four_shards, shards):
+                                                              four_shards, kind):
     """2 ranks, ZeRO-2, --streaming through a shuffling buffer, of one file (each rank keeps
-    every other block) or of 4 shards (each rank reads its own 2): killed between the saves of
-    steps 4 and 8, resumed from step 4 (each rank's stream position and buffer from its own
-    file), the losses are the uninterrupted run's (bit-equal)."""
-    data = text_file if shards == 1 else four_shards
-    name = "stream_zero2" if shards == 1 else "stream_zero2_shards"
-    _, expected, proc = runs(name, extra=[*STREAM, "--train_file", str(data)])
-    split = ("4 shards split among 2" if shards == 4 else
-             "1 shard(s) for 2 data-parallel ranks: every rank reads the whole stream")
+    every other block) or of 4 shards (each rank reads its own 2), or of 4 shards with
+    --carry_state (each row a stretch of its rank's documents, its state carried): killed between
+    the saves of steps 4 and 8, resumed from step 4 (each rank's stream position, buffer or rows
+    and states from its own files), the losses are the uninterrupted run's (bit-equal)."""
+    data = text_file if kind == "one file" else four_shards
+    flags = CARRIED_STREAM if "carried" in kind else STREAM
+    name = {"one file": "stream_zero2", "4 shards": "stream_zero2_shards",
+            "4 shards carried": "stream_zero2_shards_carried"}[kind]
+    _, expected, proc = runs(name, extra=[*flags, "--train_file", str(data)])
+    split = ("1 shard(s) for 2 data-parallel ranks: every rank reads the whole stream"
+             if kind == "one file" else "4 shards split among 2")
     assert f"streaming: {split}" in proc.stderr
     out = tmp_path / "killed"
     metrics = out / "metrics.jsonl"
-    proc = start_streamed(out, data)
+    proc = start_streamed(out, data, flags)
     kill_when(proc, lambda: max(logged_steps(metrics), default=0) >= 5)
     assert max(logged_steps(metrics)) < STEPS, "killed too late"
     assert (out / "checkpoints" / "step4" / "data_stream_1.pt").exists()
-    finish(start_streamed(out, data, ["--resume_from_checkpoint", "latest"]))
+    finish(start_streamed(out, data, flags, ["--resume_from_checkpoint", "latest"]))
     resumed = [m for m in read_jsonl(metrics) if m["step"] > 4][-(STEPS - 4) :]
     assert [m["step"] for m in resumed] == list(range(5, STEPS + 1))
     assert [m["loss"] for m in resumed] == losses(expected)[4:]
+    if "carried" in kind:
+        assert [m["eval_loss_carried"] for m in resumed if "eval_loss_carried" in m] == \
+            losses(expected, "eval_loss_carried")[-1:]
 
 
 @pytest.fixture

@@ -40,6 +40,7 @@ from dragon.data.text import (
 from dragon.data.sources import resolve_files
 from dragon.data.tokenizer import load_tokenizer
 from dragon.data.mixture import mixed_blocks
+from dragon.data.stream_rows import StreamingRowBatches, head_blocks
 
 STATE_FILE = "data_stream"  # <name>_<rank>.pt in each checkpoint: this rank's stream position
 PREFETCH = 8  # micro-batches the reading thread keeps ready
@@ -78,18 +79,20 @@ def _validation(args: DataArguments, blocks: IterableDataset, tokenizer: Any) ->
     return Dataset.from_dict({"input_ids": head})
 
 
-def _blocks(args: DataArguments, tokenizer: Any, seed: int) -> IterableDataset:
-    """The global block stream: of --dataset_mixture's sources, or of the one source."""
+def _blocks(args: DataArguments, tokenizer: Any, seed: int
+            ) -> tuple[IterableDataset, Optional[IterableDataset]]:
+    """(the global block stream, its documents): of --dataset_mixture's sources (no documents),
+    or of the one source."""
     if args.dataset_mixture is not None:
         if args.train_file is not None or args.dataset_name is not None:
             given = args.train_file or args.dataset_name
             raise DataError(f"dataset_mixture {args.dataset_mixture!r} and {given!r} are both "
                             "given; put every source in the mixture")
-        return mixed_blocks(args, tokenizer, seed)
+        return mixed_blocks(args, tokenizer, seed), None
     texts = open_texts(args, streaming=True)
     if not any(row["text"] for row in texts):  # stops at the first document with text
         raise DataError(f"{args.train_file or args.dataset_name!r} streams no text")
-    return packed(texts, tokenizer, args.block_size)
+    return packed(texts, tokenizer, args.block_size), texts
 
 
 @dataclass
@@ -104,6 +107,8 @@ class BlockStream:
     held_out: int = 0
     world: int = 1
     shardable: bool = True  # a mixture's interleaved sources are not
+    texts: Optional[IterableDataset] = None  # the documents, for --carry_state's row streams
+    held_out_documents: int = 0  # with --carry_state: the documents of the held-out head
 
     @property
     def by_shards(self) -> bool:
@@ -122,6 +127,20 @@ class BlockStream:
         mine = self.blocks.shard(self.world, rank, contiguous=True)
         return (mine.skip(self.held_out) if rank == 0 else mine), 1
 
+    def rows_for_rank(self, rank: int, world: int, tokenizer: Any, block_size: int,
+                      micro_batch_size: int, grad_accum: int) -> StreamingRowBatches:
+        """--carry_state's micro-batches of data rank `rank`: its documents (its shards, or one
+        in `world`) dealt to its rows (dragon.data.stream_rows)."""
+        if self.world > 1 and world != self.world:
+            raise RuntimeError(f"a stream split for {self.world} data ranks read by {world}")
+        skip = self.held_out_documents
+        if self.by_shards:
+            texts = self.texts.shard(self.world, rank, contiguous=True)
+            return StreamingRowBatches(texts, tokenizer, block_size, micro_batch_size,
+                                       grad_accum, skip if rank == 0 else 0)
+        return StreamingRowBatches(self.texts, tokenizer, block_size, micro_batch_size,
+                                   grad_accum, skip, world, rank)
+
     def describe(self) -> str:
         n = self.blocks.n_shards
         if self.by_shards:
@@ -137,18 +156,23 @@ class BlockStream:
         return iter(self.blocks.skip(self.held_out))
 
 
-def build_streams(args: DataArguments, seed: int = 0, world: int = 1
+def build_streams(args: DataArguments, seed: int = 0, world: int = 1, carry: bool = False
                   ) -> tuple[BlockStream, Dataset, Any]:
     """(the training stream for `world` data ranks, validation blocks: a Dataset, tokenizer);
-    `seed` draws a mixture's sources."""
+    `seed` draws a mixture's sources; `carry`: --carry_state's rows read documents, and the
+    held-out head is the first blocks of data rank 0's documents (dragon.data.stream_rows)."""
     check_data_args(args)
     if args.validation_blocks < 1 and args.validation_file is None:
         raise DataError(f"validation_blocks {args.validation_blocks} is invalid; use >= 1 or give "
                         "--validation_file")
     tokenizer = load_tokenizer(args.tokenizer_name)
     held_out = 0 if args.validation_file is not None else args.validation_blocks
-    train = BlockStream(_blocks(args, tokenizer, seed), held_out, world,
-                        shardable=args.dataset_mixture is None)
+    blocks, texts = _blocks(args, tokenizer, seed)
+    train = BlockStream(blocks, held_out, world, args.dataset_mixture is None, texts)
+    if carry and held_out:
+        head = texts.shard(world, 0, contiguous=True) if train.by_shards else texts
+        valid, train.held_out_documents = head_blocks(head, tokenizer, args.block_size, held_out)
+        return train, valid, tokenizer
     valid = _validation(args, train.head(), tokenizer)
     return train, valid, tokenizer
 

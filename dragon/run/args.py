@@ -143,7 +143,8 @@ class TrainingArguments:
     )
     carry_state: bool = _help(
         "Stateful training: every row of a step is a stream through the corpus that the next step "
-        "continues, and each row's attention state is carried (detached) from step to step.",
+        "continues (with --streaming: its share of the rank's documents), and each row's "
+        "attention state is carried (detached) from step to step.",
         default=False,
     )
     state_reset_steps: int = _help(

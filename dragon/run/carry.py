@@ -61,7 +61,7 @@ class CarriedState:
         self,
         slots: int,
         n_layer: int,
-        steps_per_epoch: int,
+        steps_per_epoch: Optional[int],
         reset_steps: int = 0,
         device: torch.device = torch.device("cpu"),
     ):
@@ -70,8 +70,10 @@ class CarriedState:
         self.device = device
 
     def begin_step(self, step: int) -> None:
-        """Before step `step` (0-based): zero the states at an epoch wrap and every reset_steps."""
-        if step % self.steps_per_epoch == 0 or (self.reset_steps and step % self.reset_steps == 0):
+        """Before step `step` (0-based): zero the states at an epoch wrap (None: streamed rows
+        read on past the stream's end) and every reset_steps."""
+        wrap = self.steps_per_epoch and step % self.steps_per_epoch == 0
+        if step == 0 or wrap or (self.reset_steps and step % self.reset_steps == 0):
             for cache in self.caches:
                 cache.reset()
 

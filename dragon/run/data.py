@@ -77,7 +77,10 @@ def run_data(
     this rank carries with --carry_state (all, or a pipeline stage's own)."""
     args, data_args = inputs.train, inputs.data
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    if data_args.streaming:  # every island's rank reads its own share of one global stream
+    if data_args.streaming and args.carry_state:  # each row a stretch of the rank's documents
+        train = inputs.train_set.rows_for_rank(data_rank, data_world, inputs.tokenizer,
+                                               data_args.block_size, micro, accum)
+    elif data_args.streaming:  # every island's rank reads its own share of one global stream
         train = StreamingBatches(inputs.train_set, micro, data_rank, data_world, accum,
                                  shuffle_blocks=data_args.shuffle_buffer_blocks, seed=args.seed)
     else:
@@ -119,7 +122,7 @@ def load_data(data_args, args, data_world: int) -> tuple[Any, Any, Any]:
     line on flags that do not go together."""
     _check_streaming(data_args, args)
     if data_args.streaming:
-        return build_streams(data_args, args.seed, data_world)
+        return build_streams(data_args, args.seed, data_world, args.carry_state)
     if data_args.prepared_data is not None:  # packed ahead by recipes/prepare_data.py
         return open_prepared(data_args)
     return build_datasets(data_args)
@@ -216,9 +219,13 @@ def _check_streaming(data_args, args) -> None:
     if data_args.prepared_data is not None:
         raise ValueError(f"--prepared_data {data_args.prepared_data} with --streaming: prepared "
                          "data is opened whole; drop one of them")
-    if args.carry_state:
-        raise ValueError("--carry_state with --streaming: carried states read the corpus as "
-                         "contiguous stretches, which needs its length; drop one of them")
+    if args.carry_state and data_args.dataset_mixture is not None:
+        raise ValueError("--carry_state with --dataset_mixture: a row reads one source's "
+                         "documents in order; drop one of them")
+    if args.carry_state and data_args.shuffle_buffer_blocks:
+        raise ValueError(f"--carry_state with --shuffle_buffer_blocks "
+                         f"{data_args.shuffle_buffer_blocks}: a row reads its text in order; use "
+                         "0")
     if data_args.preprocessing_num_workers is not None:
         raise ValueError(f"--preprocessing_num_workers {data_args.preprocessing_num_workers} "
                          "with --streaming: a stream is packed by one reading thread; drop it")

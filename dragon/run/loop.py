@@ -61,12 +61,14 @@ class TrainingRun:
 
     def _describe_carried_state(self, config, micro: int, neurons: int) -> None:
         row, rows = state_bytes_per_row(config, neurons), micro * self.accum
-        every = self.args.state_reset_steps
+        every, length = self.args.state_reset_steps, self.data.train.steps_per_epoch
+        streams = (f"streams of {length} blocks" if length else
+                   "streams of the rank's documents, read on past the stream's end")
+        zeroed = (f"every {every} steps and " if every else "") + (
+            "when the streams wrap" if length else "at the start")
         logger.info(
             f"carried state: {row / 2**20:,.2f} MiB per row x {rows} rows = "
-            f"{rows * row / 2**20:,.1f} MiB per rank; streams of "
-            f"{self.data.train.steps_per_epoch} blocks; states zeroed "
-            f"{f'every {every} steps and ' if every else ''}when the streams wrap"
+            f"{rows * row / 2**20:,.1f} MiB per rank; {streams}; states zeroed {zeroed}"
         )
 
     @property
