@@ -23,8 +23,13 @@ class LRSchedule:
     warm-up, floor, weight decay, betas or epsilon apply from there too (the optimizer's state
     restores its old ones; dragon.run.resume_changes says which changed)."""
 
-    def __init__(self, args):
+    def __init__(self, args, settings: Optional[dict] = None):
+        """`settings`: the optimizer's lr, weight_decay, betas and eps as the resolved DeepSpeed
+        JSON gives them (its own values win over the flags'); the flags' without one."""
         self.args = args
+        self.settings = settings or {"lr": args.learning_rate, "weight_decay": args.weight_decay,
+                                     "betas": [args.adam_beta1, args.adam_beta2],
+                                     "eps": args.adam_epsilon}
         self.planned = args.max_steps
         self._factor = self._plan(self.planned)
 
@@ -49,13 +54,14 @@ class LRSchedule:
     def _apply_flags(self) -> None:
         """After a resume loaded the optimizer's and the scheduler's saved state: the peak rate
         and the optimizer's settings of the flags, the rate at the resumed step."""
-        args, scheduler = self.args, self.scheduler
+        scheduler, peak = self.scheduler, float(self.settings["lr"])
         factor = self._factor(min(scheduler.last_epoch, self.planned))
+        kept = {k: tuple(v) if k == "betas" else v for k, v in self.settings.items()
+                if k in ("weight_decay", "betas", "eps")}
         for group in scheduler.optimizer.param_groups:
-            group.update(initial_lr=args.learning_rate, lr=args.learning_rate * factor,
-                         weight_decay=args.weight_decay, eps=args.adam_epsilon,
-                         betas=(args.adam_beta1, args.adam_beta2))
-        scheduler.base_lrs = [args.learning_rate] * len(scheduler.optimizer.param_groups)
+            group.update(initial_lr=peak, lr=peak * factor,
+                         **{k: v for k, v in kept.items() if k in group})
+        scheduler.base_lrs = [peak] * len(scheduler.optimizer.param_groups)
         scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
 
     def state_dict(self) -> dict:
@@ -97,4 +103,6 @@ def client_optimizer_and_scheduler(
 
 def planned_schedule(cfg: dict, args) -> Optional[LRSchedule]:
     """transformers' schedule from the arguments, or None where the JSON names its own."""
-    return LRSchedule(args) if "scheduler" not in cfg else None
+    if "scheduler" in cfg:
+        return None
+    return LRSchedule(args, cfg["optimizer"].get("params") if "optimizer" in cfg else None)
