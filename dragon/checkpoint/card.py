@@ -12,6 +12,7 @@ from dragon.parallel.ds_config import zero_stage
 from dragon.history import MetricHistory, metrics_path
 from dragon.model import baseline
 from dragon.model.baseline import is_bdh
+from dragon.version import __version__
 from transformers import PretrainedConfig
 
 RUN_FILE = "run.json"
@@ -21,6 +22,7 @@ def run_info(inputs, islands: int, dp_world: int, tokens_per_step: int) -> dict:
     """The training configuration a model card names (inputs: dragon.run.preflight.RecipeInputs)."""
     diloco = inputs.diloco
     return {
+        "dragon_version": __version__,
         "recipe": os.path.basename(sys.argv[0]),
         "command": sys.argv[1:],
         "zero_stage": zero_stage(inputs.ds_config),
@@ -88,6 +90,7 @@ def model_card(config: PretrainedConfig, save_dir: str, step: Optional[int], sou
         ("pipeline stages", info.get("pipeline_stages") if info.get("pipeline_stages", 1) > 1
          else None),
         ("data-parallel ranks", info.get("data_parallel")),
+        ("dragon version", info.get("dragon_version")),
         ("steps", steps),
         ("tokens", f"{tokens:,}" if tokens else None),
         ("block size", info.get("block_size")),

@@ -54,8 +54,8 @@ class DiLoCoArguments:
     )
     diloco_fragment_delay: Optional[str] = _help(
         "Delayed mode with fragments: inner steps a fragment's exchange runs under before it "
-        "lands, 1 to H//F, or auto (the default): at the first inner step after its exchange is "
-        "done on every island, at most H steps after it synced.", default=None
+        "lands, 1 to H//F, or auto (the default): at the first inner step but one after its "
+        "exchange is done on every island, at most H steps after it synced.", default=None
     )
     diloco_fragment_alpha: float = _help(
         "Delayed mode with fragments: a landing fragment keeps this share of the local progress "

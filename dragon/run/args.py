@@ -159,7 +159,8 @@ class TrainingArguments:
     )
     neuron_parallel: int = _help(
         "K ranks split every head's N neurons (BDH's tensor parallelism); data parallel over "
-        "world size / K. ZeRO recipe, without DiLoCo or --carry_state.", default=1
+        "world size / K. In every recipe, with DiLoCo islands, pipeline stages and --carry_state "
+        "too.", default=1
     )
     seed: int = _help("Seed for weights, data order and dropout.", default=42)
     dry_run: bool = _help("Print the checked plan (topology, sizes, memory); exit.", default=False)
