@@ -4,7 +4,7 @@ seconds from a recipe's launch to its first training step on a corpus of --big_m
 the job (a fresh datasets cache) against opened prepared.
 
     python benchmarks/data_prepare.py                 # about 10 minutes on 2 CPU cores
-    python benchmarks/data_prepare.py --corpus_mb 20 --big_mb 50   # a quick look
+    python benchmarks/data_prepare.py --corpus_mb 20 --big_mb 50 --repeats 1  # a quick look
 
 Corpora are generated under a temporary directory (data_speed.py's jsonl shards of words of the
 standard library) and deleted at the end.
@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,6 +53,7 @@ def preparation(corpus: Path, tokenizer, workers: int, tmp: Path) -> dict:
 
 def first_step_seconds(data_flags: list[str], out: Path) -> float:
     """Seconds from a 1-rank ZeRO-0 recipe's launch to its first metrics line (step 1)."""
+    shutil.rmtree(out, ignore_errors=True)
     args = ["--deepspeed", "ds_configs/zero0.json", "--output_dir", str(out), "--max_steps", "50",
             "--n_layer", "2", "--n_embd", "64", "--n_head", "2", "--mlp_internal_dim_multiplier",
             "16", "--block_size", str(BLOCK), "--per_device_train_batch_size", "4",
@@ -75,37 +77,53 @@ def first_step_seconds(data_flags: list[str], out: Path) -> float:
         proc.wait()
 
 
+def first_steps(big: Path, tokenizer, tmp: Path, repeats: int) -> dict:
+    """Prepare `big` (2 workers), then the median seconds to the first step tokenized in the job
+    (a fresh cache each time) and prepared, the two alternating."""
+    flags = ["--train_file", str(big), "--block_size", str(BLOCK)]
+    flags += ["--tokenizer_name", tokenizer] if tokenizer else []
+    prepared = tmp / "big_prepared"
+    began = time.perf_counter()
+    subprocess.run([sys.executable, "recipes/prepare_data.py", *flags, "--prepared_data",
+                    str(prepared), "--shard_documents", str(SHARD_DOCUMENTS),
+                    "--preprocessing_num_workers", "2", "--cache_dir", str(tmp / "prep_cache"),
+                    "--disable_tqdm"], cwd=REPO, check=True, capture_output=True)
+    prepare_s = time.perf_counter() - began
+    in_job, opened = [], []
+    for k in range(repeats):
+        in_job.append(first_step_seconds([*flags, "--cache_dir", str(tmp / f"job_cache{k}")],
+                                         tmp / f"in_job{k}"))
+        shutil.rmtree(tmp / f"job_cache{k}")
+        opened.append(first_step_seconds([*flags, "--prepared_data", str(prepared)],
+                                         tmp / f"prepared{k}"))
+    shutil.rmtree(prepared)
+    return {"prepare_s (2 workers)": round(prepare_s, 1),
+            "first_step_s tokenized in the job": round(statistics.median(in_job), 1),
+            "first_step_s prepared": round(statistics.median(opened), 1),
+            "all in the job": [round(x, 1) for x in in_job],
+            "all prepared": [round(x, 1) for x in opened]}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus_mb", type=float, default=100)
     parser.add_argument("--big_mb", type=float, default=200)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip_preparation_rates", action="store_true")
     opts = parser.parse_args()
     datasets.disable_progress_bars()
     tmp = Path(tempfile.mkdtemp(prefix="dragon_data_prepare_"))
     try:
         corpus = write_shards(tmp / "corpus", opts.corpus_mb)
         bpe = train_tokenizer(corpus, tmp / "bpe")
-        for tokenizer in (None, bpe):
+        for tokenizer in (None, bpe) if not opts.skip_preparation_rates else ():
             for workers in (1, 2):
                 print(json.dumps(preparation(corpus, tokenizer, workers, tmp)), flush=True)
         big = write_shards(tmp / "big", opts.big_mb)
-        prepared = tmp / "big_prepared"
-        source = ["--train_file", str(big)]
-        began = time.perf_counter()
-        subprocess.run([sys.executable, "recipes/prepare_data.py", *source, "--block_size",
-                        str(BLOCK), "--prepared_data", str(prepared), "--shard_documents",
-                        str(SHARD_DOCUMENTS), "--preprocessing_num_workers", "2",
-                        "--cache_dir", str(tmp / "prepare_cache"), "--disable_tqdm"],
-                       cwd=REPO, check=True, capture_output=True)
-        prepare_s = time.perf_counter() - began
-        in_job = first_step_seconds([*source, "--cache_dir", str(tmp / "job_cache")],
-                                    tmp / "run_in_job")
-        opened = first_step_seconds([*source, "--prepared_data", str(prepared)],
-                                    tmp / "run_prepared")
         size = sum(p.stat().st_size for p in big.glob("*.jsonl")) / 1e6
-        print(json.dumps({"corpus_mb": round(size), "prepare_s (2 workers)": round(prepare_s, 1),
-                          "first_step_s tokenized in the job": round(in_job, 1),
-                          "first_step_s prepared": round(opened, 1)}), flush=True)
+        for name, tokenizer in (("bytes", None), ("BPE 4,096", bpe)):
+            print(json.dumps({"corpus_mb": round(size), "tokenizer": name,
+                              **first_steps(big, tokenizer, tmp, opts.repeats)}), flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
