@@ -56,6 +56,8 @@ def world_size(words: list[str]) -> int:
     env = dict(w.split("=", 1) for w in words if re.match(r"[A-Z_]+=", w))
     if "WORLD_SIZE" in env:
         return int(env["WORLD_SIZE"])
+    if "launch/slurm.sh" in words:  # a process per task
+        return int(flags.get("--nodes", 1)) * int(flags.get("--ntasks-per-node", 1))
     if "torchrun" in words:
         return int(flags.get("--nproc_per_node", 1)) * int(flags.get("--nnodes", 1))
     if "deepspeed" in words:
