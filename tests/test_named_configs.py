@@ -36,7 +36,7 @@ WORLDS = {
 
 
 FIELDS = ("GPU assumed", "Launch", "Plan", "Memory per device (dry-run estimate)",
-          "Tokens per step", "Time to train (plan)", "Data", "Sizes")
+          "Tokens per step", "Time to train (plan)", "Measured on a GPU", "Data", "Sizes")
 GPU_CONFIGS = [c for c in CONFIGS if c.stem != "quickstart_cpu"]
 
 
