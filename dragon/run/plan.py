@@ -108,6 +108,9 @@ def memory_lines(inputs, config) -> list[str]:
     lines = ["memory per rank (estimate, dragon.run.memory):"]
     lines += [f"  {name}: {value / MIB:,.1f} MiB" for name, value in parts.items()]
     lines.append(f"  total: {device / MIB:,.1f} MiB")
+    if layout.bf16:  # the estimate counts bf16 tensors at 2 bytes; not all of them are
+        lines.append("  (bf16: a CPU run measured 1.7x this estimate under ZeRO-1, the model "
+                     "alone 1.3x its activations; not yet measured on a GPU: benchmarks/README.md)")
     return lines
 
 
