@@ -22,7 +22,8 @@ MODEL = (
     "--save_steps 100 --max_eval_samples 16 --sample_max_new_tokens 0 --disable_tqdm"
 ).split()
 ROWS = [("zero0.json", 1, []), ("zero2.json", 1, []), ("zero2.json", 2, []),
-        ("zero3.json", 2, []), ("zero1.json", 2, ["--bf16"])]
+        ("zero3.json", 2, []), ("zero0.json", 1, ["--bf16"]), ("zero1.json", 2, ["--bf16"]),
+        ("zero2.json", 2, ["--bf16"]), ("zero3.json", 2, ["--bf16"])]
 
 
 def estimate(args: list[str], ranks: int) -> float:

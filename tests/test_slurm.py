@@ -56,17 +56,28 @@ def test_sbatch_trains_a_named_config_and_samples(slurm, tmp_path, text_file):
     assert [m["step"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3, 4]
 
 
-def test_a_preempted_job_saves_requeues_and_resumes_exactly(slurm, tmp_path, text_file):
-    """SIGTERM to the batch script (as --signal=B:TERM@120 sends it before the time limit) after
-    step 5: every rank saves and exits 0, the job requeues itself, and its second start resumes
-    with --resume_from_checkpoint auto; its losses are those of the same job never stopped, each
-    step logged once. (Slurm holds a requeued job for a while; the test lets it start now.)"""
-    steps = 16
-    reference = sbatch(slurm, tmp_path / "reference.out",
-                       *quickstart(tmp_path / "reference", text_file, steps))
-    assert slurm.wait(reference)["JobState"] == "COMPLETED"
-    expected = losses(read_jsonl(tmp_path / "reference" / "metrics.jsonl"))
+STEPS = 16
 
+
+@pytest.fixture(scope="module")
+def never_stopped(slurm, tmp_path_factory, text_file) -> list[float]:
+    """The losses of the job the preempted ones are compared with."""
+    root = tmp_path_factory.mktemp("never_stopped")
+    job = sbatch(slurm, root / "job.out", *quickstart(root / "run", text_file, STEPS))
+    assert slurm.wait(job)["JobState"] == "COMPLETED", (root / "job.out").read_text()[-3000:]
+    return losses(read_jsonl(root / "run" / "metrics.jsonl"))
+
+
+@pytest.mark.parametrize("signalled", ["script", "ranks"])
+def test_a_preempted_job_saves_requeues_and_resumes_exactly(slurm, tmp_path, text_file,
+                                                            never_stopped, signalled):
+    """SIGTERM after step 5, to the batch script (as --signal=B:TERM@120 sends it before the time
+    limit; it passes it on to every rank and requeues the job) or to the ranks alone
+    (`scancel --signal=TERM`: the job saves and ends with 0, and is requeued by hand): the
+    second start resumes with --resume_from_checkpoint auto, and its losses are those of the same
+    job never stopped, each step logged once. (Slurm holds a requeued job for a while; the test
+    lets it start now.)"""
+    steps = STEPS
     out, log = tmp_path / "preempted", tmp_path / "preempted.out"
     job = sbatch(slurm, log, *quickstart(out, text_file, steps))
     metrics = out / "metrics.jsonl"
@@ -74,8 +85,13 @@ def test_a_preempted_job_saves_requeues_and_resumes_exactly(slurm, tmp_path, tex
     while not (metrics.exists() and any(m["step"] >= 5 for m in read_jsonl(metrics))):
         assert time.monotonic() < deadline and slurm.state(job).get("JobState") != "FAILED"
         time.sleep(0.2)
-    signalled = time.monotonic()
-    assert slurm.run("scancel", "--batch", "--signal=TERM", job).returncode == 0
+    signalled_at = time.monotonic()
+    whom = ["--batch"] if signalled == "script" else []
+    assert slurm.run("scancel", *whom, "--signal=TERM", job).returncode == 0
+    if signalled == "ranks":
+        fields = slurm.wait(job)
+        assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0"
+        assert slurm.run("scontrol", "requeue", job).returncode == 0
     while slurm.state(job).get("JobState") not in ("PENDING", "COMPLETED", "FAILED"):
         time.sleep(0.2)
     requeued = time.monotonic()
@@ -88,14 +104,15 @@ def test_a_preempted_job_saves_requeues_and_resumes_exactly(slurm, tmp_path, tex
     fields = slurm.wait(job)
     text = log.read_text()
     assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", text[-3000:]
-    assert f"saved step {saved}" in text and "requeueing job" in text
+    assert f"saved step {saved}" in text
+    assert ("requeueing job" in text) == (signalled == "script")
     assert f"resumed from {out / 'checkpoints' / f'step{saved}'} at step {saved}" in text
     rows = read_jsonl(metrics)
     assert [m["step"] for m in rows] == list(range(1, steps + 1))
-    assert losses(rows) == expected
-    print(json.dumps({"slurm requeue": {"signal_to_exit_s": round(requeued - signalled, 1),
-                                        "requeue_to_first_resumed_step_s":
-                                            round(resumed - requeued, 1)}}))
+    assert losses(rows) == never_stopped
+    print(json.dumps({f"slurm requeue, signal to the {signalled}": {
+        "signal_to_exit_s": round(requeued - signalled_at, 1),
+        "requeue_to_first_resumed_step_s": round(resumed - requeued, 1)}}))
 
 
 def test_the_pipeline_recipe_goes_through_the_same_script(slurm, tmp_path, text_file):

@@ -52,8 +52,8 @@ class StreamingRowBatches:
                  offset: int = 0):
         self.texts, self.tokenizer, self.width = texts, tokenizer, block_size + 1
         self.micro_batch_size, self.grad_accum = micro_batch_size, grad_accum
-        self.rows, self.skip, self.stride, self.offset = micro_batch_size * grad_accum, skip, \
-            stride, offset
+        self.rows = micro_batch_size * grad_accum
+        self.skip, self.stride, self.offset = skip, stride, offset
         self.steps_per_epoch: Optional[int] = None  # rows read on past the stream's end
         self.epoch, self.micro_step = 0, 0
         self._state = {"epoch": 0, "documents": 0, "kept": 0, "stream": None,
