@@ -109,8 +109,9 @@ def memory_lines(inputs, config) -> list[str]:
     lines += [f"  {name}: {value / MIB:,.1f} MiB" for name, value in parts.items()]
     lines.append(f"  total: {device / MIB:,.1f} MiB")
     if layout.bf16:  # the estimate counts bf16 tensors at 2 bytes; not all of them are
-        lines.append("  (bf16: a CPU run measured 1.7x this estimate under ZeRO-1, the model "
-                     "alone 1.3x its activations; not yet measured on a GPU: benchmarks/README.md)")
+        lines.append("  (bf16: CPU runs measured 1.3x (ZeRO-0) to 2.0x (ZeRO-3) this estimate, the "
+                     "model alone 1.3x its activations; not yet measured on a GPU: "
+                     "benchmarks/README.md)")
     return lines
 
 
