@@ -43,20 +43,24 @@ echo "slurm.sh: job $SLURM_JOB_ID, start $((${SLURM_RESTART_COUNT:-0} + 1)):" \
 
 preempted=0
 on_term() {  # this script's signal goes to every rank once
+  [[ $preempted == 1 ]] && return
   preempted=1
   scancel --signal=TERM "$SLURM_JOB_ID.0" || true
 }
 trap on_term TERM
 srun --kill-on-bad-exit=1 bash -c 'export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID \
   WORLD_SIZE=$SLURM_NTASKS LOCAL_WORLD_SIZE=${SLURM_STEP_TASKS_PER_NODE%%(*}; exec python "$@"' \
-  _ "$recipe" "${config[@]}" --resume_from_checkpoint auto "$@" &
+  _ "$recipe" ${config[@]+"${config[@]}"} --resume_from_checkpoint auto "$@" &
 step=$!
 status=0
 wait "$step" || status=$?
 while kill -0 "$step" 2>/dev/null; do  # a signal ends `wait` early: wait for the ranks
+  sleep 1
+done
+if [[ $preempted == 1 ]]; then  # the ranks' own status, not the interrupted wait's
   status=0
   wait "$step" || status=$?
-done
+fi
 if [[ $preempted == 1 && $status == 0 ]]; then
   echo "slurm.sh: preempted, every rank saved; requeueing job $SLURM_JOB_ID"
   scontrol requeue "$SLURM_JOB_ID"

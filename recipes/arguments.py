@@ -32,8 +32,8 @@ TOOLS = {  # script -> the names of its argument dataclasses
 def type_name(kind) -> str:
     """`Optional[int]` as "int or none", and so on."""
     if isinstance(kind, str):
-        return kind.replace("Optional[", "").rstrip("]") + (" or none" if "Optional" in kind
-                                                             else "")
+        optional = kind.startswith("Optional[") and kind.endswith("]")
+        return kind[len("Optional["):-1] + " or none" if optional else kind
     args = [a for a in typing.get_args(kind) if a is not type(None)]
     if typing.get_origin(kind) is typing.Union:
         return " or ".join(type_name(a) for a in args) + " or none"

@@ -2,9 +2,9 @@
 the run given the same arguments then opens it in seconds (dragon.data.prepared).
 
     python recipes/prepare_data.py recipes/configs/bdh_100m_8gpu_zero2.yaml \
-        --prepared_data data/bdh_100m --preprocessing_num_workers 8
+        --streaming false --prepared_data data/bdh_100m --preprocessing_num_workers 8
     deepspeed --num_gpus 8 recipes/pretrain.py recipes/configs/bdh_100m_8gpu_zero2.yaml \
-        --prepared_data data/bdh_100m
+        --streaming false --prepared_data data/bdh_100m
 
 It reads the data arguments of a recipe's config file (the others are left for the run) and the
 data flags after it. Stopped, it is finished by running it again: the shards already written stay.

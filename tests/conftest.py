@@ -239,6 +239,22 @@ def long_text_file(tmp_path_factory, text_file) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def four_shards(tmp_path_factory):
+    """4 JSON-lines files of random hexadecimal words: a stream of 4 shards whose 16-byte
+    blocks are all distinct."""
+    import random
+
+    root = tmp_path_factory.mktemp("four") / "shards"
+    root.mkdir()
+    draw = random.Random(0)
+    for k in range(4):
+        rows = [{"text": " ".join(f"{draw.getrandbits(32):08x}" for _ in range(1 + i % 9))}
+                for i in range(300 + 40 * k)]
+        (root / f"{k}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
 def with_local_data(words: list, data_file, folder: Path) -> list[str]:
     """`words` with every named config (recipes/configs/) that names a hub dataset replaced by a
     copy in `folder` that reads `data_file`: the hub is out of reach here."""

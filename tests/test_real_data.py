@@ -133,10 +133,25 @@ def test_a_stopped_preparation_finishes_to_the_same_directory(tmp_path, document
     assert sorted(p.name for p in (out / "shards").iterdir()) == [
         *(f"shard-0000{i}-of-00006.arrow" for i in range(3)), "tmp-half-written"]
     assert not (out / "dragon_prepared.json").exists()
+    other = run_tool("recipes/prepare_data.py",
+                     *prepare_args(documents, out)[:-3], "--shard_documents", "2000",
+                     "--disable_tqdm")
+    assert other.returncode == 1 and "other shard_documents (shard_documents 1000)" in \
+        other.stderr, other.stderr[-2000:]
     again = run_tool("recipes/prepare_data.py", *prepare_args(documents, out))
     assert again.returncode == 0, again.stderr[-2000:]
     assert "prepare: 3 of 6 shards already written" in again.stdout
     assert files_of(out) == files_of(tmp_path / "whole")
+    # the 6 shards' blocks are those the run packs itself, shard boundaries and all
+    from dragon.data.prepared import open_prepared
+    from dragon.data.text import DataArguments, build_datasets
+
+    args = DataArguments(train_file=str(documents), block_size=64)
+    in_job = build_datasets(args)
+    args.prepared_data = str(out)
+    prepared = open_prepared(args)
+    for ours, theirs in zip(prepared[:2], in_job[:2]):
+        assert ours["input_ids"] == theirs["input_ids"]
 
 
 def test_a_run_on_prepared_data_has_the_losses_of_tokenizing_in_the_job(runs, tmp_path,
@@ -211,9 +226,10 @@ def test_a_resume_with_a_larger_batch_counts_the_tokens_it_trains(runs, tmp_path
 
 
 def test_a_resume_on_another_layout_leaves_a_read_only_source_alone(runs, tmp_path):
-    """runs("zero2")'s step-4 checkpoint, mounted read-only, resumed under ZeRO-3: the universal
-    checkpoint goes to the new run's own checkpoints/, the resume trains to step 8, and the
-    source is byte for byte what it was."""
+    """runs("zero2")'s step-4 checkpoint, mounted read-only, resumed under ZeRO-3 with twice the
+    micro-batch: the universal checkpoint goes to the new run's own checkpoints/ (recording its
+    source), the resume trains to step 8 counting the tokens it trains, and the source is byte
+    for byte what it was."""
     src = tmp_path / "source"
     shutil.copytree(runs("zero2")[0] / "checkpoints", src / "checkpoints",
                     ignore=shutil.ignore_patterns("step8", "latest"))
@@ -224,14 +240,18 @@ def test_a_resume_on_another_layout_leaves_a_read_only_source_alone(runs, tmp_pa
     try:
         subprocess.run(["mount", "-o", "remount,ro,bind", str(mounted)], check=True)
         out = tmp_path / "zero3"
-        _, metrics, proc = runs("zero3_from_read_only", config="zero3.json", out=out, extra=[
-            "--resume_from_checkpoint", str(mounted / "checkpoints" / "step4")])
+        _, metrics, proc = runs("zero3_from_read_only", config="zero3.json", out=out, micro=8,
+                                extra=["--resume_from_checkpoint",
+                                       str(mounted / "checkpoints" / "step4")])
         assert files_of(mounted) == before
     finally:
         subprocess.run(["umount", str(mounted)], check=True)
     assert "resume: converting the checkpoint from ZeRO-2" in proc.stderr
     assert [m["step"] for m in metrics] == [5, 6, 7, 8]
-    assert (out / "checkpoints" / "step4_universal").is_dir()
+    converted = out / "checkpoints" / "step4_universal"
+    assert (converted / "dragon_converted_from.txt").read_text() == \
+        str(mounted / "checkpoints" / "step4")
+    assert [m["tokens"] for m in metrics] == [4 * 2 * 4 * 64 + k * 2 * 8 * 64 for k in range(1, 5)]
     assert files_of(src) == before
 
 

@@ -47,6 +47,7 @@ from dragon.parallel.pipeline import pipeline_neuron_shares
 
 logger = logging.getLogger("dragon")
 UNIVERSAL, ZERO0, PIPELINE = CONVERSIONS  # retention deletes them with their checkpoint
+SOURCE_FILE = "dragon_converted_from.txt"  # in a conversion: the checkpoint it was made from
 
 
 def saved_layout(load_dir: str, tag: str) -> Layout:
@@ -97,7 +98,7 @@ def convert(load_dir: str, tag: str, form: str, parts: Optional[list[int]] = Non
     written again."""
     out_dir = out_dir or load_dir
     tag_dir = os.path.join(load_dir, tag)
-    target = _made(load_dir, out_dir, tag + UNIVERSAL, lambda folder: True)
+    target = _made(tag_dir, out_dir, tag + UNIVERSAL, lambda folder: True)
     if not os.path.isdir(target):
         saved = saved_layout(load_dir, tag)
         if saved.neurons > 1 or (saved.pipeline and (saved.zero_stage > 0 or saved.bf16)):
@@ -113,21 +114,24 @@ def convert(load_dir: str, tag: str, form: str, parts: Optional[list[int]] = Non
         else:
             make = lambda out: universal.from_deepspeed(tag_dir, out)  # noqa: E731
         os.makedirs(out_dir, exist_ok=True)
-        universal.write_atomically(make, target)
+        _write(make, target, tag_dir)
     if form == "universal":
         return os.path.dirname(target), tag + UNIVERSAL
     if form == "zero0":
-        zero0 = _made(load_dir, out_dir, tag + ZERO0,
+        zero0 = _made(tag_dir, out_dir, tag + ZERO0,
                       lambda folder: _zero0_form(folder) == (bf16, neurons))
         if not os.path.isdir(zero0):
             config = BDHConfig.from_pretrained(load_dir) if neurons > 1 else None
             make = (lambda out: write_zero0_shares(target, out, config, neurons, bf16)) \
                 if neurons > 1 else (lambda out: universal.to_zero0(target, out, bf16))
-            universal.write_atomically(make, zero0)
+            _write(make, zero0, tag_dir)
         return os.path.dirname(zero0), tag + ZERO0
-    pipe = _made(load_dir, out_dir, tag + PIPELINE, lambda folder: os.path.isfile(
-        os.path.join(folder, "parts.json")) and _read_json(os.path.join(folder, "parts.json"))
-        == {"parts": parts, "neurons": neurons})
+
+    def same_stages(folder: str) -> bool:
+        shape = os.path.join(folder, "parts.json")
+        return os.path.isfile(shape) and _read_json(shape) == {"parts": parts, "neurons": neurons}
+
+    pipe = _made(tag_dir, out_dir, tag + PIPELINE, same_stages)
     if not os.path.isdir(pipe):
         config = BDHConfig.from_pretrained(load_dir)
 
@@ -140,19 +144,41 @@ def convert(load_dir: str, tag: str, form: str, parts: Optional[list[int]] = Non
             with open(os.path.join(out, "parts.json"), "w") as f:
                 json.dump({"parts": parts, "neurons": neurons}, f)
 
-        universal.write_atomically(make, pipe)
+        _write(make, pipe, tag_dir)
     return os.path.dirname(pipe), tag + PIPELINE
 
 
-def _made(load_dir: str, out_dir: str, name: str, fits) -> str:
-    """The folder `name` that serves: beside the checkpoint or in `out_dir` where it exists and
-    `fits`; else the path in `out_dir` to write it to (one there that does not fit is removed)."""
-    for folder in dict.fromkeys((os.path.join(load_dir, name), os.path.join(out_dir, name))):
-        if os.path.isdir(folder) and fits(folder):
-            return folder
+def _made(tag_dir: str, out_dir: str, name: str, fits) -> str:
+    """The folder `name` that serves: beside the checkpoint, or in `out_dir` when made from this
+    very checkpoint, where it exists and `fits`; else the path in `out_dir` to write it to (one
+    there that does not serve is removed)."""
+    beside = os.path.join(os.path.dirname(tag_dir), name)
     mine = os.path.join(out_dir, name)
+    if os.path.isdir(beside) and fits(beside):
+        return beside
+    if mine != beside and os.path.isdir(mine) and _source_of(mine) == os.path.abspath(tag_dir) \
+            and fits(mine):
+        return mine
     shutil.rmtree(mine, ignore_errors=True)
     return mine
+
+
+def _write(make, folder: str, tag_dir: str) -> None:
+    """make(folder) atomically, with the checkpoint it was made from recorded in it."""
+    def make_and_record(out: str) -> None:
+        make(out)
+        with open(os.path.join(out, SOURCE_FILE), "w") as f:
+            f.write(os.path.abspath(tag_dir))
+
+    universal.write_atomically(make_and_record, folder)
+
+
+def _source_of(folder: str) -> str:
+    path = os.path.join(folder, SOURCE_FILE)
+    if not os.path.isfile(path):
+        return ""
+    with open(path) as f:
+        return f.read()
 
 
 def _zero0_form(folder: str) -> tuple[bool, int]:

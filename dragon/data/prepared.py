@@ -33,10 +33,12 @@ SOURCE = ("dataset_name", "dataset_config_name", "train_file", "text_column_name
 _WORK: dict[str, Any] = {}  # what the worker processes inherit (fork)
 
 
-def recipe(args: DataArguments) -> dict:
-    """What a directory is prepared from: the source, the tokenizer as named, the block size."""
+def recipe(args: DataArguments, shard_documents: int) -> dict:
+    """What a directory is prepared from: the source, the tokenizer as named, the block size, the
+    documents per shard (a rerun with another count would mix shards)."""
     return {"format": FORMAT, "source": {k: getattr(args, k) for k in SOURCE},
-            "tokenizer": args.tokenizer_name, "block_size": args.block_size}
+            "tokenizer": args.tokenizer_name, "block_size": args.block_size,
+            "shard_documents": shard_documents}
 
 
 def prepare(args: DataArguments, shard_documents: int, progress: bool = True) -> dict:
@@ -47,9 +49,10 @@ def prepare(args: DataArguments, shard_documents: int, progress: bool = True) ->
         raise DataError(f"--shard_documents {shard_documents}: use a positive multiple of "
                         f"{PACK_BATCH_SIZE} (the documents packed together)")
     if args.streaming or args.dataset_mixture is not None:
-        raise DataError("--prepared_data is a materialised dataset; drop --streaming and "
-                        "--dataset_mixture to prepare it")
-    out, wanted = args.prepared_data, recipe(args)
+        raise DataError("--prepared_data is a materialised dataset; prepare it without "
+                        "--streaming (--streaming false after a config that streams) and "
+                        "--dataset_mixture")
+    out, wanted = args.prepared_data, recipe(args, shard_documents)
     done = _read(os.path.join(out, MARKER))
     if done is not None:
         _refuse_other(out, done, wanted)

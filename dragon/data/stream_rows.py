@@ -76,6 +76,8 @@ class StreamingRowBatches:
 
     def _next_step(self) -> torch.Tensor:
         """One block from every row, reading documents until every row has one."""
+        if self._docs is None:  # a new reader, or one resumed from a saved state
+            self._open()
         pending = self._state["pending"]
         while min(len(p) for p in pending) < self.width:
             text = self._next_document()
@@ -95,6 +97,10 @@ class StreamingRowBatches:
         try:
             row = next(self._docs)
         except StopIteration:  # the stream ended: begin it again
+            if self._state["kept"] == self._kept_at_open:
+                raise DataError("a data rank's share of the stream holds no document of its own "
+                                "(its shards, less the held-out head); give more data or fewer "
+                                "--validation_blocks") from None
             self._state["epoch"] += 1
             self._state["stream"] = None
             self._open()
@@ -113,6 +119,7 @@ class StreamingRowBatches:
         else:
             self._state["documents"] = 0
         self._docs = iter(self._stream)
+        self._kept_at_open = self._state["kept"]
 
     def state_dict(self) -> dict:
         if self.micro_step % self.grad_accum:

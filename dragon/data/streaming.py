@@ -328,9 +328,10 @@ def check_stream(blocks: BlockStream, global_batch: int, block_size: int) -> Non
 
 
 def stream_text_bytes(args: DataArguments) -> Optional[int]:
-    """About how many bytes a stream reads in one pass: its files' sizes (text, JSON or Parquet:
-    an upper bound on their text), or the size the hub dataset's metadata gives; None when not
-    known (a mixture, a dataset without metadata, the hub out of reach)."""
+    """About how many bytes a stream reads in one pass: its files' sizes (JSON's keys count, and
+    compressed Parquet holds more text than its size), or the size the hub dataset's metadata
+    gives; None when not known (a mixture, a dataset without metadata, the hub out of reach).
+    Every rank asks, so that every rank's checks agree before any process group exists."""
     if args.dataset_mixture is not None:
         return None
     if args.dataset_name is None:

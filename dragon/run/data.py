@@ -24,17 +24,19 @@ class TokensTrained:
     run's state, so that a resume with another batch counts on from what was trained."""
 
     def __init__(self, per_step: int):
-        self.per_step, self.count = per_step, 0
+        self.per_step, self.count, self.loaded = per_step, 0, False
 
     def state_dict(self) -> dict:
         return {"tokens": self.count}
 
     def load_state_dict(self, state: dict) -> None:
-        self.count = int(state["tokens"])
+        self.count, self.loaded = int(state["tokens"]), True
 
     def resume_elsewhere(self, saved) -> None:
-        """A checkpoint saved without the count: its steps at this run's batch."""
-        self.count = saved.step * self.per_step
+        """A checkpoint saved without the count: its steps at this run's batch (a count it saved
+        stands, on any layout)."""
+        if not self.loaded:
+            self.count = saved.step * self.per_step
 
 
 @dataclass
@@ -218,7 +220,8 @@ def _check_streaming(data_args, args) -> None:
         return
     if data_args.prepared_data is not None:
         raise ValueError(f"--prepared_data {data_args.prepared_data} with --streaming: prepared "
-                         "data is opened whole; drop one of them")
+                         "data is opened whole; add --streaming false (after a config that "
+                         "streams), or drop --prepared_data")
     if args.carry_state and data_args.dataset_mixture is not None:
         raise ValueError("--carry_state with --dataset_mixture: a row reads one source's "
                          "documents in order; drop one of them")

@@ -85,7 +85,7 @@ class TrainingRun:
         reads where an island that trained all along would read)."""
         if not resumed:
             self.data.train.seek(step)
-            self.data.tokens.count = step * self.run_tokens_per_step
+        self.data.tokens.count = step * self.run_tokens_per_step  # the run's, as the others count
         for _ in range(step - self.step):
             if self.engine.lr_scheduler is not None:
                 self.engine.lr_scheduler.step()

@@ -27,9 +27,9 @@ class LRSchedule:
         """`settings`: the optimizer's lr, weight_decay, betas and eps as the resolved DeepSpeed
         JSON gives them (its own values win over the flags'); the flags' without one."""
         self.args = args
-        self.settings = settings or {"lr": args.learning_rate, "weight_decay": args.weight_decay,
-                                     "betas": [args.adam_beta1, args.adam_beta2],
-                                     "eps": args.adam_epsilon}
+        self.settings = {"lr": args.learning_rate, "weight_decay": args.weight_decay,
+                         "betas": [args.adam_beta1, args.adam_beta2], "eps": args.adam_epsilon,
+                         **(settings or {})}
         self.planned = args.max_steps
         self._factor = self._plan(self.planned)
 

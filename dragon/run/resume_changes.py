@@ -11,6 +11,7 @@ from dragon.checkpoint.catalog import list_checkpoints, run_files_dir
 from dragon.checkpoint.reshape import saved_layout
 
 SCHEDULE = "the schedule takes it from there, over the steps it was planned for"
+SCHEDULE_FLAGS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "min_lr_ratio")
 OPTIMIZER = "the optimizer takes it from there (its saved state had the old value)"
 # flag -> what a resume does with a new value (dragon.run.optim.LRSchedule applies them)
 APPLIED = {
@@ -43,10 +44,31 @@ def resume_changes(inputs) -> list[str]:
                                  f"with {changed[key]}, which its outer optimizer's state keeps; "
                                  f"resume with --{key} {changed[key]}")
         lines += [f"resume: --{key} {ours[key]} (the checkpoint's run: {changed[key]}): "
-                  f"{what.replace('from there', f'from {at}')}"
+                  + (what.replace("from there", f"from {at}") if _in_effect(key, inputs) else
+                     "the DeepSpeed JSON's own optimizer or scheduler sets it, and the resumed "
+                     "run keeps the JSON's")
                   for key, what in APPLIED.items() if key in changed]
         lines += _batch_line(inputs, load_dir, tag, changed, at)
     return list(dict.fromkeys(lines))  # once, where several islands resume alike
+
+
+# flag -> where the resolved DeepSpeed JSON holds the value the run uses
+IN_JSON = {"learning_rate": ("lr", None), "weight_decay": ("weight_decay", None),
+           "adam_beta1": ("betas", 0), "adam_beta2": ("betas", 1), "adam_epsilon": ("eps", None)}
+
+
+def _in_effect(key: str, inputs) -> bool:
+    """Whether the flag is what the run uses: the JSON's own optimizer values and scheduler win
+    over the flags (dragon.parallel.ds_config), and a change of those is the JSON's."""
+    ds = inputs.ds_config
+    if key in SCHEDULE_FLAGS:
+        return "scheduler" not in ds
+    if key not in IN_JSON or "optimizer" not in ds:
+        return True
+    name, index = IN_JSON[key]
+    value = ds["optimizer"].get("params", {}).get(name)
+    value = value[index] if index is not None and value is not None else value
+    return value == getattr(inputs.train, key)
 
 
 def _batch_line(inputs, load_dir: str, tag: str, changed: dict, at: str) -> list[str]:
