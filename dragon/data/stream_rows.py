@@ -92,8 +92,6 @@ class StreamingRowBatches:
 
     def _next_document(self) -> Optional[str]:
         """The next document of this rank, or None for one that is not its or held out."""
-        if self._docs is None:
-            self._open()
         try:
             row = next(self._docs)
         except StopIteration:  # the stream ended: begin it again

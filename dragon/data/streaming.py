@@ -114,32 +114,38 @@ class BlockStream:
     def by_shards(self) -> bool:
         return self.shardable and self.world > 1 and self.blocks.n_shards >= self.world
 
-    def head(self) -> IterableDataset:
-        """Where the held-out head is read from: the whole stream, or data rank 0's shards."""
-        return self.blocks.shard(self.world, 0, contiguous=True) if self.by_shards else self.blocks
+    def head(self, stream: Optional[IterableDataset] = None) -> IterableDataset:
+        """Where the held-out head is read from (of the blocks, or of `stream`: their documents):
+        the whole stream, or data rank 0's shards."""
+        return self._share(self.blocks if stream is None else stream, 0)
 
     def for_rank(self, rank: int, world: int) -> tuple[IterableDataset, int]:
         """(what data rank `rank` of `world` reads, every how many blocks it keeps one)."""
-        if self.world > 1 and world != self.world:
-            raise RuntimeError(f"a stream split for {self.world} data ranks read by {world}")
+        self._check_world(world)
         if not self.by_shards:
             return self.blocks.skip(self.held_out), world
-        mine = self.blocks.shard(self.world, rank, contiguous=True)
+        mine = self._share(self.blocks, rank)
         return (mine.skip(self.held_out) if rank == 0 else mine), 1
 
     def rows_for_rank(self, rank: int, world: int, tokenizer: Any, block_size: int,
                       micro_batch_size: int, grad_accum: int) -> StreamingRowBatches:
         """--carry_state's micro-batches of data rank `rank`: its documents (its shards, or one
         in `world`) dealt to its rows (dragon.data.stream_rows)."""
-        if self.world > 1 and world != self.world:
-            raise RuntimeError(f"a stream split for {self.world} data ranks read by {world}")
-        skip = self.held_out_documents
+        self._check_world(world)
+        texts, skip = self._share(self.texts, rank), self.held_out_documents
         if self.by_shards:
-            texts = self.texts.shard(self.world, rank, contiguous=True)
             return StreamingRowBatches(texts, tokenizer, block_size, micro_batch_size,
                                        grad_accum, skip if rank == 0 else 0)
-        return StreamingRowBatches(self.texts, tokenizer, block_size, micro_batch_size,
-                                   grad_accum, skip, world, rank)
+        return StreamingRowBatches(texts, tokenizer, block_size, micro_batch_size, grad_accum,
+                                   skip, world, rank)
+
+    def _share(self, stream: IterableDataset, rank: int) -> IterableDataset:
+        """Data rank `rank`'s shards of `stream` when split by shards, else all of it."""
+        return stream.shard(self.world, rank, contiguous=True) if self.by_shards else stream
+
+    def _check_world(self, world: int) -> None:
+        if self.world > 1 and world != self.world:
+            raise RuntimeError(f"a stream split for {self.world} data ranks read by {world}")
 
     def describe(self) -> str:
         n = self.blocks.n_shards
@@ -170,8 +176,8 @@ def build_streams(args: DataArguments, seed: int = 0, world: int = 1, carry: boo
     blocks, texts = _blocks(args, tokenizer, seed)
     train = BlockStream(blocks, held_out, world, args.dataset_mixture is None, texts)
     if carry and held_out:
-        head = texts.shard(world, 0, contiguous=True) if train.by_shards else texts
-        valid, train.held_out_documents = head_blocks(head, tokenizer, args.block_size, held_out)
+        valid, train.held_out_documents = head_blocks(train.head(texts), tokenizer,
+                                                      args.block_size, held_out)
         return train, valid, tokenizer
     valid = _validation(args, train.head(), tokenizer)
     return train, valid, tokenizer

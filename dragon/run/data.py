@@ -184,9 +184,9 @@ def planned_epochs(inputs) -> tuple[Optional[float], str]:
 
 
 def check_epochs(inputs) -> Optional[str]:
-    """Raise when the run plans more than --max_data_epochs passes over its data; the warning
-    line for more than 4, else None."""
-    epochs, over = planned_epochs(inputs)
+    """Raise when the run plans more than --max_data_epochs passes over its data (inputs.epochs,
+    planned_epochs'); the warning line for more than 4, else None."""
+    epochs, over = inputs.epochs
     args, flags = inputs.train, "--dataset_name, --train_file or --prepared_data"
     if epochs is None or epochs <= 4:
         return None

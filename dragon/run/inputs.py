@@ -37,6 +37,8 @@ class RecipeInputs:
     regrouped: dict[int, tuple[str, bool]] = field(default_factory=dict)
     layout: Layout = field(default_factory=Layout)  # islands x stages x neurons x data parallel
     resume_changes: list[str] = field(default_factory=list)  # what the resume does with them
+    # (passes over the training data the run plans or None, what over): dragon.run.data
+    epochs: tuple[Optional[float], str] = (None, "")
 
     def resume_target(self, island: int) -> Optional[ResumeTarget]:
         """What island `island` resumes from (--resume_from_checkpoint), or None."""

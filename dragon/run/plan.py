@@ -6,7 +6,6 @@ import json
 from dragon.errors import PlanShown
 from dragon.model.baseline import is_bdh
 from dragon.model.cost import model_profile
-from dragon.run.data import planned_epochs
 from dragon.run.memory import estimate, mark_baseline
 from dragon.run.metrics import GPU_PEAK_TFLOPS
 
@@ -72,7 +71,7 @@ def time_lines(inputs, flops_per_token: float, tokens: int) -> list[str]:
     """The tokens to train, the passes over the data, and the time at --plan_mfu of the dense
     bf16 peak of --plan_accelerator on every device of the layout."""
     args, layout = inputs.train, inputs.layout
-    epochs, over = planned_epochs(inputs)
+    epochs, over = inputs.epochs
     name = args.plan_accelerator.lower()
     devices = layout.island_size * layout.islands
     peak = GPU_PEAK_TFLOPS[name.upper()]

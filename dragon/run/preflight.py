@@ -16,7 +16,7 @@ from dragon.run import resume_checks
 from dragon.parallel.distributed import launcher_world_size
 from dragon.parallel.layout import Layout, plan_layout
 from dragon.run.args import parse_arguments
-from dragon.run.data import check_data_fits, check_epochs, load_data
+from dragon.run.data import check_data_fits, check_epochs, load_data, planned_epochs
 from dragon.run.inputs import RecipeInputs, model_config
 from dragon.run.plan import show_plan_or_begin
 from dragon.run.resume_changes import resume_changes
@@ -53,6 +53,7 @@ def preflight(pipeline: bool = False) -> RecipeInputs:
                               train_set, valid_set, tokenizer, resume={}, config=config,
                               layout=layout)
         check_data_fits(inputs, config, dp_world, islands)
+        inputs.epochs = planned_epochs(inputs)  # once: a stream's size may ask the hub
         repeats = check_epochs(inputs)  # a run that would read its data over and over
         _check_resume(inputs, config, dp_world)
     except ValueError as e:  # DataError and config errors are ValueErrors with one-line messages
