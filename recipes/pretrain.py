@@ -7,48 +7,35 @@
     accelerate launch --config_file launch/accelerate/zero2.yaml recipes/pretrain.py \
         --output_dir runs/x
 
-Top to bottom: the inputs (all checked before any process group starts), the model, the DeepSpeed
-engine, the run's state and the Checkpointer that saves and resumes it, then the loop: batch,
-forward, backward, step, the DiLoCo outer step, logging, evaluation, save; then the export. An
-early end (a preemption, a failure) is an exception that main() turns into one line and an exit
-code.
+Top to bottom: deepspeed_engine, the recipe's own set-up (the model in a DeepSpeed engine);
+main(), which sets the run up around it (dragon.run.setup: the inputs, all checked before any
+process group starts, the run's state and the Checkpointer that saves and resumes it), trains and
+exports; then the loop: batch, forward, backward, engine.step(), the DiLoCo outer step, logging,
+evaluation, save. An early end (a preemption, a failure) is an exception that run_recipe turns
+into one line and an exit code.
 """
 
-import os
-
 import deepspeed
-import torch
 
-from dragon.checkpoint.card import write_run_files
-from dragon.checkpoint.checkpointer import Checkpointer, RNGState
-from dragon.checkpoint.export import export_run, print_sample
-from dragon.checkpoint.retention import attach_retention
 from dragon.checkpoint.writes import SaveFailed
-from dragon.diloco.build import outer_loop
+from dragon.parallel.deepspeed_fixes import skip_nonfinite_updates
+from dragon.parallel.distributed import all_reduce_mean
 from dragon.parallel.neurons import split_model
-from dragon.parallel.distributed import (
-    all_reduce_mean,
-    init_distributed,
-    rank,
-)
-from dragon.parallel.topology import enter_island
-from dragon.run.data import run_data
-from dragon.run.lock import check_every_rank_sees
-from dragon.run.exits import end_process, run_recipe
-from dragon.run.faults import skip_nonfinite_updates
-from dragon.run.loop import TrainingRun
-from dragon.history import metrics_path
 from dragon.run.evaluation import evaluation_metrics
-from dragon.run.metrics import RECORDED_METRICS, setup_logging, step_and_grad_norm
+from dragon.run.exits import end_process, run_recipe
+from dragon.run.inputs import RecipeInputs, initial_model
+from dragon.run.metrics import global_grad_norm, grad_norm_before_step
 from dragon.run.optim import client_optimizer_and_scheduler
-from dragon.run.inputs import initial_model
-from dragon.run.preflight import preflight
+from dragon.run.setup import Built, set_up, tear_down
 
 
-def deepspeed_engine(model, inputs, neurons=None):
+def deepspeed_engine(inputs: RecipeInputs, run_dir: str) -> Built:
     """The model in a DeepSpeed engine, with torch's AdamW and transformers' schedule unless the
-    JSON names its own; and that schedule (None when the JSON's). `neurons`: the groups of
-    --neuron_parallel, which DeepSpeed reads as its model-parallel unit (mpu)."""
+    JSON names its own (then Built.lr_schedule is None)."""
+    model = initial_model(inputs)
+    # --neuron_parallel K: each rank keeps N/K neurons of every head; data parallel over the rest.
+    # DeepSpeed reads the neuron groups as its model-parallel unit (mpu).
+    neurons, dp_rank, dp_world = split_model(model, inputs.layout.neurons)
     optimizer, lr_schedule = client_optimizer_and_scheduler(
         model.parameters(), inputs.ds_config, inputs.train
     )
@@ -63,58 +50,14 @@ def deepspeed_engine(model, inputs, neurons=None):
     skip_nonfinite_updates(engine)  # where DeepSpeed steps torch's optimizer as it is (ZeRO-0)
     if inputs.train.torch_compile:
         engine.compile()
-    return engine, lr_schedule
+    return Built(engine, model.config, dp_rank, dp_world, model.config.num_hidden_layers,
+                 lr_schedule)
 
 
 def main():
-    setup_logging()
-    inputs = preflight()
-    args = inputs.train
-    # With DiLoCo each island is a torch.distributed world of its own, entered before DeepSpeed.
-    topology = enter_island(inputs.diloco, args.dist_timeout)
-    init_distributed(args.dist_timeout)
-    run_dir = inputs.run_dir(topology.island)  # <output_dir>, or <output_dir>/island<i>
-    check_every_rank_sees(run_dir)  # node-local disks would split the checkpoints: refused
-    model = initial_model(inputs)
-    # --neuron_parallel K: each rank keeps N/K neurons of every head; data parallel over the rest
-    neurons, dp_rank, dp_world = split_model(model, inputs.layout.neurons)
-    engine, lr_schedule = deepspeed_engine(model, inputs, neurons)
-    save_dir = os.path.join(run_dir, "checkpoints")
-    # Optional: after every engine.save_checkpoint, a completion marker once every rank wrote its
-    # files, and pruning to the last --save_total_limit plus the best by --metric_for_best_model.
-    attach_retention(engine, args.retention_policy(), RECORDED_METRICS, metrics_path(run_dir))
-    outer = outer_loop(engine, inputs.diloco.config(), topology)  # None without DiLoCo
-
-    # The run's state: this rank's data (and carried attention states), RNG, the outer loop.
-    data_rank, data_world = topology.data_shard(dp_rank, dp_world)
-    data = run_data(inputs, data_rank, data_world, dp_rank, dp_world, engine,
-                    model.config.num_hidden_layers)
-    shared, per_rank = data.checkpoint_pieces()
-    if lr_schedule:  # the steps it was planned for: a resume keeps them
-        shared["lr_schedule"] = lr_schedule
-    torch.manual_seed(args.seed + topology.launch_rank)  # every rank its own dropout masks
-    per_rank["rng_state"] = RNGState(args.seed + topology.launch_rank)
-    if outer:
-        per_rank["diloco_state"] = outer
-    checkpointer = Checkpointer(engine, save_dir, shared, per_rank, args.save_async)
-    target = inputs.resume_target(topology.island)
-    step = checkpointer.resume(target) if target else 0
-    run = TrainingRun(engine, inputs, model.config, topology, data, dp_world, step, outer)
-    if inputs.diloco.diloco_join:  # elastic: take the live islands' weights, outer state, step
-        run.joined(*outer.join(), resumed=target is not None)
-    if rank() == 0:
-        write_run_files(save_dir, inputs, model.config, topology.islands, dp_world,
-                        run.run_tokens_per_step)
-
-    train(engine, run, data, outer, checkpointer, args)
-    run.close()
-    if outer:
-        outer.close(ended_at=run.step)  # every island is past its last outer step, on theta_outer
-    if topology.island == 0:  # with DiLoCo, island 0 exports for every island
-        final_dir = export_run(engine, inputs, model.config, save_dir, run.step)
-        if rank() == 0 and args.sample_max_new_tokens > 0:
-            print_sample(final_dir, inputs.tokenizer, args.sample_prompt,
-                         args.sample_max_new_tokens)
+    setup = set_up(deepspeed_engine)  # inputs, engine, data, Checkpointer, resume
+    train(setup.engine, setup.run, setup.data, setup.outer, setup.checkpointer, setup.args)
+    tear_down(setup)  # the export to <output_dir>/final and a sample
 
 
 def train(engine, run, data, outer, checkpointer, args) -> None:
@@ -127,9 +70,10 @@ def train(engine, run, data, outer, checkpointer, args) -> None:
             batch = next(data.train).to(engine.device)
             loss = engine(input_ids=batch, labels=batch, cache=caches[micro_step]).loss
             engine.backward(loss)
-            # DeepSpeed steps the optimizer only at the accumulation boundary
-            grad_norm = step_and_grad_norm(engine)
+            measured = grad_norm_before_step(engine)  # ZeRO-0 in fp32: DeepSpeed records none
+            engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
             losses.append(loss.item())
+        grad_norm = global_grad_norm(engine, measured)  # the step's, before clipping
         step = run.end_step(all_reduce_mean([sum(losses) / len(losses)])[0])  # over every rank
         # A preemption signal or a non-finite step, as every rank sees it (the update of a
         # non-finite step is not applied).

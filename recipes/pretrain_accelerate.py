@@ -8,103 +8,59 @@ recipe's (recipes/pretrain.py), and so are its losses for the same arguments.
     accelerate launch --config_file launch/accelerate/zero3.yaml --num_processes 8 \
         recipes/pretrain_accelerate.py --bf16 --report_to tensorboard --output_dir runs/x
 
-Top to bottom: the inputs (checked before any process group starts), the Accelerator, the model
-and its optimizer prepared into a DeepSpeed engine, the run's state and its checkpointer, then the
-loop: batch, forward, backward (which steps at the accumulation boundary), the LR schedule,
-the DiLoCo outer step, logging, evaluation, save; then the export. Not here: --save_async
-(recipes/pretrain.py).
+Top to bottom: accelerate_engine, the recipe's own set-up (the Accelerator, then the model and
+its optimizer prepared into a DeepSpeed engine); main(), which sets the run up around it
+(dragon.run.setup: the inputs, checked before any process group starts, the run's state and its
+checkpointer), starts accelerate's trackers, trains and exports; then the loop: batch, forward,
+backward (accelerator.backward runs engine.backward, then engine.step() at the accumulation
+boundary: the optimizer and the LR schedule), the DiLoCo outer step, logging, evaluation, save.
+Not here: --save_async (recipes/pretrain.py).
 """
 
-import os
-
-import torch
 from accelerate.utils import DummyOptim, DummyScheduler
 
-from dragon.checkpoint.accelerator_state import AcceleratorCheckpointer
-from dragon.checkpoint.card import write_run_files
-from dragon.checkpoint.checkpointer import RNGState
-from dragon.checkpoint.export import export_run, print_sample
-from dragon.checkpoint.retention import attach_retention
 from dragon.checkpoint.writes import SaveFailed
-from dragon.history import metrics_path
-from dragon.parallel.distributed import (all_reduce_mean, init_distributed,
-                                         rank)
-from dragon.diloco.build import outer_loop
+from dragon.parallel.deepspeed_fixes import skip_nonfinite_updates
+from dragon.parallel.distributed import all_reduce_mean
 from dragon.parallel.neurons import split_model
-from dragon.parallel.topology import enter_island
 from dragon.run.accelerator import (check_accelerate_inputs, make_accelerator,
                                     model_parallel_groups, tracked, tracker_config)
-from dragon.run.data import run_data
-from dragon.run.exits import end_process, run_recipe
 from dragon.run.evaluation import evaluation_metrics
-from dragon.run.faults import skip_nonfinite_updates
-from dragon.run.inputs import initial_model
-from dragon.run.lock import check_every_rank_sees
-from dragon.run.loop import TrainingRun
-from dragon.run.metrics import RECORDED_METRICS, setup_logging
+from dragon.run.exits import end_process, run_recipe
+from dragon.run.inputs import RecipeInputs, initial_model
+from dragon.run.metrics import global_grad_norm
 from dragon.run.optim import planned_schedule
-from dragon.run.preflight import preflight
+from dragon.run.setup import Built, set_up, tear_down
 
 
-def main():
-    setup_logging()
-    inputs = preflight()
-    check_accelerate_inputs(inputs)
-    args = inputs.train
-    # With DiLoCo each island is a torch.distributed world of its own, entered before accelerate.
-    topology = enter_island(inputs.diloco, args.dist_timeout)
-    init_distributed(args.dist_timeout)  # gloo on CPU, nccl on CUDA; accelerate joins it
-    run_dir = inputs.run_dir(topology.island)  # <output_dir>, or <output_dir>/island<i>
-    check_every_rank_sees(run_dir)  # node-local disks would split the checkpoints: refused
-    accelerator = make_accelerator(inputs, run_dir)
+def accelerate_engine(inputs: RecipeInputs, run_dir: str) -> Built:
+    """An Accelerator driving DeepSpeed, and the model prepared by it into a DeepSpeed engine with
+    the JSON's optimizer and transformers' schedule (a JSON's own "scheduler" wins: then
+    Built.lr_schedule is None). Saves and resumes go through the Accelerator (save_state)."""
+    accelerator = make_accelerator(inputs, run_dir)  # first, as accelerate users write it
     model = initial_model(inputs)
     # --neuron_parallel K: each rank keeps N/K neurons of every head; data parallel over the rest
     neurons, dp_rank, dp_world = split_model(model, inputs.layout.neurons)
     # The JSON's optimizer (DeepSpeed builds it) and transformers' schedule, which DeepSpeed steps
     # at every applied update; a JSON's own "scheduler" wins.
     optimizer = DummyOptim(model.parameters())
-    lr_schedule = planned_schedule(inputs.ds_config, args)
+    lr_schedule = planned_schedule(inputs.ds_config, inputs.train)
     scheduler = DummyScheduler(optimizer, lr_scheduler_callable=lr_schedule)
     with model_parallel_groups(neurons):  # DeepSpeed averages gradients within a share's ranks
         engine, _, _ = accelerator.prepare(model, optimizer, scheduler)  # DeepSpeed steps both
     skip_nonfinite_updates(engine)  # where DeepSpeed steps torch's optimizer as it is (ZeRO-0)
-    save_dir = os.path.join(run_dir, "checkpoints")
-    # every accelerator.save_state goes through engine.save_checkpoint: the completion marker
-    # once every rank wrote its files, then the last --save_total_limit plus the best are kept
-    attach_retention(engine, args.retention_policy(), RECORDED_METRICS, metrics_path(run_dir))
-    outer = outer_loop(engine, inputs.diloco.config(), topology)  # None without DiLoCo
+    return Built(engine, model.config, dp_rank, dp_world, model.config.num_hidden_layers,
+                 lr_schedule, accelerator)
 
-    # The run's state, every piece saved by every rank beside DeepSpeed's files.
-    data_rank, data_world = topology.data_shard(dp_rank, dp_world)
-    data = run_data(inputs, data_rank, data_world, dp_rank, dp_world, engine,
-                    model.config.num_hidden_layers)
-    shared, per_rank = data.checkpoint_pieces()
-    torch.manual_seed(args.seed + topology.launch_rank)  # every rank its own dropout masks
-    state = {**shared, **per_rank, "rng_state": RNGState(args.seed + topology.launch_rank)}
-    if lr_schedule:  # the steps it was planned for: a resume keeps them
-        state["lr_schedule"] = lr_schedule
-    if outer:
-        state["diloco_state"] = outer
-    checkpointer = AcceleratorCheckpointer(accelerator, engine, save_dir, state)
-    target = inputs.resume_target(topology.island)
-    step = checkpointer.resume(target) if target else 0
-    run = TrainingRun(engine, inputs, model.config, topology, data, dp_world, step, outer)
-    if inputs.diloco.diloco_join:  # elastic: take the live islands' weights, outer state, step
-        run.joined(*outer.join(), resumed=target is not None)
-    if rank() == 0:
-        write_run_files(save_dir, inputs, model.config, topology.islands, dp_world,
-                        run.run_tokens_per_step)
-    accelerator.init_trackers("dragon", config=tracker_config(args))
 
-    train(accelerator, engine, run, data, outer, checkpointer, args)
-    run.close()
-    if outer:
-        outer.close(ended_at=run.step)  # every island is past its last outer step, on theta_outer
-    if topology.island == 0:  # with DiLoCo, island 0 exports for every island
-        final_dir = export_run(engine, inputs, model.config, save_dir, run.step)
-        if rank() == 0 and args.sample_max_new_tokens > 0:
-            print_sample(final_dir, inputs.tokenizer, args.sample_prompt,
-                         args.sample_max_new_tokens)
+def main():
+    # inputs (and this recipe's refusals), engine, data, checkpointer, resume
+    setup = set_up(accelerate_engine, check=check_accelerate_inputs)
+    accelerator = setup.accelerator
+    accelerator.init_trackers("dragon", config=tracker_config(setup.args))
+    train(accelerator, setup.engine, setup.run, setup.data, setup.outer, setup.checkpointer,
+          setup.args)
+    tear_down(setup)  # the export to <output_dir>/final and a sample
     accelerator.end_training()  # the trackers finish their files; the process group ends
 
 
@@ -117,12 +73,13 @@ def train(accelerator, engine, run, data, outer, checkpointer, args) -> None:
         for micro_step in range(run.accum):
             batch = next(data.train).to(accelerator.device)
             # accumulate(): the last micro-batch of the step is the boundary, where
-            # accelerator.backward steps DeepSpeed's optimizer and the LR schedule
+            # accelerator.backward runs engine.backward, then engine.step() (DeepSpeed's
+            # optimizer and the LR schedule); before it, engine.backward alone
             with accelerator.accumulate(engine):
                 loss = engine(input_ids=batch, labels=batch, cache=caches[micro_step]).loss
                 accelerator.backward(loss)
             losses.append(loss.item())
-        grad_norm = engine.get_global_grad_norm()  # None where DeepSpeed records none (ZeRO-0)
+        grad_norm = global_grad_norm(engine)  # None where DeepSpeed records none (ZeRO-0, fp32)
         step = run.end_step(all_reduce_mean([sum(losses) / len(losses)])[0])  # over every rank
         # A preemption signal or a non-finite step, as every rank sees it.
         verdict = run.check(grad_norm)

@@ -164,10 +164,12 @@ DILOCO_DELAYED = dict(config="zero0.json", extra=[
 
 
 class Runs:
-    """Runs of the recipe made once per session and compared by several tests."""
+    """Runs of the recipe made once per session and compared by several tests. A name is one run:
+    asking for it with other arguments is an error, so no result depends on which test ran
+    first."""
 
     def __init__(self, root, text_file):
-        self.root, self.text_file, self.done = root, text_file, {}
+        self.root, self.text_file, self.done, self.keys = root, text_file, {}, {}
 
     def __call__(
         self,
@@ -180,8 +182,13 @@ class Runs:
         out=None,
         script="recipes/pretrain.py",
     ):
+        key = (launcher, nproc, config, micro, tuple(map(str, extra)), str(out), script)
         if name in self.done:
+            if self.keys[name] != key:  # a name is one run, whichever test asks first
+                raise ValueError(f"runs({name!r}) asked with other arguments: {key} "
+                                 f"!= {self.keys[name]}")
             return self.done[name]
+        self.keys[name] = key
         out = out or self.root / name
         cfg = (
             [config]

@@ -109,7 +109,7 @@ class Cluster:
 
     def log_tail(self) -> str:
         logs = [self.root / "slurmctld.log", self.root / "slurmd.log"]
-        return " | ".join(p.read_text()[-500:] for p in logs if p.exists())
+        return " | ".join(p.read_text()[-3000:] for p in logs if p.exists())
 
     def stop(self) -> None:
         """Cancel every job, stop the daemons (and the munged this started)."""

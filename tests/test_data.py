@@ -156,6 +156,22 @@ def test_load_text_parquet(tmp_path):
     assert ds.column_names == ["text"] and ds["text"][:] == DOCS
 
 
+def test_a_dataset_name_that_is_a_local_dataset_directory(tmp_path):
+    """--dataset_name DIR loads a dataset repository on disk (its data files, as the hub's
+    layout holds them) through load_dataset, as a hub id would be: the same text, and the same
+    blocks as --train_file of its file."""
+    repo = tmp_path / "my_dataset"
+    (repo / "data").mkdir(parents=True)
+    rows = [{"text": d, "url": f"u{i}"} for i, d in enumerate(DOCS * 3)]
+    write_jsonl(repo / "data", rows, name="train-00000.jsonl")
+    named = args_for(tmp_path, dataset_name=str(repo), block_size=8)
+    assert load_text(named)["text"][:] == DOCS * 3
+    by_file = args_for(tmp_path / "file", train_file=str(repo / "data" / "train-00000.jsonl"),
+                       block_size=8)
+    for a, b in zip(build_datasets(named)[:2], build_datasets(by_file)[:2]):
+        assert a["input_ids"][:] == b["input_ids"][:]
+
+
 @pytest.fixture(scope="session")
 def builtin_cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("builtin_cache"))

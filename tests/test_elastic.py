@@ -20,6 +20,7 @@ from conftest import REPO, free_port, job_env, launch_command, read_jsonl
 from test_checkpoints import logged_steps, recipe_args
 from test_faults import ranks_of, signal_after
 
+from dragon.checkpoint.catalog import is_complete
 from dragon.diloco.membership import step_key
 
 STEPS = 16
@@ -108,8 +109,8 @@ def test_a_survivor_trains_on_as_a_one_island_diloco_would(tmp_path, store):
 # mode -> (the outer step island 2 dies in, flags, ranks per island). Delayed fragments: F = 2
 # of H 4, each landing a step after its sync; outer step 3 is fragment 0's sync at step 4 (1:
 # fragment 1's at step 2, 2: its landing at step 3). Neurons: delayed islands of K=2 shares (the
-# delayed run, each rank redoing its share; "delayed" alone is kept for a local run with -k).
-LOST = {"sync": ("2", [], 1), "delayed": ("2", [], 1),
+# delayed run, each rank redoing its share).
+LOST = {"sync": ("2", [], 1),
         "fragments": ("3", ["--diloco_mode", "delayed", "--diloco_fragments", "2"], 1),
         "neurons": ("2", ["--diloco_mode", "delayed", "--neuron_parallel", "2"], 2)}
 
@@ -152,6 +153,26 @@ def test_an_island_lost_during_the_exchange_is_left_out_of_a_retry(
     for a, b in pairs if mode == "sync" else [(outer(out, 0)[-1], outer(out, 1)[-1])]:
         for key in keys:
             assert a[key] == b[key], (a["step"], key)
+
+
+def test_fewer_islands_than_the_minimum_end_the_run(tmp_path, text_file, store):
+    """--diloco_min_islands 2 of 2: island 1 dies in outer step 2 (step 8) after the quorum
+    formed; island 0's retry finds itself alone and ends the run with one line naming the flag
+    and exit code 1, its step-4 checkpoint complete and `latest`."""
+    out = tmp_path / "run"
+    env = {"DRAGON_FAULT_EXIT_OUTER_STEP": "2", "DRAGON_FAULT_ISLAND": "1"}
+    procs = [start(i, 2, out, text_file, store, env, ["--diloco_min_islands", "2"])
+             for i in (0, 1)]
+    _, stderr = procs[0].communicate(timeout=600)
+    procs[1].wait(timeout=60)
+    assert procs[0].returncode == 1 and procs[1].returncode != 0, stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: outer step 2: 1 island(s) [0] reached it, fewer than "
+                      "--diloco_min_islands 2"], stderr[-3000:]
+    checkpoints = out / "island0" / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == "step4"
+    assert is_complete(checkpoints / "step4")
+    assert max(logged_steps(out / "island0" / "metrics.jsonl")) == 8
 
 
 @pytest.mark.slow
@@ -301,5 +322,6 @@ def test_a_joiner_of_another_model_size_or_h_is_refused(tmp_path, text_file, sto
     assert re.search(r"this island's parameters on this rank \d+ \(theirs \d+\), H 2 \(theirs 4\)",
                      line) and "join with the live islands' model" in line, line
     assert live.poll() is None
-    live.send_signal(signal.SIGTERM)
-    live.communicate(timeout=120)
+    live.send_signal(signal.SIGTERM)  # a preemption: the live island saves and exits 0
+    _, stderr = live.communicate(timeout=120)
+    assert live.returncode == 0, stderr[-3000:]

@@ -181,14 +181,15 @@ def test_preemption_saves_and_resumes_exactly(
 ):
     """SIGTERM to one rank (as slurm sends it) or SIGINT to the launcher (which forwards it):
     every rank agrees after the step, saves it, says so and exits 0; the resume equals the
-    uninterrupted run. A launcher that was itself signalled reports its own code."""
+    uninterrupted run. A launcher that was itself signalled exits 1, as torchrun does."""
     reference = uninterrupted(kind, tmp_path_factory, text_file)
     out = tmp_path / "run"
     proc = start(kind, out, text_file, STEPS, RESUMABLE)
     seconds = signal_when(proc, out / "metrics.jsonl", target, sig)
     log = proc.stdout.read() + proc.stderr.read()
     assert seconds < EXIT_BOUND_S
-    assert target == "launcher" or proc.returncode == 0, log[-3000:]
+    # torchrun stops its workers on a signal of its own, then re-raises it as an exception: 1
+    assert proc.returncode == (1 if target == "launcher" else 0), log[-3000:]
     saved = int(latest(out)[4:])
     assert 5 <= saved < STEPS and is_complete(out / "checkpoints" / latest(out))
     assert f"preempted ({sig.name} to " in log and f"saved step {saved}" in log

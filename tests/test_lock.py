@@ -1,10 +1,12 @@
 """One run per output directory at a time (dragon.run.lock), with real 2-rank jobs."""
 
 import json
+import os
 import socket
 import subprocess
 
-from conftest import REPO, STEPS, TINY, free_port, job_env, launch_command, read_jsonl
+from conftest import REPO, STEPS, TINY, bad_input_base, free_port, job_env, launch_command, \
+    read_jsonl, run_recipe_in_process
 
 
 def job(out, text_file) -> subprocess.Popen:
@@ -84,3 +86,24 @@ def test_nodes_that_do_not_share_the_output_dir_are_refused(tmp_path, text_file)
     assert "does not see the files rank 0 writes there" in errors[0]
     assert not (local / "run" / "metrics.jsonl").exists()
     assert not (out / "metrics.jsonl").exists()
+
+
+def test_another_hosts_lock_is_broken_only_by_break_lock(monkeypatch, tmp_path, text_file, caplog):
+    """A lock held on another host (whose process this host cannot see) refuses the run in one
+    line naming --break_lock; with it the run takes the lock over, saying so."""
+    from dragon.run.lock import take_run_lock
+
+    out = tmp_path / "run"
+    out.mkdir()
+    theirs = {"host": "elsewhere", "pid": 1, "started": 0}
+    (out / "dragon.lock").write_text(json.dumps(theirs))
+    message = run_recipe_in_process(monkeypatch, "recipes/pretrain.py",
+                                    bad_input_base("zero2.json", out, text_file))
+    assert "another run is using it (pid 1 on elsewhere" in message
+    assert message.endswith("or pass --break_lock if that run is gone"), message
+    assert json.loads((out / "dragon.lock").read_text()) == theirs
+    with caplog.at_level("WARNING", logger="dragon"):
+        take_run_lock(str(out), break_lock=True)
+    assert "taking over the lock of pid 1 on elsewhere" in caplog.text and "--break_lock" in \
+        caplog.text
+    assert json.loads((out / "dragon.lock").read_text())["pid"] == os.getpid()

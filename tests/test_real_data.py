@@ -210,6 +210,33 @@ def test_a_resume_with_a_new_learning_rate_says_so_and_trains_at_it(runs, tmp_pa
         assert m["lr"] == pytest.approx(2 * full[m["step"]]["lr"], rel=1e-12), m["step"]
 
 
+def test_the_schedule_ends_on_its_floor_of_min_lr_ratio(runs, tmp_path):
+    """cosine_with_min_lr: TINY's run (2 warm-up steps, then cosine over 6) logs transformers'
+    rates and ends on 0.1 of its peak, the default --min_lr_ratio; another ratio is another
+    floor, with the same warm-up."""
+    from dragon.run.args import TrainingArguments
+    from dragon.run.optim import LRSchedule
+
+    def rate(step, floor):
+        if step < 2:
+            return 3e-3 * step / 2
+        return 3e-3 * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * (step - 2) / 6)))
+
+    full = runs("zero2")[1]
+    assert [m["lr"] for m in full] == pytest.approx([rate(m["step"], 0.1) for m in full],
+                                                    rel=1e-12)
+    assert full[-1]["step"] == 8 and full[-1]["lr"] == pytest.approx(3e-4, rel=1e-12)
+    args = TrainingArguments(output_dir=str(tmp_path), learning_rate=3e-3, warmup_steps=2,
+                             max_steps=8, min_lr_ratio=0.5)
+    scheduler = LRSchedule(args)(torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=3e-3))
+    rates = []
+    for _ in range(10):
+        scheduler.optimizer.step()
+        scheduler.step()
+        rates.append(scheduler.get_last_lr()[0])
+    assert rates == pytest.approx([rate(k, 0.5) for k in range(1, 9)] + [1.5e-3] * 2, rel=1e-12)
+
+
 def test_a_resume_with_a_larger_batch_counts_the_tokens_it_trains(runs, tmp_path):
     """Micro-batches of 8 in place of 4 from step 4 on 2 ranks: one line names the change, and
     `tokens` grows by 2 x 8 x 64 a step from the 4 x 2 x 4 x 64 trained before."""

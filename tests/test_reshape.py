@@ -11,6 +11,7 @@ import sys
 import pytest
 from conftest import (
     DILOCO_ZERO3,
+    LOSS_ATOL,
     PIPE_X2,
     REPO,
     job_env,
@@ -28,6 +29,7 @@ LAYOUTS = {
     "zero2 x4": ("zero2.json", 4, ["--per_device_train_batch_size", "2"]),
     "zero3 x2": ("zero3.json", 2, []),
     "pipe x2": ("pipeline_zero0.json", 2, []),  # 2 stages, accumulation 2 (the test recipe's)
+    "pipe 3 stages x3": ("pipeline_zero0.json", 3, ["--pipeline_stages", "3"]),
     "zero2 x1, 4 a step": ("zero2.json", 1, []),  # half the global batch
     "bf16 zero0 x2": ("zero0.json", 2, ["--bf16", "true"]),
     "bf16 zero2 x2": ("zero2.json", 2, ["--bf16", "true"]),
@@ -82,15 +84,21 @@ def describe(layout) -> str:
     bf16 = " in bf16" if "bf16" in layout else ""
     if layout.startswith("pipe"):
         shares = " x 2 neuron shares" if "K2" in layout else ""
-        return f"a pipeline of 2 stages with ZeRO-0 on 1 data-parallel rank(s){shares}{bf16}"
+        stages = 3 if "3 stages" in layout else 2
+        return (f"a pipeline of {stages} stages with ZeRO-0 on 1 data-parallel rank(s)"
+                f"{shares}{bf16}")
     return f"ZeRO-{config[4]} on {ranks} data-parallel rank(s){bf16}"
 
 
-def continues(base, other, saved: str, resumed: str, bound: float) -> None:
+def continues(base, other, saved: str, resumed: str, bound: float, apart=None) -> None:
     """Steps 5-8 and the evaluation of the run resumed in `other` are the uninterrupted run's
-    in `base` within `bound` (bit for bit on the saved layout); prints the gaps."""
-    expected = {m["step"]: m for m in read_jsonl(base / "metrics.jsonl") if m["step"] > 4}
-    got = {m["step"]: m for m in read_jsonl(other / "metrics.jsonl") if m["step"] > 4}
+    in `base` within `bound` (bit for bit on the saved layout); prints the gaps. `apart`: the
+    resumed layout's own uninterrupted run, where the two layouts' arithmetic differs (bf16 sums):
+    the bound is then at least twice how far the two uninterrupted runs are apart on this CPU."""
+    def late(run):
+        return {m["step"]: m for m in read_jsonl(run / "metrics.jsonl") if m["step"] > 4}
+
+    expected, got = late(base), late(other)
     assert sorted(got) == sorted(expected) == [5, 6, 7, 8]
     for key in ("loss", "eval_loss"):
         ours, theirs = losses(got.values(), key), losses(expected.values(), key)
@@ -98,8 +106,10 @@ def continues(base, other, saved: str, resumed: str, bound: float) -> None:
         if saved == resumed:
             assert ours == theirs, key
         gap = max(abs(a - b) for a, b in zip(ours, theirs))
-        print(f"| {describe(saved)} | {describe(resumed)} | {key} | {gap:.1e} |")
-        assert gap < bound, (key, ours, theirs)
+        allowed = bound if apart is None else max(bound, 2 * max(
+            abs(a - b) for a, b in zip(losses(late(apart).values(), key), theirs)))
+        print(f"| {describe(saved)} | {describe(resumed)} | {key} | {gap:.1e} | {allowed:.1e} |")
+        assert gap < allowed, (key, ours, theirs)
 
 
 @pytest.mark.parametrize(
@@ -119,7 +129,9 @@ def test_a_zero_checkpoint_resumes_on_another_layout_with_the_same_losses(
     by the ZeRO recipe on 2 ranks (the pipeline equals the plain model within it; into a
     pipeline: test_layouts' neuron-split cases and the bf16 test below); so do bf16 ZeRO-0
     (its fp32 masters kept beside Adam by DeepSpeed's unfused bf16 optimizer) and bf16 ZeRO-2
-    resumed on each other. So the weights, Adam's moments and step
+    resumed on each other, within 2e-5 or twice the gap between the two layouts' own
+    uninterrupted runs, whichever is larger (they sum gradients at different precisions). So
+    the weights, Adam's moments and step
     and the LR schedule came across (fresh moments, or bf16-rounded masters, would change steps
     5-8 by far more); the resume says from what it converted to what."""
     base = uninterrupted(saved)
@@ -139,7 +151,9 @@ def test_a_zero_checkpoint_resumes_on_another_layout_with_the_same_losses(
         assert os.stat(f"{tag}_zero0/mp_rank_00_model_states.pt").st_mtime_ns == written
     assert (f"resume: converting the checkpoint from {describe(saved)} to {describe(resumed)}"
             in stderr)
-    continues(base, other, saved, resumed, 2e-5)
+    # bf16 ZeRO-0 and ZeRO-2 sum the gradients at different precisions: the gap is in the math
+    apart = uninterrupted(resumed) if saved.startswith("bf16") else None
+    continues(base, other, saved, resumed, 2e-5, apart)
 
 
 def test_a_changed_global_batch_warns_and_trains(uninterrupted, tmp_path, text_file):
@@ -159,6 +173,21 @@ def test_a_changed_global_batch_warns_and_trains(uninterrupted, tmp_path, text_f
     assert [m["step"] for m in got] == [5, 6, 7, 8]
     assert got[0]["loss"] < saved[1]["loss"] - 0.2
     assert got[-1]["eval_loss"] < saved[4]["eval_loss"]
+
+
+@pytest.mark.slow
+def test_a_pipeline_resumes_on_other_stage_boundaries(uninterrupted, tmp_path, text_file):
+    """A 2-stage pipeline's checkpoint (embedding and layer 1 | layer 2 and head) resumed as 3
+    stages (embedding and layer 1 | layer 2 | head) on 3 ranks: the resume says what it
+    converts, and steps 5-8 equal the uninterrupted 2-stage run's within 2e-5 (the stages pass
+    the same activations; the tied block's gradient is summed over other stages)."""
+    base = uninterrupted("pipe x2")
+    other = tmp_path / "three"
+    tag = resumed_from_step4(base, other)
+    _, stderr = finish(job("pipe 3 stages x3", other, text_file, ["--resume_from_checkpoint", tag]))
+    assert (f"resume: converting the checkpoint from {describe('pipe x2')} to "
+            f"{describe('pipe 3 stages x3')}") in stderr, stderr[-3000:]
+    continues(base, other, "pipe x2", "pipe 3 stages x3", LOSS_ATOL)
 
 
 @pytest.mark.slow

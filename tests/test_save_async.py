@@ -17,6 +17,7 @@ from test_checkpoints import kill_tree, logged_steps, start
 from test_faults import latest, ranks_of
 
 from dragon.checkpoint.catalog import MARKER, is_complete
+from dragon.checkpoint.verify import crc32_of
 
 ASYNC = ["--save_async", "--dropout", "0.0", "--save_steps", "2"]
 
@@ -26,16 +27,20 @@ def marked_files(tag_dir) -> dict:
 
 
 def assert_same_checkpoint(ours, theirs) -> None:
-    """Every file byte for byte (size and CRC-32 in the markers), but the RNG files' Python and
-    numpy generators: the recipes leave those unseeded, so they differ between any two runs."""
+    """The same files, each byte for byte on disk and as its marker records it (size, CRC-32), but
+    the RNG files' Python and numpy generators: the recipes leave those unseeded, so they differ
+    between any two runs."""
     mine, reference = marked_files(ours), marked_files(theirs)
     assert sorted(mine) == sorted(reference)
+    assert sorted(str(p.relative_to(ours)) for p in ours.rglob("*") if p.is_file()) == sorted(
+        [*mine, MARKER])
     for name in mine:
+        assert mine[name] == [(ours / name).stat().st_size, crc32_of(str(ours / name))], name
         if name.startswith("rng_state_"):
             a, b = (torch.load(d / name, weights_only=False) for d in (ours, theirs))
             assert torch.equal(a["torch"], b["torch"]), name
         else:
-            assert mine[name] == reference[name], name
+            assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
 
 
 def ranks(launcher_pid: int) -> list[int]:

@@ -76,7 +76,7 @@ def test_a_preempted_job_saves_requeues_and_resumes_exactly(slurm, tmp_path, tex
     (`scancel --signal=TERM`: the job saves and ends with 0, and is requeued by hand): the
     second start resumes with --resume_from_checkpoint auto, and its losses are those of the same
     job never stopped, each step logged once. (Slurm holds a requeued job for a while; the test
-    lets it start now.)"""
+    lets it start 3 s on.)"""
     steps = STEPS
     out, log = tmp_path / "preempted", tmp_path / "preempted.out"
     job = sbatch(slurm, log, *quickstart(out, text_file, steps))
@@ -95,10 +95,13 @@ def test_a_preempted_job_saves_requeues_and_resumes_exactly(slurm, tmp_path, tex
     while slurm.state(job).get("JobState") not in ("PENDING", "COMPLETED", "FAILED"):
         time.sleep(0.2)
     requeued = time.monotonic()
-    slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+    # slurmd refuses a job credential made in the second it revoked the job's last one (the job's
+    # end): the requeued start waits 3 s rather than Slurm's own hold
+    slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now+3")
     saved = max(m["step"] for m in read_jsonl(metrics))
     while not any(m["step"] > saved for m in read_jsonl(metrics)):
-        assert slurm.state(job).get("JobState") in ("PENDING", "RUNNING"), log.read_text()[-3000:]
+        assert slurm.state(job).get("JobState") in ("PENDING", "RUNNING"), \
+            log.read_text()[-3000:] + slurm.log_tail()
         time.sleep(0.2)
     resumed = time.monotonic()
     fields = slurm.wait(job)

@@ -23,12 +23,14 @@ def test_the_code_holds_the_largest_entries_in_bf16():
 
 
 def test_error_feedback_sends_every_pseudo_gradient_in_the_end():
-    """Over 6 outer steps, what was sent plus the residual left equals the sum of the
+    """Over 80 outer steps, what was sent plus the residual left equals the sum of the
     pseudo-gradients (each step sends the top 5 % of pseudo-gradient + residual and keeps the
-    rest); the residual stays bounded rather than growing with the steps."""
+    rest); the residual levels off: its norm over steps 41-80 is no larger than over steps 21-40
+    (a residual that grew as a random walk would be sqrt(2) times larger there, a linear one
+    twice)."""
     generator = torch.Generator().manual_seed(1)
     residual, sent_total, grads_total, norms = torch.zeros(2000), 0, 0, []
-    for _ in range(6):
+    for _ in range(80):
         grad = torch.randn(2000, generator=generator)
         compensated = grad + residual
         _, sent = topk_encode(compensated, 0.05)
@@ -37,7 +39,7 @@ def test_error_feedback_sends_every_pseudo_gradient_in_the_end():
         grads_total = grads_total + grad.double()
         norms.append(float(residual.norm()))
     assert torch.allclose(sent_total + residual.double(), grads_total, rtol=0, atol=1e-5)
-    assert norms[-1] < 6 * norms[0]
+    assert max(norms[40:]) < 1.1 * max(norms[20:40])
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import weakref
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Optional
 
@@ -155,6 +156,30 @@ class BackgroundSaves:
             writes.checksums.update(checksums)
         self._writing = []
         return True
+
+
+# The BackgroundSaves each engine's saves hand their files to, by engine: a table beside the
+# engine rather than an attribute on it (dragon.parallel.deepspeed_fixes holds every attribute
+# dragon sets on a DeepSpeed engine); an entry goes with its engine.
+_SAVES_OF: "weakref.WeakKeyDictionary[Any, BackgroundSaves]" = weakref.WeakKeyDictionary()
+
+
+def save_in_background(engine: Any, saves: Optional[BackgroundSaves]) -> None:
+    """Every later save of `engine` (the retention hook's writes too) hands its files to `saves`;
+    None: they are written at once (dragon.checkpoint.writes.GuardedWrites)."""
+    if saves is None:
+        _SAVES_OF.pop(engine, None)
+    else:
+        _SAVES_OF[engine] = saves
+
+
+def background_of(engine: Any) -> Optional[BackgroundSaves]:
+    """The BackgroundSaves that `engine`'s saves hand their files to; None where they are written
+    at once (no engine, or one never handed any)."""
+    try:
+        return _SAVES_OF.get(engine)
+    except TypeError:  # None, or an object that cannot be weakly referenced: never handed any
+        return None
 
 
 class WriterProcess:

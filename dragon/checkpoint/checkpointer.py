@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
-from dragon.checkpoint.background import BackgroundSaves
+from dragon.checkpoint.background import BackgroundSaves, save_in_background
 from dragon.checkpoint.reshape import converted_tag
 from dragon.checkpoint.catalog import MARKER, last_complete
 from dragon.checkpoint.retention import all_or_nothing
@@ -127,8 +127,9 @@ class Checkpointer:
     ):
         self.engine, self.save_dir = engine, save_dir
         self.shared, self.per_rank = dict(shared or {}), dict(per_rank or {})
-        # dragon.checkpoint.writes hands the engine's writes to it (the retention hook's too)
-        self.background = engine.dragon_background = BackgroundSaves() if save_async else None
+        # every save of the engine hands its files to it (the retention hook's writes too)
+        self.background = BackgroundSaves() if save_async else None
+        save_in_background(engine, self.background)
 
     def save(self, step: int, wait: bool = False) -> str:
         """Save as tag step<step> (engine.save_checkpoint is collective: every rank calls this);

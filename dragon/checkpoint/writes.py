@@ -6,9 +6,9 @@ for the engine's DeepSpeed CheckpointEngine during one save (DeepSpeed writes ev
 checkpoint through that interface): the first failed write is kept, the writes after it on that
 rank are skipped, and the rank carries on through DeepSpeed's collectives. agree() then raises
 SaveFailed on every rank if any rank failed, or returns the CRC-32 of every file written
-(dragon.checkpoint.verify). With --save_async (an engine with `dragon_background`) save() leaves
-the file to the writer process (dragon.checkpoint.background); agree() then waits for the save's
-completion.
+(dragon.checkpoint.verify). With --save_async (an engine handed a BackgroundSaves:
+dragon.checkpoint.background.save_in_background) save() leaves the file to the writer process;
+agree() then waits for the save's completion.
 """
 
 import errno
@@ -21,6 +21,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 
 from dragon.checkpoint import stream
+from dragon.checkpoint.background import background_of
 from dragon.checkpoint.verify import crc32_of
 
 # torch's writer and safetensors report a full disk as errors of their own, not OSError
@@ -39,7 +40,7 @@ class GuardedWrites:
     def __init__(self, engine=None):
         self.engine, self.error = engine, None
         self.inner = getattr(engine, "checkpoint_engine", None)
-        self.background = getattr(engine, "dragon_background", None)  # --save_async
+        self.background = background_of(engine)  # --save_async
         self.checksums: dict[str, int] = {}  # absolute path -> CRC-32 of what this rank wrote
 
     def save(self, state_dict, path: str, write: Optional[Callable[[Any, str], None]] = None

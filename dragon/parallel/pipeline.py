@@ -13,7 +13,6 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
-from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from deepspeed.runtime.utils import partition_balanced, partition_uniform
 from torch import nn
@@ -205,25 +204,6 @@ def bdh_pipeline(
         p.model_parallel = not copy and (sharded or share == 0)
         p.tensor_model_parallel = sharded and not copy  # DeepSpeed counts either mark
     return pipe
-
-
-def norm_on_every_rank(engine) -> None:
-    """DeepSpeed's bf16 optimizer stacks the gradients a rank counts in the global norm, and
-    fails on a rank that counts none: a later neuron share of the last stage, whose block is a
-    tied copy and whose head counts on share 0. Such a rank counts a zero, and joins the norm's
-    all-reduce as the others do."""
-    optimizer = engine.optimizer
-    if not isinstance(optimizer, BF16_Optimizer):
-        return
-    counted = optimizer.get_grads_for_norm
-
-    def with_a_zero(for_clipping: bool = False):
-        grads = counted(for_clipping=for_clipping)
-        if not for_clipping and not grads[0]:
-            return [torch.zeros(1)], grads[1]
-        return grads
-
-    optimizer.get_grads_for_norm = with_a_zero
 
 
 def plain_names(config: BDHConfig) -> dict[str, str]:

@@ -5,6 +5,7 @@
 - metrics: metrics.jsonl (its one writer and reader), throughput, MFU, logging
 - faults: preemption signals and non-finite steps (StepGuard)
 - loop: TrainingRun, the bookkeeping around a recipe's step
+- setup: what every recipe does before and after its loop (set_up, tear_down)
 - evaluation: the validation loss, bits per byte and sparsity of an evaluation
 - accelerator: the accelerate recipe's checks and Accelerator
 - exits: how a recipe process ends (run_recipe)

@@ -115,25 +115,3 @@ def _all_reduce_max(values: list[float], group=None) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     group.allreduce([t], dist.ReduceOp.MAX).wait()
     return t.tolist()
-
-
-def skip_nonfinite_updates(engine) -> None:
-    """Make the update of a step with a NaN or inf gradient a no-op everywhere. DeepSpeed's ZeRO and
-    bf16 optimizers already skip it (and hold the LR schedule); where DeepSpeed steps the torch
-    optimizer as it is (ZeRO-0 in fp32) a step pre-hook (torch's register_step_pre_hook) drops
-    the gradients of such a step, so the optimizer changes nothing, and sets the `overflow` that
-    DeepSpeed reads to hold the LR schedule. The gradients are all-reduced by then, so every rank
-    decides alike."""
-    optimizer = getattr(engine, "optimizer", None)
-    if optimizer is None or hasattr(optimizer, "overflow"):
-        return
-
-    def drop_nonfinite(opt, args, kwargs):
-        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
-        opt.overflow = not all(bool(torch.isfinite(p.grad).all()) for p in params)
-        if opt.overflow:
-            for p in params:
-                p.grad = None
-
-    optimizer.overflow = False
-    optimizer.register_step_pre_hook(drop_nonfinite)

@@ -15,6 +15,7 @@ from dragon.checkpoint.catalog import last_complete
 from dragon.errors import Preempted, TrainingFailed
 from dragon.model.baseline import is_bdh
 from dragon.model.cost import model_profile
+from dragon.parallel.deepspeed_fixes import set_global_steps
 from dragon.parallel.distributed import all_reduce_mean, all_reduce_values, rank, world_size
 from dragon.run.carry import state_bytes_per_row
 from dragon.run.faults import StepGuard, Verdict
@@ -90,7 +91,8 @@ class TrainingRun:
             if self.engine.lr_scheduler is not None:
                 self.engine.lr_scheduler.step()
         self._logger.advance(step - self.step)
-        self.step = self.engine.global_steps = step
+        self.step = step
+        set_global_steps(self.engine, step)  # DeepSpeed's count too (its save tags)
         if rank() == 0:
             logger.info(f"joined the run at step {step} (outer step {self.diloco.outer_step})")
         self.log(metrics)

@@ -219,18 +219,20 @@ def feed_monitor(monitor, record: dict) -> None:
         monitor.wandb_monitor.log({**values, "dragon/step": step})
 
 
-def step_and_grad_norm(engine) -> Optional[float]:
-    """engine.step(), returning the global gradient norm before clipping at the accumulation
-    boundary (None before it).
-
-    DeepSpeed records the norm itself (get_global_grad_norm) except where it steps the torch
-    optimizer as it is (ZeRO-0 in fp32): there the norm is measured before the step, when the
-    gradients are averaged over ranks and whole on every rank."""
-    boundary = engine.is_gradient_accumulation_boundary()
-    measured = _unrecorded_grad_norm(engine) if boundary else None
-    engine.step()
-    if not boundary:
+def grad_norm_before_step(engine) -> Optional[float]:
+    """At the accumulation boundary, the global gradient norm that DeepSpeed does not record;
+    None elsewhere. Under ZeRO-0 in fp32 DeepSpeed steps torch's optimizer as it is: it records
+    no norm, and engine.step() clears the gradients. Before the step they are averaged over ranks
+    and whole on every rank (with --neuron_parallel, the whole model's: split_grad_norm)."""
+    if not engine.is_gradient_accumulation_boundary():
         return None
+    return _unrecorded_grad_norm(engine)
+
+
+def global_grad_norm(engine, measured: Optional[float] = None) -> Optional[float]:
+    """The global gradient norm of the optimizer step just taken, before clipping: DeepSpeed's
+    own (engine.get_global_grad_norm()), else `measured` (grad_norm_before_step's); None where
+    neither knows it."""
     recorded = engine.get_global_grad_norm()
     return measured if recorded is None else float(recorded)
 

@@ -1,0 +1,74 @@
+"""Every change dragon makes to a DeepSpeed engine's or optimizer's attributes, in one place.
+
+Each function works around one behaviour of DeepSpeed 0.19.8, named in its docstring, and
+tests/test_deepspeed_fixes.py shows that behaviour on a real engine: a test there fails once
+DeepSpeed no longer behaves so, and the fix can go. Two other changes stay with their owners: the
+retention hook's wrap of engine.save_checkpoint (dragon.checkpoint.retention) and the checkpoint
+engine that stands in for one save (dragon.checkpoint.writes).
+"""
+
+import torch
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+from deepspeed.runtime.engine import DeepSpeedEngine
+
+
+def norm_on_every_rank(engine: DeepSpeedEngine) -> None:
+    """Let a rank that counts no gradient in the global norm step a bf16 optimizer.
+
+    DeepSpeed's bf16 optimizer (deepspeed/runtime/bf16_optimizer.py: BF16_Optimizer.step) takes
+    the gradients of get_grads_for_norm() to get_global_norm_of_tensors
+    (deepspeed/runtime/utils.py), which stacks their norms and fails on an empty list ("stack
+    expects a non-empty TensorList"). get_grads_for_norm leaves out a tied copy
+    (ds_pipe_replicated) and, off the first model-parallel rank, a parameter not marked
+    model-parallel: so a later neuron share of a pipeline's last stage, whose block is a tied copy
+    and whose head counts on share 0, counts none. Such a rank counts a zero instead, and joins the
+    norm's all-reduce as the others do. Other optimizers are left as they are."""
+    optimizer = engine.optimizer
+    if not isinstance(optimizer, BF16_Optimizer):
+        return
+    counted = optimizer.get_grads_for_norm
+
+    def with_a_zero(for_clipping: bool = False):
+        grads = counted(for_clipping=for_clipping)
+        if not for_clipping and not grads[0]:
+            return [torch.zeros(1)], grads[1]
+        return grads
+
+    optimizer.get_grads_for_norm = with_a_zero
+
+
+def skip_nonfinite_updates(engine: DeepSpeedEngine) -> None:
+    """Make the update of a step with a NaN or inf gradient a no-op, where DeepSpeed applies it.
+
+    DeepSpeed's ZeRO and bf16 optimizers skip such a step themselves and set their `overflow`,
+    which DeepSpeedEngine._take_model_step (deepspeed/runtime/engine.py) reads to hold the LR
+    schedule. Under ZeRO-0 in fp32 DeepSpeed steps torch's optimizer as it is: the non-finite
+    gradient reaches the weights, and the LR schedule moves on. There a step pre-hook (torch's
+    register_step_pre_hook) drops the gradients of such a step, so the optimizer changes nothing,
+    and sets the `overflow` that _take_model_step reads. The gradients are all-reduced by then, so
+    every rank decides alike. An optimizer that has an `overflow` of its own is left as it is."""
+    optimizer = getattr(engine, "optimizer", None)
+    if optimizer is None or hasattr(optimizer, "overflow"):
+        return
+
+    def drop_nonfinite(opt, args, kwargs):
+        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        opt.overflow = not all(bool(torch.isfinite(p.grad).all()) for p in params)
+        if opt.overflow:
+            for p in params:
+                p.grad = None
+
+    optimizer.overflow = False
+    optimizer.register_step_pre_hook(drop_nonfinite)
+
+
+def set_global_steps(engine: DeepSpeedEngine, step: int) -> None:
+    """Set the engine's count of optimizer steps to `step`.
+
+    DeepSpeed keeps the count in the plain attribute `global_steps` and has no public setter: only
+    its own optimizer steps (DeepSpeedEngine._take_model_step adds one) and load_checkpoint
+    (DeepSpeedEngine._load_checkpoint) move it (deepspeed/runtime/engine.py). An island that joins
+    a DiLoCo run mid-way (--diloco_join: dragon.run.loop.TrainingRun.joined) took none of the steps
+    it joins at, and DeepSpeed's default save tag (global_step<N>) and its progress report read
+    the count."""
+    engine.global_steps = step

@@ -1,0 +1,161 @@
+"""dragon.parallel.deepspeed_fixes on real one-process DeepSpeed engines (CPU, gloo, tiny models).
+
+Each test first shows the DeepSpeed behaviour a fix works around, on an engine without the fix,
+then what the fix makes of it. A test that fails at its first part says that DeepSpeed no longer
+behaves so: the fix can go (and its caller with it).
+"""
+
+import os
+
+import deepspeed
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import free_port
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+from dragon.parallel.deepspeed_fixes import (
+    norm_on_every_rank,
+    set_global_steps,
+    skip_nonfinite_updates,
+)
+
+WORLD = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+         "MASTER_ADDR": "127.0.0.1"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_process_world():
+    """A one-rank gloo world for this module's engines, torn down after them with the launcher
+    variables it set (no other test runs DeepSpeed in the pytest process)."""
+    keys = [*WORLD, "MASTER_PORT"]
+    before = {key: os.environ.get(key) for key in keys}
+    os.environ.update(WORLD, MASTER_PORT=str(free_port()))
+    deepspeed.init_distributed("gloo")
+    yield
+    dist.destroy_process_group()
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def engine_of(model: torch.nn.Module, config: dict, schedule: bool = False):
+    """`model` in a DeepSpeed engine with torch's SGD (lr 0.1), and a LambdaLR that halves the LR
+    at every step it takes where `schedule`."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5**s) if schedule else None
+    config = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**6, **config}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                      config=config)
+    return engine
+
+
+def zero0_fp32(schedule: bool = False):
+    """ZeRO-0 in fp32: DeepSpeed steps torch's optimizer as it is."""
+    torch.manual_seed(0)
+    return engine_of(torch.nn.Linear(2, 1), {"zero_optimization": {"stage": 0}}, schedule)
+
+
+def bf16_with_tied_copies_only():
+    """DeepSpeed's bf16 optimizer (ZeRO-1, bf16 weights, fp32 gradients) on a rank whose every
+    parameter is a later tied copy, marked ds_pipe_replicated as a PipelineModule marks it: the
+    rank counts no gradient in the global norm."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    for p in model.parameters():
+        p.ds_pipe_replicated = True
+    config = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"},
+              "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
+              "gradient_clipping": 1.0}
+    engine = engine_of(model, config)
+    assert isinstance(engine.optimizer, BF16_Optimizer)
+    return engine
+
+
+def train_step(engine, x: torch.Tensor) -> None:
+    engine.backward(engine(x.to(next(engine.module.parameters()).dtype)).sum())
+    engine.step()
+
+
+def weights(engine) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in engine.module.parameters()]
+
+
+def test_bf16_optimizer_steps_a_rank_that_counts_no_gradient_in_the_norm():
+    """DeepSpeed's BF16_Optimizer.step fails on a rank that counts no gradient in the global norm
+    (get_global_norm_of_tensors stacks an empty list); with norm_on_every_rank the rank counts a
+    zero, and its weights take the step."""
+    bare = bf16_with_tied_copies_only()
+    with pytest.raises(RuntimeError, match="stack expects a non-empty TensorList"):
+        train_step(bare, torch.ones(1, 2))
+
+    fixed = bf16_with_tied_copies_only()
+    norm_on_every_rank(fixed)
+    before = weights(fixed)
+    train_step(fixed, torch.ones(1, 2))
+    assert fixed.get_global_grad_norm() == 0.0  # this rank's part of the all-reduced norm
+    assert all(not torch.equal(a, b) for a, b in zip(before, weights(fixed)))
+
+
+def test_norm_on_every_rank_leaves_other_ranks_and_optimizers_as_they_are():
+    """A rank that counts gradients gets DeepSpeed's own list; an optimizer other than the bf16
+    one is not touched."""
+    torch.manual_seed(0)
+    config = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"},
+              "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True}
+    engine = engine_of(torch.nn.Linear(2, 1), config)
+    norm_on_every_rank(engine)
+    engine.backward(engine(torch.ones(1, 2, dtype=torch.bfloat16)).sum())
+    engine.optimizer.update_hp_grads()  # the fp32 gradients the norm counts, as step() takes them
+    counted, own = engine.optimizer.get_grads_for_norm(), BF16_Optimizer.get_grads_for_norm(
+        engine.optimizer)
+    assert len(counted[0]) == 2 and all(a is b for a, b in zip(counted[0], own[0]))
+
+    fp32 = zero0_fp32()
+    norm_on_every_rank(fp32)
+    assert "get_grads_for_norm" not in vars(fp32.optimizer)
+
+
+def test_zero0_steps_a_nonfinite_gradient_unless_skipped():
+    """ZeRO-0 in fp32 hands torch's optimizer a NaN gradient as it is: the weights turn NaN and
+    the LR schedule moves on. With skip_nonfinite_updates the step changes no weight, holds the
+    LR and counts as skipped, as DeepSpeed's own optimizers skip it; a finite step after it is
+    applied."""
+    nan = torch.tensor([[float("nan"), 1.0]])
+    bare = zero0_fp32(schedule=True)
+    assert type(bare.optimizer) is torch.optim.SGD and not hasattr(bare.optimizer, "overflow")
+    train_step(bare, nan)
+    assert not torch.isfinite(bare.module.weight).all()
+    assert bare.get_lr() == [0.05] and bare.skipped_steps == 0
+
+    fixed = zero0_fp32(schedule=True)
+    skip_nonfinite_updates(fixed)
+    before = weights(fixed)
+    train_step(fixed, nan)
+    assert all(torch.equal(a, b) for a, b in zip(before, weights(fixed)))
+    assert fixed.get_lr() == [0.1] and fixed.skipped_steps == 1
+    train_step(fixed, torch.ones(1, 2))
+    assert all(not torch.equal(a, b) for a, b in zip(before, weights(fixed)))
+    assert fixed.get_lr() == [0.05] and fixed.skipped_steps == 1
+    assert torch.isfinite(fixed.module.weight).all()
+
+
+def test_global_steps_has_no_setter_and_only_a_step_moves_it(tmp_path):
+    """DeepSpeed counts optimizer steps in a plain attribute that nothing public sets: a fresh
+    engine is at 0 and a step adds one. set_global_steps moves it to the step a joining island
+    joins at; DeepSpeed counts on from there, and its default save tag says so."""
+    engine = zero0_fp32()
+    assert vars(engine)["global_steps"] == 0  # an instance attribute, not a property
+    assert not isinstance(getattr(type(engine), "global_steps", None), property)
+    setters = [name for name in dir(type(engine)) if "global_step" in name and "set" in name]
+    assert setters == [], setters
+    train_step(engine, torch.ones(1, 2))
+    assert engine.global_steps == 1
+
+    set_global_steps(engine, 7)
+    train_step(engine, torch.ones(1, 2))
+    assert engine.global_steps == 8
+    engine.save_checkpoint(str(tmp_path))
+    assert (tmp_path / "latest").read_text() == "global_step8"
