@@ -1,4 +1,5 @@
-"""The training time a save costs, synchronous against --save_async (dragon.checkpoint.background).
+"""The training time a save costs, synchronous against --save_async
+(dragon.checkpoint.background_saves).
 
     python benchmarks/save_async.py [--mult 512] [--n_layer 1] [--steps 10] [--repeats 6]
 
@@ -33,7 +34,7 @@ for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 
-from dragon.checkpoint.background import BackgroundSaves, save_in_background  # noqa: E402
+from dragon.checkpoint.background_saves import BackgroundSaves, save_in_background  # noqa: E402
 from dragon.checkpoint.checkpointer import Checkpointer  # noqa: E402
 from dragon.checkpoint.retention import RetentionPolicy, attach_retention  # noqa: E402
 from dragon.model.bdh import BDHConfig, BDHForCausalLM  # noqa: E402

@@ -5,7 +5,7 @@ card (README.md).
     python recipes/export.py --checkpoint runs/x --output bdh-hf     # the run's best checkpoint
 
 ZeRO 1-3 checkpoints are merged with DeepSpeed's zero_to_fp32, ZeRO-0 ones hold the module's
-weights, pipeline ones are read from their layer files (dragon.checkpoint.export). The model's
+weights, pipeline ones are read from their layer files (dragon.checkpoint.read_model). The model's
 config is the
 config.json the recipe wrote next to the checkpoints. A DiLoCo island's checkpoint holds its
 theta_outer: the islands save right after an outer step, which writes theta_outer into the
@@ -22,7 +22,8 @@ from transformers import HfArgumentParser
 from dragon.checkpoint.card import write_model_card
 from dragon.data.sources import DataError
 from dragon.data.tokenizer import tokenizer_in
-from dragon.checkpoint.export import check_export_dir, model_from_checkpoint, save_model
+from dragon.checkpoint.export import check_export_dir, save_model
+from dragon.checkpoint.read_model import model_from_checkpoint
 from dragon.checkpoint.resolver import resolve_checkpoint
 from dragon.checkpoint.catalog import list_checkpoints, run_files_dir
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import HfArgumentParser
 
-from dragon.checkpoint.export import model_from_checkpoint
+from dragon.checkpoint.read_model import model_from_checkpoint
 from dragon.checkpoint.resolver import resolve_checkpoint
 from dragon.checkpoint.reshape import convert, saved_layout
 from dragon.checkpoint.universal import fp32_weights

@@ -49,7 +49,7 @@ def main() -> None:
         # DeepSpeed's logger and zero_to_fp32 print to stdout: stdout stays the text's alone
         with contextlib.redirect_stdout(sys.stderr):
             from dragon.checkpoint.catalog import run_files_dir
-            from dragon.checkpoint.export import load_model
+            from dragon.checkpoint.read_model import load_model
             from dragon.checkpoint.resolver import is_hf_directory, resolve_checkpoint
 
             source = resolve_checkpoint(rest.path, args.checkpoint, args.metric)

@@ -26,7 +26,7 @@ from test_checkpoints import (
     uninterrupted,
 )
 
-from dragon.checkpoint.export import model_from_checkpoint
+from dragon.checkpoint.read_model import model_from_checkpoint
 from dragon.checkpoint.catalog import is_complete
 
 # Every job here ends well inside this (measured: a few seconds after the fault).

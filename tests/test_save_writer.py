@@ -1,8 +1,9 @@
-"""The writer process of --save_async (dragon.checkpoint.background, dragon.checkpoint.writer),
-in one process: a file written from the shared buffer is the synchronous save's file byte for byte,
-and the CRC-32 taken as it is written is the file's; a writer that dies fails the save in one line
-rather than hanging it, and the next save starts another; the writer dies with its rank; it
-removes the checkpoints a prune deleted. Also the finiteness check that every save makes first.
+"""The writer process of --save_async (dragon.checkpoint.background_saves,
+dragon.checkpoint.writer), in one process: a file written from the shared buffer is the
+synchronous save's file byte for byte, and the CRC-32 taken as it is written is the file's; a
+writer that dies fails the save in one line rather than hanging it, and the next save starts
+another; the writer dies with its rank; it removes the checkpoints a prune deleted. Also the
+finiteness check that every save makes first.
 The jobs: tests/test_save_async.py."""
 
 import os
@@ -16,7 +17,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from dragon.checkpoint.background import BackgroundSaves
+from dragon.checkpoint.background_saves import BackgroundSaves
 from dragon.checkpoint.writes import GuardedWrites, SaveFailed
 
 
@@ -93,7 +94,7 @@ def test_a_writer_that_dies_fails_the_save_and_the_next_save_starts_another(tmp_
 
 RANK = """
 import os, sys, time, torch
-from dragon.checkpoint.background import BackgroundSaves
+from dragon.checkpoint.background_saves import BackgroundSaves
 from dragon.checkpoint.writes import GuardedWrites
 from test_save_writer import background_save, held_save
 saves = BackgroundSaves()

@@ -237,7 +237,7 @@ def test_export_round_trips_logits_and_its_card_names_the_validation_loss(
     """The export of a DiLoCo island's ZeRO-3 checkpoint gives the checkpoint's logits exactly;
     its model card names the stage, the islands, the steps, the tokens and the last validation
     loss; the run's own final/ export has a card too."""
-    from dragon.checkpoint.export import model_from_checkpoint
+    from dragon.checkpoint.read_model import model_from_checkpoint
     from dragon.model.bdh import BDHForCausalLM
 
     tag = made["diloco"] / "island0" / "checkpoints" / "step8"
@@ -264,7 +264,7 @@ def test_deepspeed_zero_to_fp32_works_on_our_checkpoints(made, tmp_path):
     weights our export has."""
     from safetensors.torch import load_file
 
-    from dragon.checkpoint.export import model_from_checkpoint
+    from dragon.checkpoint.read_model import model_from_checkpoint
 
     save_dir = made["diloco"] / "island0" / "checkpoints"
     script = save_dir / "zero_to_fp32.py"
@@ -284,7 +284,7 @@ def test_a_diloco_checkpoint_holds_theta_outer(made):
     """Each island saves right after an outer step, which writes theta_outer into its weights:
     the export of island 0's (ZeRO-3) checkpoint has the float64 sum and sum of squares of the
     theta_outer in its DiLoCo state (equal within 1e-9 relative)."""
-    from dragon.checkpoint.export import model_from_checkpoint
+    from dragon.checkpoint.read_model import model_from_checkpoint
 
     tag = made["diloco"] / "island0" / "checkpoints" / "step8"
     state = torch.load(tag / "diloco_state_0.pt", weights_only=False)

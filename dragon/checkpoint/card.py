@@ -19,7 +19,7 @@ RUN_FILE = "run.json"
 
 
 def run_info(inputs, islands: int, dp_world: int, tokens_per_step: int) -> dict:
-    """The training configuration a model card names (inputs: dragon.run.preflight.RecipeInputs)."""
+    """The training configuration a model card names (inputs: dragon.run.inputs.RecipeInputs)."""
     diloco = inputs.diloco
     return {
         "dragon_version": __version__,
@@ -139,7 +139,7 @@ def write_run_files(save_dir: str, inputs, config: PretrainedConfig, islands: in
                     tokens_per_step: int) -> None:
     """config.json, the tokenizer and run.json beside the checkpoints, so that recipes/export.py
     and sample.py can use any checkpoint and every export's model card names the run (inputs:
-    dragon.run.preflight.RecipeInputs)."""
+    dragon.run.inputs.RecipeInputs)."""
     config.save_pretrained(save_dir)
     if hasattr(inputs.tokenizer, "save_pretrained"):
         inputs.tokenizer.save_pretrained(save_dir)

@@ -14,7 +14,7 @@ whole checkpoint instead through its `resume_elsewhere(saved)`, when it has one.
 
 With `save_async` (--save_async) a save returns once its files' states are copied into shared
 memory for the rank's writer process (the copy is the snapshot); the save completes at a later
-poll() (dragon.checkpoint.background).
+poll() (dragon.checkpoint.background_saves).
 A save waits for the one in flight first, and wait() (a preemption's save, the last one) waits
 for both.
 """
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
-from dragon.checkpoint.background import BackgroundSaves, save_in_background
+from dragon.checkpoint.background_saves import BackgroundSaves, save_in_background
 from dragon.checkpoint.reshape import converted_tag
 from dragon.checkpoint.catalog import MARKER, last_complete
 from dragon.checkpoint.retention import all_or_nothing
@@ -54,7 +54,7 @@ class ResumeTarget:
 
     load_dir: str
     tag: str
-    reshaped: Optional[str] = None  # the line of a resume on another layout (dragon.reshape)
+    reshaped: Optional[str] = None  # a resume on another layout's line (dragon.checkpoint.reshape)
     regrouped: Optional[str] = None  # the line of a resume by another number of islands
     new_island: bool = False  # this island did not exist then: it takes island 0's checkpoint
 

@@ -1,47 +1,28 @@
 """Trained weights -> a Hugging Face BDH directory (save_pretrained), from a live engine at the end
-of a recipe or from any checkpoint of either recipe offline.
+of a recipe (export_run) or from a model read out of any checkpoint (dragon.checkpoint.read_model;
+recipes/export.py).
 
 From an engine, ZeRO's fp32 master weights are gathered (a collective under ZeRO-3; it works with
 bf16 at every stage and with node-local checkpoint storage); a pipeline, whose stages each hold
-part of the model, is read back from the checkpoint the run just saved. From a checkpoint, ZeRO
-1-3 shards are merged with DeepSpeed's zero_to_fp32, ZeRO-0 holds the module's own weights, and a
-pipeline its per-layer files. The model's config is the config.json the recipes write next to
-their checkpoints.
+part of the model, is read back from the checkpoint the run just saved.
 """
 
 import os
-import tempfile
 import time
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
-from dragon.checkpoint import universal
 from dragon.checkpoint.card import write_model_card
 from dragon.checkpoint.checkpointer import tag_for
+from dragon.checkpoint.read_model import model_from_state
 from dragon.checkpoint.writes import GuardedWrites, SaveFailed
 from dragon.errors import TrainingFailed
-from dragon.parallel.distributed import rank
-from dragon.checkpoint.neuron_shares import neuron_shares, share_as_its_own
-from dragon.parallel.neurons import join_shares, whole_tensors
 from dragon.model.baseline import is_bdh
-from dragon.model.bdh import BDHForCausalLM
 from dragon.model.remote_code import write_remote_code
-from dragon.parallel.pipeline import is_pipeline_checkpoint, model_from_pipeline_checkpoint
-from dragon.checkpoint.catalog import run_files_dir
-from dragon.checkpoint.resolver import is_hf_directory
-
-ROPE_KEY = "layer.attn.freqs"  # recomputed by the model, so a checkpoint may lack it
-
-
-def _model_from_state(state: dict, config, source: str):
-    """BDH (or a --model_type baseline, transformers' own model) of `config` holding `state`."""
-    model = BDHForCausalLM(config) if is_bdh(config) else AutoModelForCausalLM.from_config(config)
-    result = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
-    wrong = sorted(set(result.missing_keys) - {ROPE_KEY}) + sorted(result.unexpected_keys)
-    if wrong:
-        raise ValueError(f"{source} does not hold a BDH with this config (keys {wrong})")
-    return model
+from dragon.parallel.distributed import rank
+from dragon.parallel.neurons import whole_tensors
+from dragon.parallel.pipeline import model_from_pipeline_checkpoint
 
 
 def full_fp32_state_dict(engine) -> dict[str, torch.Tensor]:
@@ -91,51 +72,11 @@ def export_engine(engine, config, out_dir: str, tag_dir: str) -> None:
         model = model_from_pipeline_checkpoint(tag_dir, config) if rank() == 0 else None
     else:
         state = whole_tensors(engine.module, full_fp32_state_dict(engine))  # every neuron
-        model = _model_from_state(state, config, "the engine") if rank() == 0 else None
+        model = model_from_state(state, config, "the engine") if rank() == 0 else None
     writes = GuardedWrites()
     if model is not None:
         writes.run(save_model, model, out_dir)
     writes.agree(f"the export to {out_dir}")  # SaveFailed on every rank if rank 0 failed
-
-
-def model_from_checkpoint(tag_dir: str):
-    """The fp32 model of one checkpoint tag directory of either recipe (any ZeRO stage)."""
-    tag_dir = os.path.normpath(tag_dir)
-    save_dir = run_files_dir(tag_dir)
-    if not os.path.isdir(tag_dir):
-        raise ValueError(f"--checkpoint {tag_dir}: no such directory")
-    if not os.path.isfile(os.path.join(save_dir, "config.json")):
-        raise ValueError(f"no config.json in {save_dir}; it is written by the recipes at start")
-    config = AutoConfig.from_pretrained(save_dir)  # BDH's, or a --model_type baseline's
-    if is_pipeline_checkpoint(tag_dir):
-        return model_from_pipeline_checkpoint(tag_dir, config)
-    shares = neuron_shares(tag_dir)
-    if len(shares) > 1:  # --neuron_parallel: each share's model merged, then their neurons joined
-        with tempfile.TemporaryDirectory() as tmp:
-            states = [_fp32_state(share_as_its_own(tag_dir, share, tmp)) for share in shares]
-        return _model_from_state(join_shares(states, config), config, tag_dir)
-    return _model_from_state(_fp32_state(tag_dir), config, tag_dir)
-
-
-def _fp32_state(tag_dir: str) -> dict[str, torch.Tensor]:
-    """The fp32 weights of a ZeRO checkpoint tag directory of one model (any stage)."""
-    save_dir, tag = os.path.dirname(tag_dir), os.path.basename(tag_dir)
-    optimizer_files = [f for f in os.listdir(tag_dir) if f.endswith("optim_states.pt")]
-    if optimizer_files:  # ZeRO 1-3: merge the fp32 master partitions
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        return get_fp32_state_dict_from_zero_checkpoint(save_dir, tag=tag)
-    # ZeRO-0: the module's weights, or in bf16 their fp32 masters
-    module = torch.load(os.path.join(tag_dir, universal.STATES), map_location="cpu",
-                        weights_only=False)["module"]
-    return {**module, **universal.fp32_weights(tag_dir)}
-
-
-def load_model(path: str):
-    """The fp32 model of a Hugging Face directory or a checkpoint tag directory."""
-    if is_hf_directory(path):
-        return AutoModelForCausalLM.from_pretrained(path)
-    return model_from_checkpoint(path)
 
 
 def complete_export(out_dir: str, tokenizer, config, save_dir: str, step: int) -> None:
@@ -156,7 +97,7 @@ def print_sample(model_dir: str, tokenizer, prompt: str, max_new_tokens: int) ->
 def export_run(engine, inputs, config, save_dir: str, step: int) -> str:
     """<output_dir>/final at the end of a run: its weights (every rank calls; a pipeline's are read
     back from the checkpoint of the last step), tokenizer and model card; returns the directory
-    (inputs: dragon.run.preflight.RecipeInputs)."""
+    (inputs: dragon.run.inputs.RecipeInputs)."""
     final_dir = os.path.join(inputs.train.output_dir, "final")
     tag_dir = os.path.join(save_dir, tag_for(step))
     try:

@@ -26,7 +26,7 @@ from dragon.checkpoint import universal
 from dragon.model.bdh import BDHConfig, BDHForCausalLM
 from dragon.model.attention import rope_frequencies
 from dragon.parallel.neurons import SHARDED, join_shares, share_of
-from dragon.checkpoint.pipeline import stage_parameters
+from dragon.checkpoint.pipeline_files import stage_parameters
 from dragon.parallel.pipeline import plain_names
 
 

@@ -18,9 +18,9 @@ island resumed on another layout gets its outer state (theta_outer, the outer op
 moments, the average in flight) laid out for its new partition (diloco_state_for).
 
 A ZeRO-0 checkpoint on another number of ranks loads as it is (one file). A ZeRO-0 pipeline
-checkpoint becomes a plain model's ZeRO-0 checkpoint and back (dragon.checkpoint.pipeline), so the
-recipes resume each other's checkpoints and a pipeline resumes on other stage boundaries, with
-its neuron shares' files cut from the whole model for a pipeline of K shares; a ZeRO-1 pipeline
+checkpoint becomes a plain model's ZeRO-0 checkpoint and back (dragon.checkpoint.pipeline_files),
+so the recipes resume each other's checkpoints and a pipeline resumes on other stage boundaries,
+with its neuron shares' files cut from the whole model for a pipeline of K shares; a ZeRO-1 pipeline
 loads the same pipeline form through the universal folder beside it, as a bf16 pipeline does
 (DeepSpeed's bf16 optimizer keeps its fp32 masters in files of its own, per stage, under ZeRO-0
 too). A bf16 ZeRO-0 checkpoint carries its fp32 masters into the universal form and out of it.
@@ -37,7 +37,7 @@ import torch
 
 from dragon.checkpoint import universal
 from dragon.model.bdh import BDHConfig
-from dragon.checkpoint.pipeline import (pipeline_universal, stage_files, write_pipeline,
+from dragon.checkpoint.pipeline_files import (pipeline_universal, stage_files, write_pipeline,
                                         zero0_states_of_pipeline)
 from dragon.checkpoint.retention import CONVERSIONS
 from dragon.checkpoint.neuron_shares import (neuron_shares, share_states, universal_from_shares,

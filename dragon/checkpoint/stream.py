@@ -97,7 +97,7 @@ class ChecksummedFile:
 def streams(write: Callable) -> bool:
     """Whether `write(state, path)` is torch.save's, which takes a file object for the path:
     torch.save itself, or the save of DeepSpeed's TorchCheckpointEngine (a bound method, or one
-    that dragon.checkpoint.background pickles by its `owner` and `name`)."""
+    that dragon.checkpoint.background_saves pickles by its `owner` and `name`)."""
     owner = getattr(write, "__self__", getattr(write, "owner", None))
     function = getattr(write, "__func__", None) or getattr(type(owner), getattr(write, "name", ""),
                                                            None)

@@ -1,4 +1,5 @@
-"""The writer process of a rank's background saves (--save_async; dragon.checkpoint.background).
+"""The writer process of a rank's background saves (--save_async;
+dragon.checkpoint.background_saves).
 
 A rank starts one, with its BackgroundSaves, as a fresh interpreter at the lowest priority:
 it yields the CPU to training wherever both want it (the write takes longer, the steps do not). It
@@ -77,7 +78,7 @@ def write(groups: int, skeleton: bytes, storages: list[torch.UntypedStorage]
 
 
 class Buffer:
-    """The rank's shared buffer (dragon.checkpoint.background.SharedBuffer), mapped here; each
+    """The rank's shared buffer (dragon.checkpoint.background_saves.SharedBuffer), mapped here; each
     storage of a save a storage of its own on it, as torch.save tells storages apart."""
 
     def __init__(self, fd: int):

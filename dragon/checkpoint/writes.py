@@ -7,7 +7,7 @@ checkpoint through that interface): the first failed write is kept, the writes a
 rank are skipped, and the rank carries on through DeepSpeed's collectives. agree() then raises
 SaveFailed on every rank if any rank failed, or returns the CRC-32 of every file written
 (dragon.checkpoint.verify). With --save_async (an engine handed a BackgroundSaves:
-dragon.checkpoint.background.save_in_background) save() leaves the file to the writer process;
+dragon.checkpoint.background_saves.save_in_background) save() leaves the file to the writer process;
 agree() then waits for the save's completion.
 """
 
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 
 from dragon.checkpoint import stream
-from dragon.checkpoint.background import background_of
+from dragon.checkpoint.background_saves import background_of
 from dragon.checkpoint.verify import crc32_of
 
 # torch's writer and safetensors report a full disk as errors of their own, not OSError

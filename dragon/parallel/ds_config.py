@@ -165,7 +165,7 @@ def wandb_run_id(args) -> str:
 def _background_writer(cfg: dict, args) -> None:
     """The JSON's checkpoint.writer.decoupled: true asks for background saves: dragon's writer
     (--save_async) takes them, as DeepSpeed's decoupled engine does not serve on every stack
-    (dragon.checkpoint.background)."""
+    (dragon.checkpoint.background_saves)."""
     writer = cfg.get("checkpoint", {}).get("writer")
     if isinstance(writer, dict) and writer.get("decoupled"):
         del cfg["checkpoint"]["writer"]

@@ -18,7 +18,7 @@ ACCELERATE_TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "comet": 
 
 def check_accelerate_inputs(inputs) -> None:
     """InputRefused, in one line, for what the ZeRO recipe has and this one has not (inputs:
-    dragon.run.preflight.RecipeInputs)."""
+    dragon.run.inputs.RecipeInputs)."""
     args, target = inputs.train, inputs.resume_target(0)
     refused = [
         ("optimizer" not in inputs.ds_config,

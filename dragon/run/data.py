@@ -73,7 +73,7 @@ def run_data(
     engine,
     state_layers: int,
 ) -> RunData:
-    """This rank's data (inputs: dragon.run.preflight.RecipeInputs). Training reads shard
+    """This rank's data (inputs: dragon.run.inputs.RecipeInputs). Training reads shard
     `data_rank` of `data_world` (every island's ranks: Topology.data_shard); validation is this
     island's data-parallel rank `dp_rank` of `dp_world`. state_layers: the layers whose state
     this rank carries with --carry_state (all, or a pipeline stage's own)."""

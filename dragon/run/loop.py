@@ -27,7 +27,7 @@ logger = logging.getLogger("dragon")
 
 class TrainingRun:
     """One island's run (the whole run without DiLoCo) from `step` on: `step` counts optimizer
-    steps done. `inputs`: dragon.run.preflight.RecipeInputs; `data`: dragon.run.data.RunData;
+    steps done. `inputs`: dragon.run.inputs.RecipeInputs; `data`: dragon.run.data.RunData;
     `diloco`: the outer loop, whose outer steps are the only points where islands save."""
 
     def __init__(self, engine, inputs, config, topology, data, dp_world: int, step: int = 0,

@@ -13,7 +13,7 @@ MIB = 2**20
 
 
 def plan_lines(inputs, config) -> list[str]:
-    """The plan as printed lines (inputs: dragon.run.preflight.RecipeInputs; config: its
+    """The plan as printed lines (inputs: dragon.run.inputs.RecipeInputs; config: its
     BDHConfig)."""
     args, diloco, ds, layout = inputs.train, inputs.diloco, inputs.ds_config, inputs.layout
     stages, islands, dp_world = layout.stages, layout.islands, layout.data_parallel
