@@ -53,7 +53,9 @@ def test_islands_of_two_neuron_shares_equal_islands_of_one_rank(mode, extra, run
     covers its share and meets the same share of the other island. Losses, evaluations and the
     outer gradient norms of both islands within 2e-5 (the neuron sums are added in another
     order), the weights after every outer step within rounding, the islands identical at the
-    end, the export the same model; each rank sends less than the unsplit rank."""
+    end, the exports' logits within 1e-5 (with int4 within 1e-2: a weight whose rounding lands
+    on the other side of a code boundary is a code apart); each rank sends less than the
+    unsplit rank."""
     one = islands_run(runs, f"islands_{mode}", extra=[*ISLANDS, *extra])
     split = islands_run(runs, f"islands_neurons_{mode}", nproc=4, extra=[*ISLANDS, *extra, *SPLIT])
     for island in (0, 1):
@@ -71,7 +73,9 @@ def test_islands_of_two_neuron_shares_equal_islands_of_one_rank(mode, extra, run
     outer = [[m for m in island_metrics(split, i) if "outer_step" in m] for i in (0, 1)]
     for key in ("weights_sum", "weights_sumsq", "outer_sum", "outer_sumsq"):
         assert outer[0][-1][key] == outer[1][-1][key], key  # identical islands at the end
-    assert (final_logits(split) - final_logits(one)).abs().max() < 50 * tolerance
+    # the export: the neuron sums' rounding in sync mode; with int4 a few weights a code apart
+    gap = (final_logits(split) - final_logits(one)).abs().max()
+    assert gap < (1e-2 if "int4" in extra else 1e-5), gap
 
 
 @pytest.mark.slow

@@ -29,7 +29,7 @@ LAYOUTS = {
     "zero2 x4": ("zero2.json", 4, ["--per_device_train_batch_size", "2"]),
     "zero3 x2": ("zero3.json", 2, []),
     "pipe x2": ("pipeline_zero0.json", 2, []),  # 2 stages, accumulation 2 (the test recipe's)
-    "pipe 3 stages x3": ("pipeline_zero0.json", 3, ["--pipeline_stages", "3"]),
+    "pipe 1 stage x1": ("pipeline_zero0.json", 1, ["--pipeline_stages", "1"]),
     "zero2 x1, 4 a step": ("zero2.json", 1, []),  # half the global batch
     "bf16 zero0 x2": ("zero0.json", 2, ["--bf16", "true"]),
     "bf16 zero2 x2": ("zero2.json", 2, ["--bf16", "true"]),
@@ -84,9 +84,8 @@ def describe(layout) -> str:
     bf16 = " in bf16" if "bf16" in layout else ""
     if layout.startswith("pipe"):
         shares = " x 2 neuron shares" if "K2" in layout else ""
-        stages = 3 if "3 stages" in layout else 2
-        return (f"a pipeline of {stages} stages with ZeRO-0 on 1 data-parallel rank(s)"
-                f"{shares}{bf16}")
+        stages = "1 stage" if "1 stage" in layout else "2 stages"
+        return f"a pipeline of {stages} with ZeRO-0 on 1 data-parallel rank(s){shares}{bf16}"
     return f"ZeRO-{config[4]} on {ranks} data-parallel rank(s){bf16}"
 
 
@@ -177,17 +176,17 @@ def test_a_changed_global_batch_warns_and_trains(uninterrupted, tmp_path, text_f
 
 @pytest.mark.slow
 def test_a_pipeline_resumes_on_other_stage_boundaries(uninterrupted, tmp_path, text_file):
-    """A 2-stage pipeline's checkpoint (embedding and layer 1 | layer 2 and head) resumed as 3
-    stages (embedding and layer 1 | layer 2 | head) on 3 ranks: the resume says what it
-    converts, and steps 5-8 equal the uninterrupted 2-stage run's within 2e-5 (the stages pass
-    the same activations; the tied block's gradient is summed over other stages)."""
+    """A 2-stage pipeline's checkpoint (embedding and layer 1 | layer 2 and head) resumed as one
+    stage on one rank (every layer): the resume says what it converts, and steps 5-8 equal the
+    uninterrupted 2-stage run's within 2e-5 (the stages pass the same activations; the tied
+    block's gradients are summed in another order)."""
     base = uninterrupted("pipe x2")
-    other = tmp_path / "three"
+    other = tmp_path / "one"
     tag = resumed_from_step4(base, other)
-    _, stderr = finish(job("pipe 3 stages x3", other, text_file, ["--resume_from_checkpoint", tag]))
+    _, stderr = finish(job("pipe 1 stage x1", other, text_file, ["--resume_from_checkpoint", tag]))
     assert (f"resume: converting the checkpoint from {describe('pipe x2')} to "
-            f"{describe('pipe 3 stages x3')}") in stderr, stderr[-3000:]
-    continues(base, other, "pipe x2", "pipe 3 stages x3", LOSS_ATOL)
+            f"{describe('pipe 1 stage x1')}") in stderr, stderr[-3000:]
+    continues(base, other, "pipe x2", "pipe 1 stage x1", LOSS_ATOL)
 
 
 @pytest.mark.slow

@@ -96,7 +96,8 @@ class Layout:
         return lines
 
     def __str__(self) -> str:
-        kind = f"a pipeline of {self.stages} stages with " if self.pipeline else ""
+        stages = f"{self.stages} stage" + ("s" if self.stages > 1 else "")
+        kind = f"a pipeline of {stages} with " if self.pipeline else ""
         split = f" x {self.neurons} neuron shares" if self.neurons > 1 else ""
         bf16 = " in bf16" if self.bf16 else ""
         return (f"{kind}ZeRO-{self.zero_stage} on {self.data_parallel} data-parallel rank(s)"

@@ -8,6 +8,7 @@ its gradient across the stages that hold it, every step. The loss is the plain m
 import glob
 import os
 from contextlib import contextmanager
+from functools import partial
 from typing import Iterator, Optional
 
 import torch
@@ -16,6 +17,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from deepspeed.runtime.utils import partition_balanced, partition_uniform
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from dragon.model.attention import BDHCache
 from dragon.model.bdh import (
@@ -176,6 +178,10 @@ def bdh_pipeline(
         loss_fn=causal_lm_loss,
         partition_method=ds_method,
         activation_checkpoint_interval=activation_checkpoint_interval,
+        # DeepSpeed's own checkpoint function is re-entrant: a stage's first span, whose input
+        # (token ids) needs no gradient, would give an output with none and the backward fails.
+        # torch's non-re-entrant one replays that span's RNG too, so dropout masks repeat.
+        activation_checkpoint_func=partial(checkpoint, use_reentrant=False),
         **shape,
     )
     if [int(p) for p in pipe.parts] != parts:
