@@ -15,6 +15,8 @@ S ranks (dragon.parallel.topology).
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
+from dragon.parallel.distributed import launcher_world_size
+
 
 class Position(NamedTuple):
     """Where one rank sits in the layout."""
@@ -126,3 +128,15 @@ def plan_layout(world: int, islands: int, one_launch_per_island: bool, stages: i
                          f"divisible by it (valid: a divisor of {size // stages})")
     return Layout(islands, stages, neurons, size // stages // neurons, 0, pipeline,
                   one_launch_per_island)
+
+
+def launch_layout(args, diloco, pipe_args) -> Layout:
+    """The layout of this launch from the recipe's arguments (TrainingArguments, DiLoCoArguments,
+    PipelineArguments or None), as the launcher's world size allows; zero stage and batch still
+    0 (preflight fills them from the DeepSpeed JSON)."""
+    diloco.check_training(args)
+    islands = diloco.diloco_islands if diloco.enabled else 1
+    one_launch = diloco.enabled and diloco.diloco_island_index is not None
+    stages = pipe_args.pipeline_stages if pipe_args is not None else 1
+    return plan_layout(launcher_world_size(), islands, one_launch, stages, args.neuron_parallel,
+                       pipe_args is not None)

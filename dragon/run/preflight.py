@@ -11,15 +11,13 @@ from dataclasses import replace
 from dragon.errors import InputRefused
 from dragon.model.baseline import is_bdh
 from dragon.parallel.ds_config import load_ds_config, resolve_ds_config, zero_stage
+from dragon.parallel.layout import launch_layout
 from dragon.parallel.neurons import check_split
-from dragon.run import resume_checks
-from dragon.parallel.distributed import launcher_world_size
-from dragon.parallel.layout import Layout, plan_layout
 from dragon.run.args import parse_arguments
 from dragon.run.data import check_data_fits, check_epochs, load_data, planned_epochs
 from dragon.run.inputs import RecipeInputs, model_config
 from dragon.run.plan import show_plan_or_begin
-from dragon.run.resume_changes import resume_changes
+from dragon.run.resume_checks import check_resume
 
 
 def preflight(pipeline: bool = False) -> RecipeInputs:
@@ -55,7 +53,7 @@ def preflight(pipeline: bool = False) -> RecipeInputs:
         check_data_fits(inputs, config, dp_world, islands)
         inputs.epochs = planned_epochs(inputs)  # once: a stream's size may ask the hub
         repeats = check_epochs(inputs)  # a run that would read its data over and over
-        _check_resume(inputs, config, dp_world)
+        check_resume(inputs, config)
     except ValueError as e:  # DataError and config errors are ValueErrors with one-line messages
         raise InputRefused(str(e)) from None
     if os.environ.get("RANK", "0") == "0":  # once per launch
@@ -66,16 +64,6 @@ def preflight(pipeline: bool = False) -> RecipeInputs:
         _warn_about_the_bubble(ds_config["gradient_accumulation_steps"], pipe_args.pipeline_stages)
     show_plan_or_begin(inputs, config)
     return inputs
-
-
-def launch_layout(args, diloco, pipe_args) -> Layout:
-    """The layout of this launch from the recipe's arguments (zero stage and batch still 0)."""
-    diloco.check_training(args)
-    islands = diloco.diloco_islands if diloco.enabled else 1
-    one_launch = diloco.enabled and diloco.diloco_island_index is not None
-    stages = pipe_args.pipeline_stages if pipe_args is not None else 1
-    return plan_layout(launcher_world_size(), islands, one_launch, stages, args.neuron_parallel,
-                       pipe_args is not None)
 
 
 def _check_fragments_split(n_neurons: int, k: int, diloco) -> None:
@@ -95,20 +83,6 @@ def _check_baseline(model_type: str, args, diloco) -> None:
         if refused:
             raise ValueError(f"--model_type {model_type}: not with {what}; drop it, or train "
                              "--model_type bdh")
-
-
-def _check_resume(inputs: RecipeInputs, config, dp_world: int) -> None:
-    """Resolve --resume_from_checkpoint for every island of this launch into `inputs`; raise when
-    it, or --output_dir, does not fit this run."""
-    args, diloco = inputs.train, inputs.diloco
-    inputs.resume, inputs.regrouped = resume_checks.resume_targets(args, diloco)
-    resume_checks.check_output_dir(args, diloco)
-    resume_checks.check_resume_sizes(config, inputs.resume)
-    resume_checks.check_resume_fragments(inputs.resume, diloco)
-    inputs.reshaped = resume_checks.check_reshape(inputs.resume, inputs.ds_config, inputs.layout,
-                                                  diloco)
-    inputs.resume_changes = resume_changes(inputs)  # settings that differ: applied, or refused
-    resume_checks.take_locks(args, diloco)  # last: it creates the island directories
 
 
 def _warn_about_the_bubble(micro_batches: int, stages: int) -> None:

@@ -15,6 +15,7 @@ from dragon.diloco.state import check_diloco_state, saved_fragments_and_mode
 from dragon.diloco.arguments import DiLoCoArguments
 from dragon.run.args import TrainingArguments
 from dragon.run.lock import take_run_lock
+from dragon.run.resume_changes import resume_changes
 
 logger = logging.getLogger(__name__)
 
@@ -175,3 +176,18 @@ def check_resume_fragments(resume: dict[int, tuple[str, str]], diloco: DiLoCoArg
             raise ValueError(
                 f"--diloco_mode {diloco.diloco_mode}: {path} holds DiLoCo state of "
                 f"--diloco_mode {saved[1]}; resume it with --diloco_mode {saved[1]}")
+
+
+def check_resume(inputs, config) -> None:
+    """Resolve --resume_from_checkpoint for every island of this launch into `inputs`
+    (dragon.run.inputs.RecipeInputs); raise when it, or --output_dir, does not fit this run (a
+    model of another size, other fragments, a layout that cannot convert); say which settings
+    changed since the checkpoint's run; take each island directory's lock."""
+    args, diloco = inputs.train, inputs.diloco
+    inputs.resume, inputs.regrouped = resume_targets(args, diloco)
+    check_output_dir(args, diloco)
+    check_resume_sizes(config, inputs.resume)
+    check_resume_fragments(inputs.resume, diloco)
+    inputs.reshaped = check_reshape(inputs.resume, inputs.ds_config, inputs.layout, diloco)
+    inputs.resume_changes = resume_changes(inputs)  # settings that differ: applied, or refused
+    take_locks(args, diloco)  # last: it creates the island directories
