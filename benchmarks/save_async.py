@@ -34,9 +34,10 @@ for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 
-from dragon.checkpoint.background_saves import BackgroundSaves, save_in_background  # noqa: E402
+from dragon.checkpoint.background_saves import BackgroundSaves  # noqa: E402
 from dragon.checkpoint.checkpointer import Checkpointer  # noqa: E402
-from dragon.checkpoint.retention import RetentionPolicy, attach_retention  # noqa: E402
+from dragon.checkpoint.retention import RetentionPolicy  # noqa: E402
+from dragon.checkpoint.save_hook import attach_retention  # noqa: E402
 from dragon.model.bdh import BDHConfig, BDHForCausalLM  # noqa: E402
 
 CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
@@ -62,9 +63,8 @@ def window(engine, batch, checkpointer, steps: int, mode: str, background: Backg
            settle: float = 0.0) -> tuple[float, float, float]:
     """(seconds of the window, seconds the save call itself took, seconds waited at its end for
     the write still in flight)."""
-    # the same engine and Checkpointer save both ways (Checkpointer(save_async=...) sets these)
-    checkpointer.background = background if mode == "async" else None
-    save_in_background(engine, checkpointer.background)
+    # the same engine and Checkpointer save both ways (Checkpointer(save_async=...) sets this)
+    checkpointer.hook.background = background if mode == "async" else None
     os.sync()  # no window pays for the page cache writeback of an earlier window's save
     time.sleep(settle)  # nor for the kernel's work after it (freed pages handed back to the host)
     began = time.perf_counter()

@@ -5,6 +5,7 @@ then what the fix makes of it. A test that fails at its first part says that Dee
 behaves so: the fix can go (and its caller with it).
 """
 
+import errno
 import os
 
 import deepspeed
@@ -13,8 +14,11 @@ import torch
 import torch.distributed as dist
 from conftest import free_port
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
+from dragon.checkpoint.writes import GuardedCheckpointEngine, GuardedWrites
 from dragon.parallel.deepspeed_fixes import (
+    guard_checkpoint_writes,
     norm_on_every_rank,
     set_global_steps,
     skip_nonfinite_updates,
@@ -159,3 +163,37 @@ def test_global_steps_has_no_setter_and_only_a_step_moves_it(tmp_path):
     assert engine.global_steps == 8
     engine.save_checkpoint(str(tmp_path))
     assert (tmp_path / "latest").read_text() == "global_step8"
+
+
+def test_a_failed_checkpoint_write_raises_on_its_rank_unless_the_guard_keeps_it(tmp_path,
+                                                                                monkeypatch):
+    """DeepSpeed writes every file of a save through engine.checkpoint_engine, which its config
+    only ever makes one of its own engines, and a write that fails there raises out of the save
+    on its rank alone. With guard_checkpoint_writes the guard stands there: during a save it
+    keeps the first failed write and skips the rest (the rank goes on through the save), it sees
+    every file the save writes, and outside a save (a load) it is DeepSpeed's own engine."""
+    bare = zero0_fp32()
+    assert type(bare.checkpoint_engine) is TorchCheckpointEngine
+
+    def full_disk(state_dict, path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(bare.checkpoint_engine, "save", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        bare.save_checkpoint(str(tmp_path / "bare"), tag="t")
+
+    fixed = zero0_fp32()
+    guard = GuardedCheckpointEngine(fixed.checkpoint_engine)
+    guard_checkpoint_writes(fixed, guard)
+    assert fixed.checkpoint_engine is guard
+    with monkeypatch.context() as patch:
+        patch.setattr(guard.inner, "save", full_disk)
+        with guard.recording(GuardedWrites()) as failed:
+            fixed.save_checkpoint(str(tmp_path / "failed"), tag="t")
+    assert "No space left on device" in failed.error
+    with guard.recording(GuardedWrites()) as writes:
+        fixed.save_checkpoint(str(tmp_path / "saved"), tag="t")
+    tag_dir = tmp_path / "saved" / "t"
+    assert writes.error is None and set(writes.checksums) == {str(p) for p in tag_dir.iterdir()}
+    path, _ = fixed.load_checkpoint(str(tmp_path / "saved"), tag="t")
+    assert path is not None

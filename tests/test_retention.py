@@ -15,10 +15,10 @@ from dragon.history import MetricHistory
 from dragon.checkpoint.catalog import MARKER, find_resume_checkpoint, is_complete, list_checkpoints
 from dragon.checkpoint.retention import (
     RetentionPolicy,
-    attach_retention,
     default_history_path,
     prune,
 )
+from dragon.checkpoint.save_hook import attach_retention
 
 
 # ---------------------------------------------------------------- the policy (pure)

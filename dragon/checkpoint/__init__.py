@@ -1,9 +1,9 @@
 """Checkpoints: what a save holds, which saves are kept, and how they are read back.
 
 - checkpointer: save and resume through engine.save_checkpoint / load_checkpoint, RNG state
-- retention: the hook around engine.save_checkpoint (attach_retention): a save completes on
-  every rank or on none (writes: GuardedWrites, SaveFailed), then its marker; keep the last K
-  plus the best
+- save_hook: the hook around engine.save_checkpoint (attach_retention): rank files, DeepSpeed's
+  save, every rank or none (writes: GuardedWrites, SaveFailed), its marker, the prune
+- retention: the policy (keep the last K plus the best) and the prune
 - catalog: which checkpoints a directory holds, complete and whole (verify: the marker's file
   sizes and CRC-32s), find_resume_checkpoint
 - resolver: the checkpoint a path names, for a resume and for every tool

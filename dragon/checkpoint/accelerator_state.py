@@ -7,16 +7,16 @@ them, then keeps the last checkpoints plus the best (dragon.checkpoint.retention
 
 accelerate writes its own files (random_states_<i>.pkl) after DeepSpeed's save returns, past the
 marker. So the run's other state (the step, data position, RNG, LR schedule, carried states)
-goes into the tag directory before DeepSpeed's files, under the marker, and a resume trusts
-those copies: a save cut off between the marker and accelerate's files still resumes exactly.
+is registered with the retention hook, which writes it into the tag directory before DeepSpeed's
+files, under the marker (dragon.checkpoint.save_hook), and a resume trusts those copies: a save
+cut off between the marker and accelerate's files still resumes exactly.
 """
 
 import logging
 import os
 from typing import Any
 
-from dragon.checkpoint.checkpointer import (Checkpointer, ResumeTarget, Saved, Stateful,
-                                            write_rank_states)
+from dragon.checkpoint.checkpointer import Checkpointer, ResumeTarget, Saved, Stateful
 from dragon.parallel.distributed import rank
 
 logger = logging.getLogger("dragon")
@@ -24,12 +24,26 @@ MODEL_TAG = "pytorch_model"  # accelerate.utils.MODEL_NAME: the tag of its first
 PROGRESS = "progress"  # <tag>/progress_<rank>.pt: the step
 
 
+class Progress:
+    """The step of the save in progress, one of every rank's pieces."""
+
+    def __init__(self):
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
+
+
 class AcceleratorCheckpointer(Checkpointer):
     """save(step) and resume(target) through an Accelerator that prepared `engine`; `per_rank`:
     the run's other state, saved by every rank beside DeepSpeed's files (module docstring)."""
 
     def __init__(self, accelerator: Any, engine, save_dir: str, per_rank: dict[str, Stateful]):
-        super().__init__(engine, save_dir, per_rank=per_rank)
+        self.progress = Progress()
+        super().__init__(engine, save_dir, per_rank={PROGRESS: self.progress, **per_rank})
         self.accelerator = accelerator
 
     def save(self, step: int) -> str:
@@ -37,12 +51,10 @@ class AcceleratorCheckpointer(Checkpointer):
         directory. A write that fails on any rank raises SaveFailed on every rank."""
         self.check_finite(step)
         output_dir = os.path.join(self.save_dir, f"checkpoint_{step}")
-        states = {PROGRESS: {"step": step}}
-        states.update((name, state.state_dict()) for name, state in self.per_rank.items())
-        tag_dir = write_rank_states(self.engine, output_dir, MODEL_TAG, states)
-        # client_state reaches engine.save_checkpoint: the marker records the step
+        self.progress.step = step
+        # client_state reaches engine.save_checkpoint, the hook: the marker records the step
         self.accelerator.save_state(output_dir, client_state={"step": step})
-        return tag_dir
+        return os.path.join(output_dir, MODEL_TAG)
 
     def resume(self, target: ResumeTarget) -> int:
         """accelerator.load_state of `target` (DeepSpeed's engine, accelerate's RNG files), then

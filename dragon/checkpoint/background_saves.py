@@ -17,9 +17,10 @@ waits for the writer's report of the one before it.
 
 What makes a save complete stays on the training thread, where every rank calls the same
 collectives in the same order: once every rank's writer has reported (poll(), after each step),
-the save's completions run (dragon.checkpoint.retention: every rank's writes agreed, then the
-completion marker, `latest` and the prune, whose deleted checkpoints the writer removes: freeing
-their pages takes no training time). Until then the checkpoint has no marker, so a crash or
+the save's completions run (dragon.checkpoint.save_hook's SaveHook.complete: every rank's writes
+agreed, then the completion marker, `latest` and the prune, whose deleted checkpoints the writer
+removes: freeing their pages takes no training time). The hook owns the BackgroundSaves of its
+engine's saves. Until then the checkpoint has no marker, so a crash or
 a SIGKILL during a background write leaves the previous checkpoint as the resume point; the writer
 dies with its rank (it ignores the SIGTERM and SIGINT that its rank acts on). A writer that ends
 before it reports fails the save in flight on every rank (SaveFailed); the next save starts
@@ -39,7 +40,6 @@ import pickle
 import shutil
 import subprocess
 import sys
-import weakref
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Optional
 
@@ -134,7 +134,7 @@ class BackgroundSaves:
 
     def remove(self, path: str) -> None:
         """Have the writer remove the directory `path` (a deleted checkpoint, renamed out of the
-        way: dragon.checkpoint.retention), after what it was handed before; freeing the pages of
+        way: dragon.checkpoint.save_hook), after what it was handed before; freeing the pages of
         its files takes no training time. complete() waits for it."""
         if self._writer.alive():
             self._writer.outbox.send_bytes(pickle.dumps(("remove", path)))
@@ -156,30 +156,6 @@ class BackgroundSaves:
             writes.checksums.update(checksums)
         self._writing = []
         return True
-
-
-# The BackgroundSaves each engine's saves hand their files to, by engine: a table beside the
-# engine rather than an attribute on it (dragon.parallel.deepspeed_fixes holds every attribute
-# dragon sets on a DeepSpeed engine); an entry goes with its engine.
-_SAVES_OF: "weakref.WeakKeyDictionary[Any, BackgroundSaves]" = weakref.WeakKeyDictionary()
-
-
-def save_in_background(engine: Any, saves: Optional[BackgroundSaves]) -> None:
-    """Every later save of `engine` (the retention hook's writes too) hands its files to `saves`;
-    None: they are written at once (dragon.checkpoint.writes.GuardedWrites)."""
-    if saves is None:
-        _SAVES_OF.pop(engine, None)
-    else:
-        _SAVES_OF[engine] = saves
-
-
-def background_of(engine: Any) -> Optional[BackgroundSaves]:
-    """The BackgroundSaves that `engine`'s saves hand their files to; None where they are written
-    at once (no engine, or one never handed any)."""
-    try:
-        return _SAVES_OF.get(engine)
-    except TypeError:  # None, or an object that cannot be weakly referenced: never handed any
-        return None
 
 
 class WriterProcess:

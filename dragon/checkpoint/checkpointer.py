@@ -5,8 +5,9 @@ Each piece is an object with state_dict() / load_state_dict() (torchtitan's Stat
 - `shared` pieces are the same on every rank (the data position): saved once, in DeepSpeed's
   client state;
 - `per_rank` pieces differ by rank (RNG, carried states, DiLoCo's outer state, a stream's
-  position): saved as <tag>/<name>_<rank>.pt, before DeepSpeed's files, so that a checkpoint
-  whose completion marker exists holds them all (dragon.checkpoint.retention).
+  position): registered with the engine's retention hook, which writes them as
+  <tag>/<name>_<rank>.pt before DeepSpeed's files, so that a checkpoint whose completion marker
+  exists holds them all (dragon.checkpoint.save_hook).
 
 A resume loads what the checkpoint holds for this rank. A piece whose own saved state is missing,
 or was saved by another layout (dragon.checkpoint.reshape) or by another island, is handed the
@@ -14,7 +15,7 @@ whole checkpoint instead through its `resume_elsewhere(saved)`, when it has one.
 
 With `save_async` (--save_async) a save returns once its files' states are copied into shared
 memory for the rank's writer process (the copy is the snapshot); the save completes at a later
-poll() (dragon.checkpoint.background_saves).
+poll() (dragon.checkpoint.background_saves; the hook owns the BackgroundSaves).
 A save waits for the one in flight first, and wait() (a preemption's save, the last one) waits
 for both.
 """
@@ -23,29 +24,23 @@ import logging
 import os
 import random
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import Any, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
-from dragon.checkpoint.background_saves import BackgroundSaves, save_in_background
+from dragon.checkpoint.background_saves import BackgroundSaves
+from dragon.checkpoint.catalog import last_complete
 from dragon.checkpoint.reshape import converted_tag
-from dragon.checkpoint.catalog import MARKER, last_complete
-from dragon.checkpoint.retention import all_or_nothing
+from dragon.checkpoint.save_hook import Stateful, attach_save_hook
 from dragon.errors import TrainingFailed
 from dragon.parallel.distributed import all_reduce_values, rank
 from dragon.parallel.neurons import universal_share_group
 
 logger = logging.getLogger("dragon")
 RNG_STATE = "rng_state"  # <tag>/rng_state_<rank>.pt
-
-
-class Stateful(Protocol):
-    def state_dict(self) -> Any: ...
-
-    def load_state_dict(self, state: Any) -> None: ...
 
 
 @dataclass
@@ -127,30 +122,32 @@ class Checkpointer:
     ):
         self.engine, self.save_dir = engine, save_dir
         self.shared, self.per_rank = dict(shared or {}), dict(per_rank or {})
-        # every save of the engine hands its files to it (the retention hook's writes too)
-        self.background = BackgroundSaves() if save_async else None
-        save_in_background(engine, self.background)
+        # every save of the engine goes through its hook: one without retention where no one
+        # attached any (no marker, no prune)
+        self.hook = attach_save_hook(engine)
+        self.hook.register_rank_pieces(self.per_rank)
+        self.hook.background = BackgroundSaves() if save_async else None
+
+    @property
+    def background(self) -> Optional[BackgroundSaves]:
+        """Where the saves' files are written with save_async (the hook's)."""
+        return self.hook.background
 
     def save(self, step: int, wait: bool = False) -> str:
         """Save as tag step<step> (engine.save_checkpoint is collective: every rank calls this);
-        returns the tag directory. A write that fails on any rank raises SaveFailed on every
-        rank (dragon.checkpoint.writes): here for the per-rank files, in the retention hook for
-        DeepSpeed's own (without the hook, DeepSpeed raises on the failing rank alone); with
-        save_async, when the save completes (here, at a later poll(), or in wait()). `wait`: return
-        only once the save is complete."""
+        returns the tag directory. The hook writes the per-rank pieces, then DeepSpeed's files; a
+        write that fails on any rank raises SaveFailed on every rank (dragon.checkpoint.writes);
+        with save_async, when the save completes (at a later poll(), or in wait()). `wait`:
+        return only once the save is complete."""
         self.wait()  # the save in flight completes first
         self.check_finite(step)
         tag = tag_for(step)
-        states = {name: state.state_dict() for name, state in self.per_rank.items()}
-        tag_dir = write_rank_states(self.engine, self.save_dir, tag, states)
         client_state = {name: state.state_dict() for name, state in self.shared.items()}
         self.engine.save_checkpoint(self.save_dir, tag=tag, client_state={"step": step,
                                                                           **client_state})
-        if self.background is not None:
-            self.background.start()  # the writer process of this save's files
         if wait:
             self.wait()
-        return tag_dir
+        return os.path.join(self.save_dir, tag)
 
     def poll(self) -> None:
         """Complete the save in flight if every rank has written it (a collective: every rank
@@ -223,19 +220,6 @@ def load_engine(engine, load_dir: str, tag: str) -> tuple[Optional[str], dict]:
     return path, client_state
 
 
-def write_rank_states(engine, save_dir: str, tag: str, states: dict[str, Any]) -> str:
-    """This rank's `states` as <save_dir>/<tag>/<name>_<rank>.pt, before DeepSpeed's files: on
-    every rank, or SaveFailed on every rank (dragon.checkpoint.retention.all_or_nothing); returns
-    the tag directory."""
-    tag_dir = os.path.join(save_dir, tag)
-    with all_or_nothing(engine, save_dir, tag) as writes:
-        writes.run(os.makedirs, tag_dir, 0o777, True)
-        writes.run(_unmark, tag_dir)  # an overwritten tag is incomplete until all is new
-        for name, state in states.items():
-            writes.save(state, os.path.join(tag_dir, f"{name}_{rank()}.pt"), torch.save)
-    return tag_dir
-
-
 def _resume_elsewhere(state: Stateful, saved: Saved) -> None:
     """A piece's own resume from a checkpoint that holds no state of it as it is now; a piece
     without one keeps its fresh state."""
@@ -256,13 +240,6 @@ def _finite(tensor: torch.Tensor) -> bool:
         return True
     low, high = tensor.detach().aminmax()
     return bool(torch.isfinite(low) & torch.isfinite(high))
-
-
-def _unmark(tag_dir: str) -> None:
-    try:
-        os.remove(os.path.join(tag_dir, MARKER))
-    except FileNotFoundError:
-        pass
 
 
 def _loadable_form(engine) -> tuple[str, Optional[list[int]], bool, int]:

@@ -1,27 +1,32 @@
 """A save that every rank learns the fate of together.
 
 A write that fails on one rank (a full disk, a lost mount: OSError, or torch's RuntimeError from its
-writer) must not leave the other ranks waiting at a barrier of the save. GuardedWrites stands in
-for the engine's DeepSpeed CheckpointEngine during one save (DeepSpeed writes every file of a
-checkpoint through that interface): the first failed write is kept, the writes after it on that
-rank are skipped, and the rank carries on through DeepSpeed's collectives. agree() then raises
-SaveFailed on every rank if any rank failed, or returns the CRC-32 of every file written
-(dragon.checkpoint.verify). With --save_async (an engine handed a BackgroundSaves:
-dragon.checkpoint.background_saves.save_in_background) save() leaves the file to the writer process;
-agree() then waits for the save's completion.
+writer) must not leave the other ranks waiting at a barrier of the save. GuardedWrites holds one
+save's writes: the first failed write is kept, the writes after it on that rank are skipped, and
+the rank carries on through DeepSpeed's collectives. agree() then raises SaveFailed on every rank
+if any rank failed, or returns the CRC-32 of every file written (dragon.checkpoint.verify). With
+--save_async (a GuardedWrites given a BackgroundSaves) save() leaves the file to the writer
+process, and the writer's report fills in the error and checksums before agree().
+
+DeepSpeed writes every file of a checkpoint through the engine's CheckpointEngine, so
+GuardedCheckpointEngine stands in for it once, from the retention hook's attach on
+(dragon.parallel.deepspeed_fixes.guard_checkpoint_writes): during a save it hands each file to
+that save's GuardedWrites; outside one (a load) it is DeepSpeed's own.
 """
 
 import errno
 import os
 import shutil
-from typing import Any, Callable, Optional
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 from safetensors import SafetensorError
 
 from dragon.checkpoint import stream
-from dragon.checkpoint.background_saves import background_of
+from dragon.checkpoint.background_saves import BackgroundSaves
 from dragon.checkpoint.verify import crc32_of
 
 # torch's writer and safetensors report a full disk as errors of their own, not OSError
@@ -34,20 +39,17 @@ class SaveFailed(RuntimeError):
 
 
 class GuardedWrites:
-    """`with GuardedWrites(engine) as writes:` engine.checkpoint_engine is this, for one save.
-    Without an engine, the writes a caller makes through run() (an export, a metrics line)."""
+    """The writes of one save (a checkpoint's, through the retention hook), or those a caller
+    makes through run() (an export, a metrics line); `background`: save() hands files to it."""
 
-    def __init__(self, engine=None):
-        self.engine, self.error = engine, None
-        self.inner = getattr(engine, "checkpoint_engine", None)
-        self.background = background_of(engine)  # --save_async
+    def __init__(self, background: Optional[BackgroundSaves] = None):
+        self.error: Optional[str] = None
+        self.background = background  # --save_async
         self.checksums: dict[str, int] = {}  # absolute path -> CRC-32 of what this rank wrote
 
-    def save(self, state_dict, path: str, write: Optional[Callable[[Any, str], None]] = None
-             ) -> None:
-        """Write `state_dict` to `path` with write (the engine's CheckpointEngine.save unless
-        given) and checksum it; with --save_async, in the writer process."""
-        write = write or self.inner.save
+    def save(self, state_dict, path: str, write: Callable[[Any, str], None]) -> None:
+        """Write `state_dict` to `path` with write (torch.save, a CheckpointEngine's save) and
+        checksum it; with --save_async, in the writer process."""
         if self.background is None:
             self.write_now(write, state_dict, path)
         elif self.error is None:
@@ -86,18 +88,6 @@ class GuardedWrites:
             state = next((a for a in args if not isinstance(a, str)), None)
             self.error = write_error(e, path, state)
 
-    def __getattr__(self, name: str):  # everything but save: the engine's own
-        return getattr(self.inner, name)
-
-    def __enter__(self) -> "GuardedWrites":
-        if self.inner is not None:
-            self.engine.checkpoint_engine = self
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.inner is not None:
-            self.engine.checkpoint_engine = self.inner
-
     def agree(self, what: str) -> dict[str, int]:
         """Raise SaveFailed on every rank if any rank's writes failed, naming the ranks and the
         first one's cause; else every rank's checksums, by absolute path (a collective)."""
@@ -110,6 +100,68 @@ class GuardedWrites:
             raise SaveFailed(f"saving {what} failed on rank {', '.join(map(str, failed))} "
                              f"({reports[failed[0]][0]})")
         return {path: crc for _, checksums in reports for path, crc in checksums.items()}
+
+
+class GuardedCheckpointEngine(CheckpointEngine):
+    """The engine's CheckpointEngine, set once (module docstring): during recording(writes) its
+    saves go through `writes`; every other call, and every call outside a save, is DeepSpeed's
+    own engine's (`inner`)."""
+
+    def __init__(self, inner: CheckpointEngine):
+        super().__init__()
+        self.inner = inner
+        self.writes: Optional[GuardedWrites] = None  # the save in progress
+
+    @contextmanager
+    def recording(self, writes: GuardedWrites) -> Iterator[GuardedWrites]:
+        """DeepSpeed's writes of one save, inside, into `writes`."""
+        self.writes = writes
+        try:
+            yield writes
+        finally:
+            self.writes = None
+
+    def save(self, state_dict, path: str) -> None:
+        if self.writes is None:
+            return self.inner.save(state_dict, path)
+        self.writes.save(state_dict, path, self.inner.save)
+
+    # the rest of DeepSpeed's CheckpointEngine interface, delegated as it is
+
+    def create(self, info) -> Any:
+        return self.inner.create(info)
+
+    def makedirs(self, path, exist_ok=False) -> None:
+        return self.inner.makedirs(path, exist_ok=exist_ok)
+
+    def load(self, path: str, map_location=None) -> Any:
+        return self.inner.load(path, map_location=map_location)
+
+    def commit(self, info) -> Any:
+        return self.inner.commit(info)
+
+    def is_data_parallel_writer(self, dp_rank) -> bool:
+        return self.inner.is_data_parallel_writer(dp_rank)
+
+    def is_decoupled(self) -> bool:
+        return self.inner.is_decoupled()
+
+    def set_commit_info(self, info) -> None:
+        return self.inner.set_commit_info(info)
+
+    def get_commit_info(self) -> Any:
+        return self.inner.get_commit_info()
+
+    def cleanup(self) -> None:
+        return self.inner.cleanup()
+
+    def preserves_storage_sharing(self) -> bool:
+        return self.inner.preserves_storage_sharing()
+
+    def __getattr__(self, name: str) -> Any:  # an attribute of a subclass of DeepSpeed's
+        if "inner" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.__dict__["inner"], name)
 
 
 def durable(path: str) -> None:

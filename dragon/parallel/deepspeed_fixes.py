@@ -2,13 +2,14 @@
 
 Each function works around one behaviour of DeepSpeed 0.19.8, named in its docstring, and
 tests/test_deepspeed_fixes.py shows that behaviour on a real engine: a test there fails once
-DeepSpeed no longer behaves so, and the fix can go. Two other changes stay with their owners: the
-retention hook's wrap of engine.save_checkpoint (dragon.checkpoint.retention) and the checkpoint
-engine that stands in for one save (dragon.checkpoint.writes).
+DeepSpeed no longer behaves so, and the fix can go. One other change stays with its owner: the
+retention hook's wrap of engine.save_checkpoint (dragon.checkpoint.save_hook), which is what the
+project promises rather than a workaround.
 """
 
 import torch
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 from deepspeed.runtime.engine import DeepSpeedEngine
 
 
@@ -72,3 +73,19 @@ def set_global_steps(engine: DeepSpeedEngine, step: int) -> None:
     it joins at, and DeepSpeed's default save tag (global_step<N>) and its progress report read
     the count."""
     engine.global_steps = step
+
+
+def guard_checkpoint_writes(engine: DeepSpeedEngine, guard: CheckpointEngine) -> None:
+    """Put dragon's checkpoint engine (dragon.checkpoint.writes.GuardedCheckpointEngine, around
+    the engine's own) where DeepSpeed writes and reads every checkpoint file.
+
+    DeepSpeedEngine._configure_checkpointing (deepspeed/runtime/engine.py) sets the attribute
+    `checkpoint_engine` to what create_checkpoint_engine
+    (deepspeed/runtime/checkpoint_engine/utils.py) picks from the config: one of DeepSpeed's own
+    engines (torch, fast, decoupled, DataStates), never another class; every file of a save and
+    of a load goes through that attribute. A write that fails there (a full disk) raises on its
+    rank alone, in the middle of a collective save: the other ranks wait at the save's next
+    collective until the timeout, and the files after it are half there. The guard keeps the
+    first failed write, skips the rest and lets every rank agree on the save's fate; the
+    retention hook sets it once, when it is attached (dragon.checkpoint.save_hook)."""
+    engine.checkpoint_engine = guard

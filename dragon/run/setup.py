@@ -21,7 +21,7 @@ from dragon.checkpoint.accelerator_state import AcceleratorCheckpointer
 from dragon.checkpoint.card import write_run_files
 from dragon.checkpoint.checkpointer import Checkpointer, RNGState
 from dragon.checkpoint.export import export_run, print_sample
-from dragon.checkpoint.retention import attach_retention
+from dragon.checkpoint.save_hook import attach_retention
 from dragon.diloco.build import outer_loop
 from dragon.history import metrics_path
 from dragon.parallel.distributed import init_distributed, rank

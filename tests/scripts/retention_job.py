@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from dragon.history import MetricHistory
 from dragon.parallel.distributed import end_distributed
-from dragon.checkpoint.retention import RetentionPolicy, attach_retention, default_history_path
+from dragon.checkpoint.retention import RetentionPolicy, default_history_path
+from dragon.checkpoint.save_hook import attach_retention
 
 EVAL_LOSSES = [
     5.0,
