@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from dragon.diloco.exchange import Round, broadcast_object
+from dragon.diloco.exchange import RoundOutcome, broadcast_object
 
 logger = logging.getLogger("dragon")
 
@@ -34,12 +34,12 @@ class ElasticRounds:
         return {"parameters on this rank": sum(self.numels), "H": self.H, "islands": self.islands,
                 "fragments": self.config.fragments}
 
-    def _elastic_round(self, delta, own, step: int, final: bool, joining=None) -> Round:
+    def _elastic_round(self, delta, own, step: int, final: bool, joining=None) -> RoundOutcome:
         """The exchange among this outer step's quorum (`joining`: the quorum a joiner was let
         into), retried by the membership without an island lost during it; delayed, also the late
         average and the eager gradient. Joiners take the shared state."""
 
-        def attempt(members: list[int], group, joiners: list[int]) -> Round:
+        def attempt(members: list[int], group, joiners: list[int]) -> RoundOutcome:
             late = self._late_average(group, members) if self.mode == "delayed" else None
             contributors = len(members) - len(joiners)
             exchange = self.exchange(delta.clone(), group, len(members), contributors)
@@ -50,7 +50,7 @@ class ElasticRounds:
                 at_step, gradient = self._share_state(group, members, joiners, step, gradient)
             self.membership.publish(self.outer_step, at_step, self.shape())
             self.group = group
-            return Round(exchange, late, gradient, contributors, at_step)
+            return RoundOutcome(exchange, late, gradient, contributors, at_step)
 
         return self.membership.run_round(self.outer_step, attempt, joining, final)
 

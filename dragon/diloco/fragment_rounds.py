@@ -20,8 +20,8 @@ from typing import Optional
 
 import torch
 
-from dragon.diloco.exchange import broadcast_object, flatten
-from dragon.diloco.landing import InFlight, Together
+from dragon.diloco.exchange import ExchangeSet, broadcast_object, flatten
+from dragon.diloco.landing import InFlight
 
 logger = logging.getLogger("dragon")
 
@@ -90,8 +90,8 @@ class ElasticFragments:
         if flights and not final:
             metrics["outer_landed_after"] = step - flights[0].synced_at
         exchanges = [x.exchange for x in flights] + (started if blocking else [])
-        applied = [Together(exchanges, self._placed(averages))] if averages else []
-        metrics.update(self._exchange_metrics(Together(started), applied, final))
+        applied = [ExchangeSet(exchanges, self._placed(averages))] if averages else []
+        metrics.update(self._exchange_metrics(ExchangeSet(started), applied, final))
         metrics["outer_seconds"] = time.perf_counter() - start
         return metrics
 

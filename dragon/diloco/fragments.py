@@ -46,11 +46,11 @@ from typing import Optional
 
 import torch
 
-from dragon.diloco.exchange import Exchange, flatten
+from dragon.diloco.exchange import Exchange, ExchangeSet, FinishedExchange, flatten
 from dragon.diloco.fragment_rounds import ElasticFragments
-from dragon.diloco.landing import AUTO, AutoLandings, InFlight, Together
+from dragon.diloco.landing import AUTO, AutoLandings, InFlight
 from dragon.diloco.outer import DiLoCo
-from dragon.diloco.state import _Resolved, relay, saved_states
+from dragon.diloco.state import relay, saved_states
 
 NEURON_SLICED = ("encoder", "encoder_v")  # (nh, D, N): the neuron is the last index
 NEURON_ROWS = "decoder"  # (nh N, D): row h N + n is neuron n of head h
@@ -182,8 +182,8 @@ class FragmentedDiLoCo(ElasticFragments, DiLoCo):
             metrics["outer_landed"] = self.F if final else min(averages)
         if flights and not final:
             metrics["outer_landed_after"] = step - flights[0].synced_at
-        applied = [Together(arrived, self._placed(averages))] if averages else []
-        metrics.update(self._exchange_metrics(Together(started), applied, final))
+        applied = [ExchangeSet(arrived, self._placed(averages))] if averages else []
+        metrics.update(self._exchange_metrics(ExchangeSet(started), applied, final))
         metrics["outer_seconds"] = time.perf_counter() - start
         return metrics
 
@@ -308,7 +308,9 @@ class FragmentedDiLoCo(ElasticFragments, DiLoCo):
                 self.residual.copy_(state["residual"])
         self.load_outer_optimizer_state(state["optimizers"])
         self.outer_step, self.peak_bytes = state["outer_step"], state["peak_bytes"]
-        self.in_flight = {f: InFlight(_Resolved(average), at, *synced)
+        self.in_flight = {f: InFlight(FinishedExchange(
+            None if isinstance(average, str) else average),
+                                       at, *synced)
                           for f, (average, at, *synced) in state["in_flight"].items()}
 
     def _relaid_state(self, tag_dir: str) -> Optional[dict]:

@@ -26,6 +26,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from dragon.diloco.exchange import AnyExchange
+
 AUTO = "auto"
 # a proposal is one step past the first step that ends after the exchange: the proposals' reader
 # gets that step to bring the other ranks' in (over a busy link a store read takes a while)
@@ -38,38 +40,11 @@ class InFlight:
     """A fragment's exchange under the inner steps, and the step it lands at (auto: None until
     the islands agree)."""
 
-    exchange: object  # an Exchange, or a _Resolved average restored from a checkpoint
+    exchange: AnyExchange  # an Exchange, or a FinishedExchange restored from a checkpoint
     lands_at: Optional[int]
     synced_at: int = 0
     delta: Optional[torch.Tensor] = None  # elastic: the pseudo-gradient sent, for a redo
     contributed: bool = True  # elastic: this island's own (a joiner sends zeros)
-
-
-class Together:
-    """Several fragments' exchanges of one step, seen as one by DiLoCo's metrics; result(): the
-    landed averages in their places in a vector over all of this rank's values."""
-
-    def __init__(self, exchanges: list, result: Optional[torch.Tensor] = None):
-        self.error_sq = sum(getattr(e, "error_sq", 0.0) for e in exchanges)
-        self.norm_sq = sum(getattr(e, "norm_sq", 0.0) for e in exchanges)
-        self.bytes_sent = sum(getattr(e, "bytes_sent", 0) for e in exchanges)
-        self.payload_bytes = sum(getattr(e, "payload_bytes", 0) for e in exchanges)
-        self.exchanges, self._result = exchanges, result
-
-    @property
-    def seconds(self) -> float:  # of exchanges that landed
-        return sum(e.seconds for e in self.exchanges)
-
-    @property
-    def hidden_seconds(self) -> float:
-        return sum(e.hidden_seconds for e in self.exchanges)
-
-    @property
-    def blocked(self) -> float:
-        return sum(getattr(e, "blocked", 0.0) for e in self.exchanges)
-
-    def result(self) -> Optional[torch.Tensor]:
-        return self._result
 
 
 class AutoLandings:

@@ -30,7 +30,6 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-from dragon.diloco.exchange import Round
 from dragon.errors import IslandLost, JoinRefused
 from dragon.parallel.topology import Topology
 
@@ -96,8 +95,8 @@ class Membership:
         group = dist.ProcessGroupGloo(store, members.index(t.island), len(members), self.timeout)
         return members, group, joiners
 
-    def run_round(self, outer_step: int, attempt: Callable[[list[int], Any, list[int]], Round],
-                  joining: Optional[tuple] = None, final: bool = False) -> Round:
+    def run_round(self, outer_step: int, attempt: Callable[[list[int], Any, list[int]], Any],
+                  joining: Optional[tuple] = None, final: bool = False) -> Any:
         """attempt(members, their gloo group, the joining members) among the quorum of
         `outer_step` (`joining`: the quorum a joiner was let into). When an island is lost
         during it, the step's quorum forms again without it and the whole attempt is retried

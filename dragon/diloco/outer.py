@@ -68,7 +68,8 @@ import torch.distributed as dist
 
 from dragon.parallel.distributed import all_reduce_values
 from dragon.diloco.background import Background, LinkWatch
-from dragon.diloco.exchange import Exchange, Round, flatten
+from dragon.diloco.codecs import Codec, codec_for
+from dragon.diloco.exchange import Exchange, RoundOutcome, flatten
 from dragon.diloco.membership import Membership
 from dragon.diloco.elastic import ElasticRounds
 from dragon.diloco.state import OuterState
@@ -78,7 +79,7 @@ from dragon.parallel.topology import Topology
 
 @dataclass
 class DiLoCoConfig:
-    """What the outer loop needs to know (dragon.run.args.DiLoCoArguments.config() builds it)."""
+    """What the outer loop needs to know (dragon.diloco.arguments.DiLoCoArguments.config())."""
 
     inner_steps: int  # H
     mode: str = "sync"  # or "delayed"
@@ -151,6 +152,7 @@ class DiLoCo(OuterState, ElasticRounds):
         if (self.mode == "delayed" and config.exchange_thread and self.membership is None
                 and self.group is not None):
             self.background = Background(topology)
+        self.codec = codec_for(config.compress, config.int8_block, config.topk)
         self.link = LinkWatch(self.H, config.fragments, config.compress, config.int8_block)
 
     def is_boundary(self, step: int, final: bool = False) -> bool:
@@ -196,7 +198,7 @@ class DiLoCo(OuterState, ElasticRounds):
             round_ = self._elastic_round(delta, own, step, final, joining)
             metrics["outer_quorum"] = len(self.membership.members)
         else:
-            round_ = Round(self.exchange(delta, self.group, self.islands), self.pending)
+            round_ = RoundOutcome(self.exchange(delta, self.group, self.islands), self.pending)
         exchange, late = round_.exchange, round_.late
         if self.residual is not None:
             self.residual = delta - exchange.sent
@@ -211,7 +213,7 @@ class DiLoCo(OuterState, ElasticRounds):
             gradient = round_.gradient
             if gradient is None:
                 gradient = self.eager_gradient(own, late, exchange, final, round_.contributors)
-            self._waited([late])
+            self._waited([late] if late is not None else [])
             self._apply(gradient)
             # after the last step nothing is in flight: a run extended past it starts its pipeline
             # afresh
@@ -255,7 +257,7 @@ class DiLoCo(OuterState, ElasticRounds):
             metrics["outer_comm_seconds"] = sum(e.seconds for e in applied)
             if self.mode == "delayed":
                 metrics["outer_comm_hidden_seconds"] = sum(e.hidden_seconds for e in applied)
-                metrics["outer_wait_seconds"] = sum(getattr(e, "blocked", 0.0) for e in applied)
+                metrics["outer_wait_seconds"] = sum(e.blocked for e in applied)
         if self.config.checksum:
             metrics.update(
                 weights_sum=sums[3], weights_sumsq=sums[4], outer_sum=sums[5], outer_sumsq=sums[6]
@@ -270,16 +272,15 @@ class DiLoCo(OuterState, ElasticRounds):
         `contributors` (default all: an elastic joiner adds zeros); `numels`: the tensors in
         `delta` (default this rank's master tensors); delayed, on the exchange thread, which
         calls `then(ready_after)` once the average is ready."""
-        return Exchange(delta, group, islands, self.config.compress, self.config.int8_block,
-                        numels or self.numels, measure_bytes=self.mode == "sync",
-                        contributors=contributors, topk=self.config.topk,
+        return Exchange(delta, group, islands, self.codec, numels or self.numels,
+                        measure_bytes=self.mode == "sync", contributors=contributors,
                         background=self.background, then=then)
 
     def _waited(self, exchanges: list) -> None:
         """Exchanges just applied a window after they started: any that an inner step waited
         for tells the link watch."""
         for exchange in exchanges:
-            if getattr(exchange, "blocked", 0.0) > 0:
+            if exchange.blocked > 0:
                 self.link.waited(exchange)
 
     def _adopt_island0_weights(self) -> None:
@@ -306,15 +307,7 @@ class DiLoCo(OuterState, ElasticRounds):
         islands = len(self.membership.members) if self.membership else self.islands
         if islands == 1:
             return 0
-        average = Exchange(
-            flatten(self.outer_params),
-            self.group,
-            islands,
-            "none",
-            0,
-            self.numels,
-            measure_bytes=False,
-        )
+        average = Exchange(flatten(self.outer_params), self.group, islands, Codec(), self.numels)
         with torch.no_grad():
             for p, a in zip(self.outer_params, average.result().split(self.numels)):
                 p.copy_(a.view_as(p))

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from dragon.diloco.exchange import FinishedExchange
 from dragon.parallel.neurons import SHARDED, share_of
 
 STATE_FILE = "diloco_state"  # <tag dir>/diloco_state_<rank>.pt
@@ -103,7 +104,9 @@ class OuterState:
                 self.residual.zero_()
         self.optimizer.load_state_dict(state["optimizer"])
         self.outer_step = state["outer_step"]
-        self.pending = None if state["pending"] is None else _Resolved(state["pending"])
+        pending = state["pending"]
+        self.pending = None if pending is None else FinishedExchange(
+            None if isinstance(pending, str) else pending)
         self.previous_share = state.get("previous_share", self.islands)
         self.contributed = state.get("contributed", True)
         self.peak_bytes = state.get("peak_bytes", 0)
@@ -141,20 +144,6 @@ class OuterState:
                 f"islands resumed from different {what} ({int(-t[1])} to {int(t[0])}); "
                 "resume every island from the same checkpoint step"
             )
-
-
-class _Resolved:
-    """A finished exchange restored from a checkpoint ("lost": one that failed, to be redone)."""
-
-    seconds = hidden_seconds = 0.0
-
-    def __init__(self, average):
-        self.average = average
-
-    def result(self) -> torch.Tensor:
-        if isinstance(self.average, str):
-            raise RuntimeError("the exchange in flight at this checkpoint failed")
-        return self.average
 
 
 def _state_files(tag_dir: str) -> tuple[list[str], Optional[dict]]:
