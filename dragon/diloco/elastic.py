@@ -3,14 +3,11 @@ among the islands that reach it (dragon.diloco.membership runs and retries it), 
 redone without a lost island, a joiner let in with the live islands' state, and the end of a run.
 """
 
-import logging
 from typing import Optional
 
 import torch
 
-from dragon.diloco.exchange import RoundOutcome, broadcast_object
-
-logger = logging.getLogger("dragon")
+from dragon.diloco.exchange import broadcast_object
 
 
 class ElasticRounds:
@@ -34,47 +31,18 @@ class ElasticRounds:
         return {"parameters on this rank": sum(self.numels), "H": self.H, "islands": self.islands,
                 "fragments": self.config.fragments}
 
-    def _elastic_round(self, delta, own, step: int, final: bool, joining=None) -> RoundOutcome:
-        """The exchange among this outer step's quorum (`joining`: the quorum a joiner was let
-        into), retried by the membership without an island lost during it; delayed, also the late
-        average and the eager gradient. Joiners take the shared state."""
-
-        def attempt(members: list[int], group, joiners: list[int]) -> RoundOutcome:
-            late = self._late_average(group, members) if self.mode == "delayed" else None
-            contributors = len(members) - len(joiners)
-            exchange = self.exchange(delta.clone(), group, len(members), contributors)
-            gradient, at_step = None, step
-            if self.mode == "delayed":
-                gradient = self.eager_gradient(own, late, exchange, final, contributors)
-            if joiners:
-                at_step, gradient = self._share_state(group, members, joiners, step, gradient)
-            self.membership.publish(self.outer_step, at_step, self.shape())
-            self.group = group
-            return RoundOutcome(exchange, late, gradient, contributors, at_step)
-
-        return self.membership.run_round(self.outer_step, attempt, joining, final)
-
     def _late_average(self, group, members: list[int]):
         """Delayed: the average in flight since the last outer step. When it failed on any member
         (an island died during it), the members redo it from their kept pseudo-gradients: the late
         average is then the survivors' average."""
-        failed = 0.0
-        if self.pending is not None:
-            try:
-                self.pending.result()
-            except RuntimeError:
-                failed = 1.0
-        flags = [failed, float(self.contributed)]
-        if group is not None:
-            t = torch.tensor(flags, dtype=torch.float64)
-            group.allreduce([t]).wait()
-            flags = t.tolist()
-        if flags[0] == 0:
+        exchanges = [] if self.pending is None else [self.pending]
+        contributors = self.membership.failed(
+            self.outer_step, "the average in flight since the last outer step", exchanges,
+            self.contributed, group)
+        if contributors is None:
             return self.pending
-        logger.warning(f"outer step {self.outer_step}: the average in flight since the last outer "
-                       f"step failed; islands {members} redo it among themselves")
-        self.previous_share = max(int(flags[1]), 1)
-        redo = self.exchange(self.previous.clone(), group, len(members), self.previous_share)
+        self.previous_share = contributors
+        redo = self.exchange(self.previous.clone(), group, len(members), contributors)
         redo.result()
         return redo
 
@@ -105,12 +73,8 @@ class ElasticRounds:
         self.optimizer.load_state_dict(state)
 
     def close(self, ended_at: Optional[int] = None) -> None:
-        """Wait for every island after the last outer step (so the store outlives its users); an
-        elastic run's store runs on its own, and its islands may be gone: a run that `ended_at`
-        its last step says so to islands still joining."""
+        """After the last outer step: the exchange thread stops, and the membership ends the run
+        (a fixed group waits for every island; elastic islands tell joiners where it ended)."""
         if self.background is not None:
             self.background.close()
-        if self.membership is None:
-            self.topology.barrier()
-        elif ended_at is not None:
-            self.membership.end(ended_at)
+        self.membership.finish(ended_at)

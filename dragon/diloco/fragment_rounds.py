@@ -14,7 +14,6 @@ landing among all its members, so that the joiner applies the same average as th
 Averages are applied only once the round succeeds.
 """
 
-import logging
 import time
 from typing import Optional
 
@@ -22,8 +21,6 @@ import torch
 
 from dragon.diloco.exchange import ExchangeSet, broadcast_object, flatten
 from dragon.diloco.landing import InFlight
-
-logger = logging.getLogger("dragon")
 
 
 class ElasticFragments:
@@ -102,24 +99,16 @@ class ElasticFragments:
         contributed to them."""
         if not due:
             return {}
-        mine = [self.in_flight.get(f) for f in due]
-        failed, results = 0.0, None
-        try:
-            results = [x.exchange.result() for x in mine if x is not None]
-        except RuntimeError:  # gloo: a member of the exchange is gone
-            failed = 1.0
-        contributed = float(all(x is not None and x.contributed for x in mine))
-        flags = torch.tensor([failed + float(redo), contributed], dtype=torch.float64)
-        if group is not None:
-            group.allreduce([flags]).wait()
-        if flags[0] == 0:
-            return dict(zip(due, results))
-        if failed and self.topology.island_rank == 0:
-            logger.warning(f"outer step {self.outer_step}: the exchange of fragment(s) {due} in "
-                           f"flight failed; islands {members} redo it among themselves")
-        share = max(int(flags[1]), 1)
+        flights = [self.in_flight.get(f) for f in due]
+        exchanges = [x.exchange for x in flights if x is not None]
+        contributed = all(x is not None and x.contributed for x in flights)
+        share = self.membership.failed(
+            self.outer_step, f"the exchange of fragment(s) {due} in flight", exchanges,
+            contributed, group, redo)
+        if share is None:
+            return {f: x.result() for f, x in zip(due, exchanges)}
         return {f: self.exchange(self._kept(f, x), group, len(members), share).result()
-                for f, x in zip(due, mine)}
+                for f, x in zip(due, flights)}
 
     def _kept(self, fragment: int, x: Optional[InFlight]) -> torch.Tensor:
         """The pseudo-gradient this island sent for `fragment` (zeros: none of its own)."""

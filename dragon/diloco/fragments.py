@@ -154,7 +154,7 @@ class FragmentedDiLoCo(ElasticFragments, DiLoCo):
         return bool(self.syncing(step, final) or self.landing(step, final))
 
     def _outer_step(self, step: int, final: bool, joining=None) -> dict:
-        if self.membership is not None:
+        if self.config.elastic:
             return self._elastic_step(step, final, joining)
         start = time.perf_counter()
         self.outer_step += 1

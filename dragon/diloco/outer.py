@@ -61,6 +61,7 @@ is the survivors' average.
 import math
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Optional, Union
 
 import torch
@@ -70,7 +71,7 @@ from dragon.parallel.distributed import all_reduce_values
 from dragon.diloco.background import Background, LinkWatch
 from dragon.diloco.codecs import Codec, codec_for
 from dragon.diloco.exchange import Exchange, RoundOutcome, flatten
-from dragon.diloco.membership import Membership
+from dragon.diloco.membership import ElasticIslands, FixedGroup
 from dragon.diloco.elastic import ElasticRounds
 from dragon.diloco.state import OuterState
 from dragon.errors import IslandLost
@@ -128,13 +129,8 @@ class DiLoCo(OuterState, ElasticRounds):
         masters = weights.tensors()
         self.numels = [t.numel() for t in masters]
         self.device = torch.device("cpu") if config.outer_on_cpu else masters[0].device
-        self.membership = None
-        if config.elastic:
-            self.membership = Membership(
-                topology, config.quorum_timeout, config.min_islands, topology.timeout_s
-            )
-            if not config.join:  # the islands that start together meet at outer step 0
-                self.group = self.membership.quorum(0, 0)[1]
+        self.membership = membership_for(config, topology)
+        self.group = self.membership.first_group(config.join)
         self._adopt_island0_weights()
         self.outer_params = [m.detach().to(self.device, torch.float32, copy=True) for m in masters]
         self._make_optimizer = outer_optimizer or config.outer_optimizer
@@ -149,7 +145,7 @@ class DiLoCo(OuterState, ElasticRounds):
         self.outer_step = 0
         self.peak_bytes = 0  # the most any outer step before the last sent
         self.background = None  # delayed: the thread the exchanges run on
-        if (self.mode == "delayed" and config.exchange_thread and self.membership is None
+        if (self.mode == "delayed" and config.exchange_thread and not config.elastic
                 and self.group is not None):
             self.background = Background(topology)
         self.codec = codec_for(config.compress, config.int8_block, config.topk)
@@ -192,43 +188,56 @@ class DiLoCo(OuterState, ElasticRounds):
             delta = torch.zeros(sum(self.numels))
         if self.residual is not None:  # error feedback: what earlier steps did not send
             delta += self.residual
-        own = delta.clone() if self.mode == "delayed" else None  # an fp32 all-reduce works in place
-        metrics = {"outer_step": self.outer_step}
-        if self.membership is not None:
-            round_ = self._elastic_round(delta, own, step, final, joining)
-            metrics["outer_quorum"] = len(self.membership.members)
-        else:
-            round_ = RoundOutcome(self.exchange(delta, self.group, self.islands), self.pending)
-        exchange, late = round_.exchange, round_.late
+        fresh = delta.clone() if self.mode == "delayed" else None  # fp32 all-reduces in place
+        outcome = self.membership.run_round(
+            self.outer_step, partial(self._round, delta, fresh, step, final), joining, final)
+        exchange, late = outcome.exchange, outcome.late
         if self.residual is not None:
             self.residual = delta - exchange.sent
-            own = None if own is None else exchange.sent  # delayed: its share is what it sent
+            fresh = None if fresh is None else exchange.sent  # delayed: its share is what it sent
         del delta
-        applied = []
-        if self.mode == "sync":
-            applied.append(exchange)
-            self._apply(exchange.result() if round_.gradient is None else round_.gradient)
-        else:
-            applied += [e for e in (late, exchange if final else None) if e is not None]
-            gradient = round_.gradient
-            if gradient is None:
-                gradient = self.eager_gradient(own, late, exchange, final, round_.contributors)
-            self._waited([late] if late is not None else [])
-            self._apply(gradient)
+        metrics = {"outer_step": self.outer_step, **self.membership.metrics()}
+        applied = [e for e in (late, exchange if final or self.mode == "sync" else None)
+                   if e is not None]
+        self._waited([late] if late is not None else [])
+        self._apply(outcome.gradient)
+        if self.mode == "delayed":
             # after the last step nothing is in flight: a run extended past it starts its pipeline
             # afresh
             self.previous, self.pending = (
-                (torch.zeros_like(own), None) if final else (own, exchange)
+                (torch.zeros_like(fresh), None) if final else (fresh, exchange)
             )
-            self.previous_share = round_.contributors or self.islands
+            self.previous_share = outcome.contributors
             self.contributed = joining is None  # to the exchange now in flight
             if final:
                 exchange.bytes_sent += self._average_islands()
-        self.joined_step = round_.step
+        self.joined_step = outcome.step
         self._write(self.outer_params)
         metrics.update(self._exchange_metrics(exchange, applied, final))
         metrics["outer_seconds"] = time.perf_counter() - start
         return metrics
+
+    def _round(self, delta: torch.Tensor, fresh: Optional[torch.Tensor], step: int, final: bool,
+               members: list[int], group, joiners: list[int]) -> RoundOutcome:
+        """One attempt at the exchange among this outer step's members (retried by an elastic
+        membership without an island lost during it); delayed, also the late average and the
+        eager gradient. Joiners take the shared state. Nothing is applied here."""
+        late = self._late_average(group, members) if self.mode == "delayed" else None
+        contributors = len(members) - len(joiners)
+        exchange = self.exchange(delta.clone(), group, len(members), contributors)
+        at_step = step
+        if self.mode == "sync":
+            gradient = exchange.result()
+        else:  # top-k: this island's share is what it sent
+            share = fresh if exchange.sent is None else exchange.sent
+            gradient = self.eager_gradient(share, late, exchange, final, contributors)
+        if joiners:  # sync: the joiner's own average is the same
+            shared = None if self.mode == "sync" else gradient
+            at_step, shared = self._share_state(group, members, joiners, step, shared)
+            gradient = exchange.result() if shared is None else shared
+        self.membership.publish(self.outer_step, at_step, self.shape())
+        self.group = group
+        return RoundOutcome(exchange, late, gradient, contributors, at_step)
 
     def _exchange_metrics(self, exchange: Exchange, applied: list, final: bool) -> dict:
         """An outer step's bytes, errors, norms and times, over the island's ranks (one small
@@ -292,19 +301,19 @@ class DiLoCo(OuterState, ElasticRounds):
             self._write(flat.split(self.numels))
 
     def eager_gradient(
-        self, own: torch.Tensor, late, exchange: Exchange, final: bool, contributors=None
+        self, own: torch.Tensor, late, exchange: Exchange, final: bool, contributors: int
     ) -> torch.Tensor:
         """Kale et al.'s eager outer gradient: the late average with this island's share of it
         swapped for its fresh one (at the last step, for the whole fresh average)."""
         late = late.result() if late is not None else torch.zeros_like(own)
-        fresh = exchange.result() if final else own / (contributors or self.islands)
+        fresh = exchange.result() if final else own / contributors
         return late - self.previous / self.previous_share + fresh
 
     def _average_islands(self) -> int:
         """theta_outer averaged over the islands (each stepped its own momentum); returns bytes
         sent.
         """
-        islands = len(self.membership.members) if self.membership else self.islands
+        islands = len(self.membership.members)
         if islands == 1:
             return 0
         average = Exchange(flatten(self.outer_params), self.group, islands, Codec(), self.numels)
@@ -356,3 +365,10 @@ class DiLoCo(OuterState, ElasticRounds):
         return torch.cat([p.detach().reshape(-1) for p in self.outer_params])
 
     # -------------------------------------------------------------- checkpoints
+
+
+def membership_for(config: DiLoCoConfig, topology: Topology) -> Union[FixedGroup, ElasticIslands]:
+    """Elastic islands with --diloco_elastic, else every island in every outer step."""
+    if not config.elastic:
+        return FixedGroup(topology)
+    return ElasticIslands(topology, config.quorum_timeout, config.min_islands, topology.timeout_s)

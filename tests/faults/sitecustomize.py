@@ -111,7 +111,7 @@ def _dying_island(steps: set[int]) -> None:
     island = int(os.environ.get("DRAGON_FAULT_ISLAND", "0"))
 
     def dying_exchange(self, *args, **kwargs):
-        elastic = self.membership is not None
+        elastic = self.config.elastic
         if elastic and self.outer_step in steps and self.topology.island == island:
             os._exit(1)
         return exchange(self, *args, **kwargs)
