@@ -6,6 +6,14 @@ by the all-reduce itself; int8 (one absmax scale per block, or per tensor) and t
 sums each island's chunk after an all-to-all and all-gathers the summed chunks, so its bytes do
 not grow with the islands. Every island sums the same codes in the same order: the averages are
 identical bit for bit.
+
+Compression (the outer step stays fp32): bf16 all-reduces Delta in
+bf16; int8 quantizes Delta with one absmax scale per block of --diloco_int8_block values (0: per
+tensor) and all-gathers the codes; int4 reduces 4-bit chunks and all-gathers the sums
+(dragon.diloco.quantized); top-k sends the largest entries and keeps the rest for later
+(dragon.diloco.sparse). The relative error ||Q(Delta) - Delta|| / ||Delta|| of this island's
+Deltas is logged. Bytes on the wire per rank, for n islands and a payload of P bytes: fp32, bf16
+and int4 2(n-1)/n * P, int8 and top-k (all-gathers) (n-1) * P.
 """
 
 from dataclasses import dataclass

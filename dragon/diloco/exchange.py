@@ -247,7 +247,7 @@ class RoundOutcome:
     """One outer step's exchange, and what an elastic round settled with it."""
 
     exchange: Exchange
-    late: Optional[AnyExchange] = None  # delayed: the average applied one step late
+    late_average: Optional[AnyExchange] = None  # delayed: the average applied one step late
     gradient: Optional[torch.Tensor] = None  # delayed or shared by a live island
     contributors: Optional[int] = None  # what the exchange divides by (default: every island)
     step: int = 0  # the step shared with a joiner

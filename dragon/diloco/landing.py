@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -63,7 +63,7 @@ class AutoLandings:
         return (f"{_PREFIX}/g{self.generation}/s{synced_at}f{fragment}/island{island}/"
                 f"rank{rank}")
 
-    def poster(self, fragment: int, synced_at: int):
+    def poster(self, fragment: int, synced_at: int) -> Callable[[int], None]:
         """What the exchange thread calls with its proposal for this fragment's exchange (on
         the training thread, when the fragment syncs)."""
         if self.generation is None:
