@@ -34,6 +34,7 @@ def island(rank: int, n: int, port: int, values: int, fragments: list[int], out:
     its bytes and seconds, saved to `out`."""
     import torch.distributed as dist
 
+    from dragon.diloco.codecs import codec_for
     from dragon.diloco.exchange import Exchange
 
     store = dist.TCPStore("127.0.0.1", port, n, rank == 0, timedelta(seconds=120))
@@ -46,8 +47,8 @@ def island(rank: int, n: int, port: int, values: int, fragments: list[int], out:
             began = time.perf_counter()
             block, topk = (0, setting) if compress == "topk" else (setting, 0.0)
             piece = flat[: values // f]
-            x = Exchange(piece, group, n, compress, block, [piece.numel()], measure_bytes=True,
-                         topk=topk)
+            x = Exchange(piece, group, n, codec_for(compress, block, topk), [piece.numel()],
+                         measure_bytes=True)
             rows[name, f] = (x.bytes_sent, x.payload_bytes, time.perf_counter() - began,
                              (x.error_sq / x.norm_sq) ** 0.5)
     torch.save(rows, out)

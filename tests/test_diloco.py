@@ -27,6 +27,7 @@ from dragon import BDHForCausalLM
 from dragon.diloco.arguments import DiLoCoArguments
 from dragon.diloco.outer import DiLoCo
 from dragon.diloco.sparse import topk_encode
+from dragon.diloco.state import STATE_VERSION
 from dragon.parallel.topology import Topology
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
@@ -103,6 +104,24 @@ def test_outer_nesterov_step_equals_hand_computation():
         rtol=0,
         atol=0,
     )
+
+
+def test_a_state_without_a_format_version_loads_and_a_newer_one_is_refused():
+    """States saved before the format carried a version (the same keys) load as they are; a
+    state of a later format is refused in one line."""
+    args = DiLoCoArguments(diloco_inner_steps=2, diloco_mode="delayed",
+                           diloco_outer_momentum=0.0)
+    outer = toy_outer_loop(args, 4)
+    state = outer.state_dict()
+    assert state["version"] == STATE_VERSION
+    older = {k: v for k, v in state.items() if k != "version"}
+    again = DiLoCo(toy.Weights(toy.initial_weights()), args.config(), Topology())
+    again.load_state_dict(older)
+    for got, want in zip(again.outer_params, outer.outer_params):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert again.outer_step == outer.outer_step == 2
+    with pytest.raises(ValueError, match=f"this dragon reads formats up to {STATE_VERSION}"):
+        again.load_state_dict(dict(state, version=STATE_VERSION + 1))
 
 
 def test_one_island_delayed_equals_sync_also_past_a_final_step():

@@ -3,10 +3,10 @@
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 from dragon.diloco.landing import AUTO
-from dragon.diloco.outer import DiLoCoConfig
+from dragon.diloco.config import DiLoCoConfig
 
 
 def _help(text: str, **kwargs):
@@ -183,7 +183,7 @@ class DiLoCoArguments:
             raise ValueError(
                 f"--diloco_fragment_alpha {self.diloco_fragment_alpha}: must be in [0, 1]")
 
-    def fragment_delay(self):
+    def fragment_delay(self) -> Union[int, str]:
         """--diloco_fragment_delay as the outer loop takes it: "auto" (also when not given, with
         the exchange thread), or inner steps."""
         delay = self.diloco_fragment_delay

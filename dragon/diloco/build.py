@@ -1,13 +1,14 @@
 """The outer loop of a DeepSpeed engine: DiLoCo, or streaming DiLoCo with --diloco_fragments F.
 
-The one place that chooses between the two classes, above both (fragments.py builds on outer.py).
+The one place that chooses between the two outer loops (both run on dragon.diloco.runtime).
 """
 
 from typing import Optional, Union
 
 from dragon.diloco.fragments import FragmentedDiLoCo
 from dragon.diloco.master_weights import MasterWeights
-from dragon.diloco.outer import DiLoCo, DiLoCoConfig
+from dragon.diloco.config import DiLoCoConfig
+from dragon.diloco.outer import DiLoCo
 from dragon.parallel.topology import Topology
 
 

@@ -21,10 +21,12 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+from dragon.diloco.exchange import AnyExchange
 
 AUTO = "auto"
 # a proposal is one step past the first step that ends after the exchange: the proposals' reader
@@ -38,38 +40,11 @@ class InFlight:
     """A fragment's exchange under the inner steps, and the step it lands at (auto: None until
     the islands agree)."""
 
-    exchange: object  # an Exchange, or a _Resolved average restored from a checkpoint
+    exchange: AnyExchange  # an Exchange, or a FinishedExchange restored from a checkpoint
     lands_at: Optional[int]
     synced_at: int = 0
     delta: Optional[torch.Tensor] = None  # elastic: the pseudo-gradient sent, for a redo
     contributed: bool = True  # elastic: this island's own (a joiner sends zeros)
-
-
-class Together:
-    """Several fragments' exchanges of one step, seen as one by DiLoCo's metrics; result(): the
-    landed averages in their places in a vector over all of this rank's values."""
-
-    def __init__(self, exchanges: list, result: Optional[torch.Tensor] = None):
-        self.error_sq = sum(getattr(e, "error_sq", 0.0) for e in exchanges)
-        self.norm_sq = sum(getattr(e, "norm_sq", 0.0) for e in exchanges)
-        self.bytes_sent = sum(getattr(e, "bytes_sent", 0) for e in exchanges)
-        self.payload_bytes = sum(getattr(e, "payload_bytes", 0) for e in exchanges)
-        self.exchanges, self._result = exchanges, result
-
-    @property
-    def seconds(self) -> float:  # of exchanges that landed
-        return sum(e.seconds for e in self.exchanges)
-
-    @property
-    def hidden_seconds(self) -> float:
-        return sum(e.hidden_seconds for e in self.exchanges)
-
-    @property
-    def blocked(self) -> float:
-        return sum(getattr(e, "blocked", 0.0) for e in self.exchanges)
-
-    def result(self) -> Optional[torch.Tensor]:
-        return self._result
 
 
 class AutoLandings:
@@ -88,7 +63,7 @@ class AutoLandings:
         return (f"{_PREFIX}/g{self.generation}/s{synced_at}f{fragment}/island{island}/"
                 f"rank{rank}")
 
-    def poster(self, fragment: int, synced_at: int):
+    def poster(self, fragment: int, synced_at: int) -> Callable[[int], None]:
         """What the exchange thread calls with its proposal for this fragment's exchange (on
         the training thread, when the fragment syncs)."""
         if self.generation is None:

@@ -1,5 +1,10 @@
-"""Elastic DiLoCo (--diloco_elastic): which islands take part in each outer step.
+"""Which islands take part in each outer step: a fixed group (every island, always), or elastic
+islands (--diloco_elastic). Both have one interface, so an outer step has one code path:
+run_round(outer_step, attempt) runs attempt(members, their group, joiners) among the step's
+members; failed(exchanges, ...) says whether an exchange in flight has to be redone without a lost
+island; publish, metrics and finish report the step and end the run.
 
+Elastic islands (ElasticIslands).
 At every outer step each island's first rank announces itself in the islands' store. The first
 island to arrive waits up to --diloco_quorum_timeout for the islands of the last quorum and then
 writes this step's members; every rank of every island reads that one decision, so all agree. The
@@ -28,9 +33,9 @@ import time
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
+import torch
 import torch.distributed as dist
 
-from dragon.diloco.exchange import Round
 from dragon.errors import IslandLost, JoinRefused
 from dragon.parallel.topology import Topology
 
@@ -44,7 +49,39 @@ def step_key(outer_step: int, attempt: int = 0) -> str:
     return f"{_PREFIX}/{outer_step}/{attempt}"
 
 
-class Membership:
+class FixedGroup:
+    """Every island in every outer step, on the topology's cross-island group: an island lost
+    ends the run (dragon.errors.IslandLost), so nothing is ever redone."""
+
+    def __init__(self, topology: Topology):
+        self.topology, self.group = topology, topology.cross_group
+        self.members = list(range(topology.islands))
+
+    def first_group(self, joining: bool) -> Optional[Any]:
+        """The group the islands that start together meet in at the first weights."""
+        return self.group
+
+    def run_round(self, outer_step: int, attempt: Callable[[list[int], Any, list[int]], Any],
+                  joining: Optional[tuple] = None, final: bool = False) -> Any:
+        return attempt(self.members, self.group, [])
+
+    def failed(self, outer_step: int, what: str, exchanges: list, contributed: bool, group,
+               redo: bool = False) -> Optional[int]:
+        """None: a fixed group's exchange fails only with the run (its result() raises)."""
+        return None
+
+    def metrics(self) -> dict:
+        return {}
+
+    def publish(self, outer_step: int, step: int, shape: dict) -> None:
+        pass
+
+    def finish(self, ended_at: Optional[int]) -> None:
+        """Wait for every island after the last outer step (so the store outlives its users)."""
+        self.topology.barrier()
+
+
+class ElasticIslands:
     """One island's view of the quorums; `members` is the last quorum (at first: every island)."""
 
     def __init__(
@@ -54,6 +91,38 @@ class Membership:
         self.quorum_timeout, self.min_islands = quorum_timeout, min_islands
         self.timeout = timedelta(seconds=timeout_s)
         self.members = list(range(topology.islands))
+
+    def first_group(self, joining: bool) -> Optional[Any]:
+        """The islands that start together meet at outer step 0 (a joiner meets them later)."""
+        return None if joining else self.quorum(0, 0)[1]
+
+    def metrics(self) -> dict:
+        return {"outer_quorum": len(self.members)}
+
+    def failed(self, outer_step: int, what: str, exchanges: list, contributed: bool, group,
+               redo: bool = False) -> Optional[int]:
+        """None when `exchanges` (in flight since an earlier round) succeeded on every member;
+        else (one failed anywhere, or `redo`: a joiner is in the round) how many members
+        contributed to them: the members redo them among themselves, divided by that."""
+        failed = 0.0
+        try:
+            for exchange in exchanges:
+                exchange.result()
+        except RuntimeError:  # gloo: a member of the exchange is gone
+            failed = 1.0
+        flags = torch.tensor([failed, float(redo), float(contributed)], dtype=torch.float64)
+        if group is not None:
+            group.allreduce([flags]).wait()
+        if flags[0] > 0 and self.topology.island_rank == 0:
+            logger.warning(f"outer step {outer_step}: {what} failed; islands {self.members} "
+                           "redo it among themselves")
+        return None if flags[0] + flags[1] == 0 else max(int(flags[2]), 1)
+
+    def finish(self, ended_at: Optional[int]) -> None:
+        """The store runs on its own, and islands may be gone: a run that `ended_at` its last step
+        says so to islands still joining."""
+        if ended_at is not None:
+            self.end(ended_at)
 
     def quorum(
         self, outer_step: int, attempt: int, joining: bool = False, final: bool = False
@@ -96,8 +165,8 @@ class Membership:
         group = dist.ProcessGroupGloo(store, members.index(t.island), len(members), self.timeout)
         return members, group, joiners
 
-    def run_round(self, outer_step: int, attempt: Callable[[list[int], Any, list[int]], Round],
-                  joining: Optional[tuple] = None, final: bool = False) -> Round:
+    def run_round(self, outer_step: int, attempt: Callable[[list[int], Any, list[int]], Any],
+                  joining: Optional[tuple] = None, final: bool = False) -> Any:
         """attempt(members, their gloo group, the joining members) among the quorum of
         `outer_step` (`joining`: the quorum a joiner was let into). When an island is lost
         during it, the step's quorum forms again without it and the whole attempt is retried

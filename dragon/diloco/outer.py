@@ -25,158 +25,73 @@ on the same weights. With top-k, an island's share is what it sent; the rest wai
 residual.
 
 Streaming DiLoCo (--diloco_fragments F > 1: the weights in fragments synced in turn) is
-dragon.diloco.fragments.FragmentedDiLoCo (dragon.diloco.build chooses between them).
-
-Compression (the outer step stays fp32; dragon.diloco.exchange): bf16 all-reduces Delta in
-bf16; int8 quantizes Delta with one absmax scale per block of --diloco_int8_block values (0: per
-tensor) and all-gathers the codes; int4 reduces 4-bit chunks and all-gathers the sums
-(dragon.diloco.quantized); top-k sends the largest entries and keeps the rest for later
-(dragon.diloco.sparse). The relative error ||Q(Delta) - Delta|| / ||Delta|| of this island's
-Deltas is logged. Bytes on the wire per rank, for n islands and a payload of P bytes: fp32, bf16
-and int4 2(n-1)/n * P, int8 and top-k (all-gathers) (n-1) * P.
-
-Metrics of an outer step (in each island's metrics.jsonl): outer_step; outer_grad_norm (of the
-islands' average applied at this step, over the whole model; in delayed mode the late one, and
-absent at the first step); outer_bytes_sent (the most any rank of the island sent: measured from
-/proc/self/io around the blocking exchange in sync mode, the ring model above in delayed mode,
-whose last step adds the average of theta_outer), outer_peak_bytes (the most of any outer step
-before the last, so far) and outer_payload_bytes (this rank's);
-outer_comm_seconds (start to completion of the exchanges of averages applied; not the last
-step's average of theta_outer) and, delayed, outer_comm_hidden_seconds (the part of it that ran
-under inner steps) and outer_wait_seconds (what the training thread waited for them, a save's
-wait included); outer_compress_error; outer_seconds (the whole outer step);
-with --diloco_checksum, float64 sums and sums of squares of the working weights and of
-theta_outer over the island's ranks (equal bits on every island after a sync outer step).
+dragon.diloco.fragments.FragmentedDiLoCo (dragon.diloco.build chooses between them). Codecs:
+dragon.diloco.codecs; metrics: dragon.diloco.metrics.
 
 Inner optimizer state, LR schedule and data stream stay per island, as in DiLoCo.
 
 Elastic (--diloco_elastic): each outer step averages over the islands that reach it
-(dragon.diloco.membership, dragon.diloco.elastic), outer_quorum records how many; an island
+(dragon.diloco.membership), outer_quorum records how many; an island
 lost during the exchange is left out of a retry. The average is over the members only, so a
 lone island steps on its own Delta. Delayed: an average in flight that failed (an island died
 during it) is redone at the next outer step from the survivors' kept Deltas, so the late average
 is the survivors' average.
 """
 
-import math
+
 import time
-from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from functools import partial
+from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 
-from dragon.parallel.distributed import all_reduce_values
-from dragon.diloco.background import Background, LinkWatch
-from dragon.diloco.exchange import Exchange, Round, flatten
-from dragon.diloco.membership import Membership
-from dragon.diloco.elastic import ElasticRounds
-from dragon.diloco.state import OuterState
-from dragon.errors import IslandLost
+from dragon.diloco.codecs import Codec
+from dragon.diloco.config import DiLoCoConfig
+from dragon.diloco.exchange import (AnyExchange, Exchange, FinishedExchange, RoundOutcome,
+                                    flatten)
+from dragon.diloco.runtime import OuterRuntime, resumable_state
+from dragon.diloco.state import STATE_FILE, STATE_VERSION, check_fits, diloco_state_for
 from dragon.parallel.topology import Topology
 
-
-@dataclass
-class DiLoCoConfig:
-    """What the outer loop needs to know (dragon.run.args.DiLoCoArguments.config() builds it)."""
-
-    inner_steps: int  # H
-    mode: str = "sync"  # or "delayed"
-    compress: str = "none"  # the pseudo-gradient on the wire: none (fp32), bf16, int8, int4, topk
-    topk: float = 0.0  # compress "topk": the fraction of entries sent, with error feedback
-    int8_block: int = 1024  # values per int8 or int4 scale (0: one per tensor, int8 only)
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    nesterov: bool = True
-    outer_on_cpu: bool = False
-    checksum: bool = False  # log a fingerprint of the weights after every outer step
-    elastic: bool = False  # islands may die and join (dragon.diloco.membership)
-    quorum_timeout: float = 60.0
-    min_islands: int = 1
-    join: bool = False  # this island joins live ones
-    fragments: int = 1  # streaming DiLoCo: fragments synced in turn (dragon.diloco.fragments)
-    # delayed, fragments: inner steps a fragment's exchange runs under, or "auto" (until done)
-    fragment_delay: Union[int, str] = 0
-    fragment_alpha: float = 0.5  # delayed, fragments: the local share kept when a fragment lands
-    exchange_thread: bool = True  # delayed: the exchange's collectives off the training thread
-
-    def outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
-        """torch SGD with the outer lr and momentum (Nesterov unless momentum is 0)."""
-        momentum = self.outer_momentum
-        return torch.optim.SGD(params, lr=self.outer_lr, momentum=momentum,
-                               nesterov=self.nesterov and momentum > 0)
+OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
 
-class DiLoCo(OuterState, ElasticRounds):
+class DiLoCo:
     """The outer loop of one rank: call maybe_outer_step(step) after every inner step.
 
     `weights` is a MasterWeights (or anything with tensors(), publish(), replicas, excluded and
     fingerprint()); `outer_optimizer(params)` builds any torch optimizer over theta_outer.
     """
 
-    def __init__(
-        self,
-        weights,
-        config: DiLoCoConfig,
-        topology: Topology,
-        outer_optimizer: Optional[Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = None,
-    ):
+    def __init__(self, weights, config: DiLoCoConfig, topology: Topology,
+                 outer_optimizer: Optional[OptimizerFactory] = None):
+        self.runtime = OuterRuntime(weights, config, topology)
         self.weights, self.config, self.topology = weights, config, topology
-        self.H, self.mode = config.inner_steps, config.mode
-        self.islands, self.group = topology.islands, topology.cross_group
-        masters = weights.tensors()
-        self.numels = [t.numel() for t in masters]
-        self.device = torch.device("cpu") if config.outer_on_cpu else masters[0].device
-        self.membership = None
-        if config.elastic:
-            self.membership = Membership(
-                topology, config.quorum_timeout, config.min_islands, topology.timeout_s
-            )
-            if not config.join:  # the islands that start together meet at outer step 0
-                self.group = self.membership.quorum(0, 0)[1]
-        self._adopt_island0_weights()
-        self.outer_params = [m.detach().to(self.device, torch.float32, copy=True) for m in masters]
+        self.H, self.mode, self.islands = config.inner_steps, config.mode, topology.islands
+        self.numels, self.membership = self.runtime.numels, self.runtime.membership
+        device = self.runtime.device
+        self.outer_params = [m.detach().to(device, torch.float32, copy=True)
+                             for m in weights.tensors()]
         self._make_optimizer = outer_optimizer or config.outer_optimizer
         self.optimizer = self._make_optimizer(self.outer_params)
         # delayed: this island's pseudo-gradient in flight, and the exchange carrying it
         self.previous = torch.zeros(sum(self.numels)) if self.mode == "delayed" else None
-        self.pending: Optional[Exchange] = None
+        self.pending: Optional[AnyExchange] = None
         self.previous_share = self.islands  # what the late average divided `previous` by
         # top-k: what this rank has not sent yet, added to its next pseudo-gradient
         self.residual = torch.zeros(sum(self.numels)) if config.compress == "topk" else None
         self.contributed = True  # `previous` is this island's share of it
-        self.outer_step = 0
-        self.peak_bytes = 0  # the most any outer step before the last sent
-        self.background = None  # delayed: the thread the exchanges run on
-        if (self.mode == "delayed" and config.exchange_thread and self.membership is None
-                and self.group is not None):
-            self.background = Background(topology)
-        self.link = LinkWatch(self.H, config.fragments, config.compress, config.int8_block)
+        self.outer_step = self.joined_step = 0
 
     def is_boundary(self, step: int, final: bool = False) -> bool:
         """Whether a checkpoint may be taken after inner step `step`."""
         return step % self.H == 0 or final
 
-    def is_due(self, step: int, final: bool) -> bool:
-        """Whether anything of the outer loop happens after inner step `step`."""
-        return self.is_boundary(step, final)
-
     def maybe_outer_step(self, step: int, final: bool = False) -> dict:
         """After inner step `step` (1-based): the outer step when one is due, with its metrics; else
         {}. `final` makes the last step an outer step and, in delayed mode, applies what is in
         flight."""
-        if self.background is not None:
-            self.background.tick(step)
-        self.link.begin()
-        try:
-            if not self.is_due(step, final):
-                return {}
-            self.topology.reach(step)
-            return self._outer_step(step, final)
-        except RuntimeError as e:  # gloo: an island's connection closed, or the timeout passed
-            raise IslandLost(self.topology.lost(step, e)) from None
-        finally:
-            self.link.end()
+        return self.runtime.run(step, final, self.is_boundary, self._outer_step)
 
     def _outer_step(self, step: int, final: bool, joining: Optional[tuple] = None) -> dict:
         start = time.perf_counter()
@@ -190,131 +105,79 @@ class DiLoCo(OuterState, ElasticRounds):
             delta = torch.zeros(sum(self.numels))
         if self.residual is not None:  # error feedback: what earlier steps did not send
             delta += self.residual
-        own = delta.clone() if self.mode == "delayed" else None  # an fp32 all-reduce works in place
-        metrics = {"outer_step": self.outer_step}
-        if self.membership is not None:
-            round_ = self._elastic_round(delta, own, step, final, joining)
-            metrics["outer_quorum"] = len(self.membership.members)
-        else:
-            round_ = Round(self.exchange(delta, self.group, self.islands), self.pending)
-        exchange, late = round_.exchange, round_.late
+        fresh = delta.clone() if self.mode == "delayed" else None  # fp32 all-reduces in place
+        outcome = self.membership.run_round(
+            self.outer_step, partial(self._round, delta, fresh, step, final), joining, final)
+        exchange, late_average = outcome.exchange, outcome.late_average
         if self.residual is not None:
             self.residual = delta - exchange.sent
-            own = None if own is None else exchange.sent  # delayed: its share is what it sent
+            fresh = None if fresh is None else exchange.sent  # delayed: its share is what it sent
         del delta
-        applied = []
-        if self.mode == "sync":
-            applied.append(exchange)
-            self._apply(exchange.result() if round_.gradient is None else round_.gradient)
-        else:
-            applied += [e for e in (late, exchange if final else None) if e is not None]
-            gradient = round_.gradient
-            if gradient is None:
-                gradient = self.eager_gradient(own, late, exchange, final, round_.contributors)
-            self._waited([late])
-            self._apply(gradient)
+        metrics = {"outer_step": self.outer_step, **self.membership.metrics()}
+        applied = [e for e in (late_average, exchange if final or self.mode == "sync" else None)
+                   if e is not None]
+        self.runtime.waited([late_average] if late_average is not None else [])
+        self._apply(outcome.gradient)
+        if self.mode == "delayed":
             # after the last step nothing is in flight: a run extended past it starts its pipeline
             # afresh
             self.previous, self.pending = (
-                (torch.zeros_like(own), None) if final else (own, exchange)
+                (torch.zeros_like(fresh), None) if final else (fresh, exchange)
             )
-            self.previous_share = round_.contributors or self.islands
+            self.previous_share = outcome.contributors
             self.contributed = joining is None  # to the exchange now in flight
             if final:
                 exchange.bytes_sent += self._average_islands()
-        self.joined_step = round_.step
-        self._write(self.outer_params)
-        metrics.update(self._exchange_metrics(exchange, applied, final))
+        self.joined_step = outcome.step
+        self.runtime.write(self.outer_params)
+        metrics.update(self.runtime.report.of_step(exchange, applied, final, self.residual,
+                                           self._outer_flat))
         metrics["outer_seconds"] = time.perf_counter() - start
         return metrics
 
-    def _exchange_metrics(self, exchange: Exchange, applied: list, final: bool) -> dict:
-        """An outer step's bytes, errors, norms and times, over the island's ranks (one small
-        all-reduce); `applied`: the exchanges whose averages this step applied. The peak leaves
-        out the last step, which sends everything at once by design."""
-        metrics = {}
-        sums = [exchange.error_sq, exchange.norm_sq]
-        norm_sq = self._norm_sq(applied[-1].result()) if applied else 0.0
-        sums.append(norm_sq)
-        if self.config.checksum:
-            sums += self.weights.fingerprint() + self._outer_fingerprint()
-        if self.residual is not None:
-            sums.append(self._norm_sq(self.residual))
-        sums = all_reduce_values(sums, dist.ReduceOp.SUM)
-        bytes_max = all_reduce_values([float(exchange.bytes_sent)], dist.ReduceOp.MAX)[0]
-        if not final:
-            self.peak_bytes = max(self.peak_bytes, int(bytes_max))
-        metrics.update(outer_bytes_sent=int(bytes_max), outer_peak_bytes=self.peak_bytes,
-                       outer_payload_bytes=exchange.payload_bytes)
-        if self.config.compress != "none":
-            metrics["outer_compress_error"] = math.sqrt(sums[0] / sums[1]) if sums[1] > 0 else 0.0
-        if self.residual is not None:
-            metrics["outer_residual_norm"] = math.sqrt(sums[-1])
-        if applied:
-            metrics["outer_grad_norm"] = math.sqrt(sums[2])
-            metrics["outer_comm_seconds"] = sum(e.seconds for e in applied)
-            if self.mode == "delayed":
-                metrics["outer_comm_hidden_seconds"] = sum(e.hidden_seconds for e in applied)
-                metrics["outer_wait_seconds"] = sum(getattr(e, "blocked", 0.0) for e in applied)
-        if self.config.checksum:
-            metrics.update(
-                weights_sum=sums[3], weights_sumsq=sums[4], outer_sum=sums[5], outer_sumsq=sums[6]
-            )
-        return metrics
+    def _round(self, delta: torch.Tensor, fresh: Optional[torch.Tensor], step: int, final: bool,
+               members: list[int], group, joiners: list[int]) -> RoundOutcome:
+        """One attempt at the exchange among this outer step's members (retried by an elastic
+        membership without an island lost during it); delayed, also the late average and the
+        eager gradient. Joiners take the shared state. Nothing is applied here."""
+        late_average = self._late_average(group, members) if self.mode == "delayed" else None
+        contributors = len(members) - len(joiners)
+        exchange = self.runtime.exchange(delta.clone(), group, len(members), contributors)
+        at_step = step
+        if self.mode == "sync":
+            gradient = exchange.result()
+        else:  # top-k: this island's share is what it sent
+            share = fresh if exchange.sent is None else exchange.sent
+            gradient = self.eager_gradient(share, late_average, exchange, final, contributors)
+        if joiners:  # sync: the joiner's own average is the same
+            shared = None if self.mode == "sync" else gradient
+            at_step, shared = self._share_state(group, members, joiners, step, shared)
+            gradient = exchange.result() if shared is None else shared
+        self.membership.publish(self.outer_step, at_step, self.runtime.shape())
+        self.runtime.group = group
+        return RoundOutcome(exchange, late_average, gradient, contributors, at_step)
 
     # -------------------------------------------------------------- pieces
 
-    def exchange(self, delta: torch.Tensor, group, islands: int, contributors=None,
-                 numels: Optional[list[int]] = None, then=None) -> Exchange:
-        """Start the exchange among `islands` (the group's size); the average divides by the
-        `contributors` (default all: an elastic joiner adds zeros); `numels`: the tensors in
-        `delta` (default this rank's master tensors); delayed, on the exchange thread, which
-        calls `then(ready_after)` once the average is ready."""
-        return Exchange(delta, group, islands, self.config.compress, self.config.int8_block,
-                        numels or self.numels, measure_bytes=self.mode == "sync",
-                        contributors=contributors, topk=self.config.topk,
-                        background=self.background, then=then)
-
-    def _waited(self, exchanges: list) -> None:
-        """Exchanges just applied a window after they started: any that an inner step waited
-        for tells the link watch."""
-        for exchange in exchanges:
-            if getattr(exchange, "blocked", 0.0) > 0:
-                self.link.waited(exchange)
-
-    def _adopt_island0_weights(self) -> None:
-        """Every island starts from island 0's weights (rank r of each island holds the same shard).
-        """
-        if self.islands > 1 and self.group is not None:
-            flat = flatten(self.weights.tensors())
-            self.group.broadcast(flat, 0).wait()
-            self._write(flat.split(self.numels))
-
     def eager_gradient(
-        self, own: torch.Tensor, late, exchange: Exchange, final: bool, contributors=None
+        self, fresh_share: torch.Tensor, late_average: Optional[AnyExchange], exchange: Exchange,
+        final: bool, contributors: int
     ) -> torch.Tensor:
         """Kale et al.'s eager outer gradient: the late average with this island's share of it
         swapped for its fresh one (at the last step, for the whole fresh average)."""
-        late = late.result() if late is not None else torch.zeros_like(own)
-        fresh = exchange.result() if final else own / (contributors or self.islands)
+        late = late_average.result() if late_average is not None else torch.zeros_like(fresh_share)
+        fresh = exchange.result() if final else fresh_share / contributors
         return late - self.previous / self.previous_share + fresh
 
     def _average_islands(self) -> int:
         """theta_outer averaged over the islands (each stepped its own momentum); returns bytes
         sent.
         """
-        islands = len(self.membership.members) if self.membership else self.islands
+        islands = len(self.membership.members)
         if islands == 1:
             return 0
-        average = Exchange(
-            flatten(self.outer_params),
-            self.group,
-            islands,
-            "none",
-            0,
-            self.numels,
-            measure_bytes=False,
-        )
+        average = Exchange(flatten(self.outer_params), self.runtime.group, islands, Codec(),
+                           self.numels)
         with torch.no_grad():
             for p, a in zip(self.outer_params, average.result().split(self.numels)):
                 p.copy_(a.view_as(p))
@@ -323,43 +186,154 @@ class DiLoCo(OuterState, ElasticRounds):
     def _apply(self, average: torch.Tensor) -> None:
         """One outer optimizer step on theta_outer with `average` as its gradient."""
         for p, g in zip(self.outer_params, average.split(self.numels)):
-            p.grad = g.view_as(p).to(self.device)
+            p.grad = g.view_as(p).to(self.runtime.device)
         self.optimizer.step()
         for p in self.outer_params:
             p.grad = None
-
-    @torch.no_grad()
-    def _write(self, values) -> None:
-        """theta into the fp32 master weights, then into the module's working weights."""
-        for m, v in zip(self.weights.tensors(), values):
-            m.copy_(v.view_as(m))
-        self.weights.publish()
-
-    def _counted(self, flat: torch.Tensor) -> torch.Tensor:
-        """`flat` (over this rank's master tensors) without the copies another rank counts."""
-        offsets = [0]
-        for n in self.numels:
-            offsets.append(offsets[-1] + n)
-        excluded = getattr(self.weights, "excluded", [])
-        if not excluded:
-            return flat
-        keep = torch.ones(flat.numel(), dtype=torch.bool)
-        for k, start, numel in excluded:
-            keep[offsets[k] + start : offsets[k] + start + numel] = False
-        return flat[keep]
-
-    def _norm_sq(self, flat: torch.Tensor) -> float:
-        """This rank's share of the squared norm of a flat pseudo-gradient (copies counted once)."""
-        counted = self._counted(flat)
-        return float(torch.dot(counted, counted)) / getattr(self.weights, "replicas", 1)
-
-    def _outer_fingerprint(self) -> list[float]:
-        """[sum, sum of squares] in float64 of theta_outer on this rank, copies counted once."""
-        counted = self._counted(self._outer_flat()).double()
-        return [float(counted.sum()), float(counted.pow(2).sum())]
 
     def _outer_flat(self) -> torch.Tensor:
         """theta_outer as one vector over this rank's master tensors."""
         return torch.cat([p.detach().reshape(-1) for p in self.outer_params])
 
+    # -------------------------------------------------------------- elastic islands
+
+    def join(self) -> tuple[int, dict]:
+        """--diloco_join: wait to be let into the live islands' next outer step, take
+        theta_outer, the outer optimizer's state and the step from them, and take that outer step
+        with them (sync: their average; delayed: the gradient their first island applies), ending
+        it on their weights. Returns the step and the outer step's metrics."""
+        target, quorum = self.membership.admit(self.runtime.shape())
+        self.outer_step = target - 1
+        for stale in (self.previous, self.residual):  # what this island's checkpoint had
+            if stale is not None:
+                stale.zero_()
+        self.pending, self.contributed = None, False
+        metrics = self._outer_step(0, False, joining=quorum)
+        return self.joined_step, metrics
+
+    def close(self, ended_at: Optional[int] = None) -> None:
+        """After the last outer step (dragon.diloco.runtime.OuterRuntime.close)."""
+        self.runtime.close(ended_at)
+
+    def _late_average(self, group, members: list[int]) -> Optional[AnyExchange]:
+        """Delayed: the average in flight since the last outer step. When it failed on any member
+        (an island died during it), the members redo it from their kept pseudo-gradients: the late
+        average is then the survivors' average."""
+        exchanges = [] if self.pending is None else [self.pending]
+        contributors = self.membership.failed(
+            self.outer_step, "the average in flight since the last outer step", exchanges,
+            self.contributed, group)
+        if contributors is None:
+            return self.pending
+        self.previous_share = contributors
+        redo = self.runtime.exchange(self.previous.clone(), group, len(members), contributors)
+        redo.result()
+        return redo
+
+    def _share_state(self, group, members: list[int], joiners: list[int], step: int, gradient):
+        """theta_outer, the outer optimizer's state, the step and (delayed) the outer gradient of
+        the first member that is not joining; the joiners take theta_outer and the optimizer's
+        state. Returns (step, gradient) as the sender has them."""
+        state = self.runtime.share_state(group, members, joiners, {
+            "step": step, "theta_outer": [p.detach().cpu() for p in self.outer_params],
+            "optimizer": self.outer_optimizer_state(), "gradient": gradient})
+        if self.topology.island in joiners:
+            with torch.no_grad():
+                for p, v in zip(self.outer_params, state["theta_outer"]):
+                    p.copy_(v.view_as(p))
+            self.load_outer_optimizer_state(state["optimizer"])
+        return state["step"], state["gradient"]
+
+    def outer_optimizer_state(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_outer_optimizer_state(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
     # -------------------------------------------------------------- checkpoints
+
+    def state_dict(self) -> dict:
+        """theta_outer, the outer optimizer, the outer step and (delayed) this island's last
+        pseudo-gradient and the average in flight (waited for here: the save point is the same on
+        every island)."""
+        try:
+            pending = self.pending.result().clone() if self.pending is not None else None
+        except RuntimeError:  # elastic: an island died during it; the next outer step redoes it
+            pending = "lost"
+        return {
+            "version": STATE_VERSION, "outer_step": self.outer_step, "mode": self.mode,
+            "numels": self.numels,
+            # the partition, for dragon.checkpoint.reshape
+            "segments": getattr(self.weights, "segments", lambda: None)(),
+            "neuron_share": getattr(self.weights, "neuron_share", lambda: (0, 1))(),
+            "outer_params": [p.detach().cpu().clone() for p in self.outer_params],
+            "optimizer": self.optimizer.state_dict(),
+            "previous": None if self.previous is None else self.previous.clone(),
+            "residual": None if self.residual is None else self.residual.clone(),
+            "pending": pending,
+            "previous_share": self.previous_share,
+            "contributed": self.contributed,
+            "peak_bytes": self.runtime.report.peak_bytes,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """This rank's state as it saved it; every island must resume the same outer step."""
+        self.runtime.check_same_step(state["outer_step"], "outer steps")
+        self._load(state)
+
+    def resume_elsewhere(self, saved) -> None:
+        """Resume from a checkpoint that holds no state of this rank as it is now
+        (dragon.checkpoint.checkpointer.Saved): one saved on another partition of the weights
+        (laid out again for this one), island 0's (a new island: no share of its own in the
+        average in flight), or one of a run without DiLoCo (the outer loop starts afresh)."""
+        self.runtime.check_same_step(saved.step)
+        state = resumable_state(saved, STATE_FILE, lambda tag_dir: diloco_state_for(
+            tag_dir, self.weights, self.numels))
+        if state is None:
+            self.restart()
+            return
+        self._load(state)
+        if saved.borrowed:
+            self.forget_own_share()
+
+    def _load(self, state: dict) -> None:
+        check_fits(state, 1, self.mode, self.numels)
+        with torch.no_grad():
+            for p, saved in zip(self.outer_params, state["outer_params"]):
+                p.copy_(saved)
+            if self.previous is not None:
+                self.previous.copy_(state["previous"])
+            if self.residual is not None and state.get("residual") is not None:
+                self.residual.copy_(state["residual"])
+            elif self.residual is not None:  # a run without top-k until now
+                self.residual.zero_()
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.outer_step = state["outer_step"]
+        pending = state["pending"]
+        self.pending = None if pending is None else FinishedExchange(
+            None if isinstance(pending, str) else pending)
+        self.previous_share = state.get("previous_share", self.islands)
+        self.contributed = state.get("contributed", True)
+        self.runtime.report.peak_bytes = state.get("peak_bytes", 0)
+
+    def forget_own_share(self) -> None:
+        """A new island resumed from island 0's state has no pseudo-gradient of its own in the
+        average in flight, nor anything of its own held back (top-k)."""
+        for vector in (self.previous, self.residual):
+            if vector is not None:
+                vector.zero_()
+        self.contributed = False
+
+    def restart(self) -> None:
+        """Start the outer loop afresh from the current weights (a checkpoint saved without DiLoCo).
+        """
+        self.runtime.adopt_island0_weights()
+        masters = self.weights.tensors()
+        with torch.no_grad():
+            for p, m in zip(self.outer_params, masters):
+                p.copy_(m)
+            for vector in (self.previous, self.residual):
+                if vector is not None:
+                    vector.zero_()
+        self.optimizer = self._make_optimizer(self.outer_params)
+        self.pending, self.outer_step = None, 0

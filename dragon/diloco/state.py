@@ -1,6 +1,6 @@
-"""DiLoCo's state in a checkpoint: what each rank saves and loads (OuterState, a part of
-dragon.diloco.outer.DiLoCo), and the re-layout of a state saved on one partition of the weights
-(data-parallel size, ZeRO stage) for another.
+"""DiLoCo's state in a checkpoint: the checks every outer loop's state goes through, and the
+re-layout of a state saved on one partition of the weights (data-parallel size, ZeRO stage) for
+another.
 
 Each rank's saved state names where its flat values sit in the model (`segments`, from
 MasterWeights.segments): the pieces of every saved rank are joined per parameter and cut again
@@ -15,146 +15,30 @@ from types import SimpleNamespace
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
+from dragon.diloco.fragment_cut import RUNS, fragment_ids
 from dragon.parallel.neurons import SHARDED, share_of
 
 STATE_FILE = "diloco_state"  # <tag dir>/diloco_state_<rank>.pt
+# the format of a saved state; 1: saved before the field existed (the same keys), which loads
+STATE_VERSION = 2
 
 
-class OuterState:
-    """DiLoCo's save and resume: theta_outer, the outer optimizer, the outer step and (delayed)
-    what is in flight."""
-
-    def state_dict(self) -> dict:
-        """theta_outer, the outer optimizer, the outer step and (delayed) this island's last
-        pseudo-gradient and the average in flight (waited for here: the save point is the same on
-        every island)."""
-        try:
-            pending = self.pending.result().clone() if self.pending is not None else None
-        except RuntimeError:  # elastic: an island died during it; the next outer step redoes it
-            pending = "lost"
-        return {
-            "outer_step": self.outer_step,
-            "mode": self.mode,
-            "numels": self.numels,
-            # the partition, for dragon.checkpoint.reshape
-            "segments": getattr(self.weights, "segments", lambda: None)(),
-            "neuron_share": getattr(self.weights, "neuron_share", lambda: (0, 1))(),
-            "outer_params": [p.detach().cpu().clone() for p in self.outer_params],
-            "optimizer": self.optimizer.state_dict(),
-            "previous": None if self.previous is None else self.previous.clone(),
-            "residual": None if self.residual is None else self.residual.clone(),
-            "pending": pending,
-            "previous_share": self.previous_share,
-            "contributed": self.contributed,
-            "peak_bytes": self.peak_bytes,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        """This rank's state as it saved it; every island must resume the same outer step."""
-        self.check_same_step(state["outer_step"], "outer steps")
-        self._load(state)
-
-    def resume_elsewhere(self, saved) -> None:
-        """Resume from a checkpoint that holds no state of this rank as it is now
-        (dragon.checkpoint.checkpointer.Saved): one saved on another partition of the weights
-        (laid out again for this one), island 0's (a new island: no share of its own in the
-        average in flight), or one of a run without DiLoCo (the outer loop starts afresh)."""
-        self.check_same_step(saved.step)
-        if saved.relaid:
-            state = self._relaid_state(saved.tag_dir)
-        else:
-            state = saved.rank_file(STATE_FILE)
-        if state is None:
-            self.restart()
-            return
-        self._load(state)
-        if saved.borrowed:
-            self.forget_own_share()
-
-    def _relaid_state(self, tag_dir: str) -> Optional[dict]:
-        """This rank's state from one saved on another partition of the weights (None: none)."""
-        return diloco_state_for(tag_dir, self.weights, self.numels)
-
-    def _load(self, state: dict) -> None:
-        if state.get("fragments", 1) != 1:
-            raise ValueError(f"DiLoCo state of {state['fragments']} fragments does not fit "
-                             f"--diloco_fragments 1; resume with --diloco_fragments "
-                             f"{state['fragments']}")
-        if state["mode"] != self.mode:
-            raise ValueError(f"DiLoCo state of --diloco_mode {state['mode']} does not fit "
-                             f"--diloco_mode {self.mode}; resume with --diloco_mode "
-                             f"{state['mode']}")
-        if state["numels"] != self.numels:
-            raise ValueError(
-                f"DiLoCo state of {len(state['numels'])} tensors does not fit this layout's "
-                f"{len(self.numels)}; resume with the model, ZeRO stage and island size it was "
-                "saved with"
-            )
-        with torch.no_grad():
-            for p, saved in zip(self.outer_params, state["outer_params"]):
-                p.copy_(saved)
-            if self.previous is not None:
-                self.previous.copy_(state["previous"])
-            if self.residual is not None and state.get("residual") is not None:
-                self.residual.copy_(state["residual"])
-            elif self.residual is not None:  # a run without top-k until now
-                self.residual.zero_()
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.outer_step = state["outer_step"]
-        self.pending = None if state["pending"] is None else _Resolved(state["pending"])
-        self.previous_share = state.get("previous_share", self.islands)
-        self.contributed = state.get("contributed", True)
-        self.peak_bytes = state.get("peak_bytes", 0)
-
-    def forget_own_share(self) -> None:
-        """A new island resumed from island 0's state has no pseudo-gradient of its own in the
-        average in flight, nor anything of its own held back (top-k)."""
-        for vector in (self.previous, self.residual):
-            if vector is not None:
-                vector.zero_()
-        self.contributed = False
-
-    def restart(self) -> None:
-        """Start the outer loop afresh from the current weights (a checkpoint saved without DiLoCo).
-        """
-        self._adopt_island0_weights()
-        masters = self.weights.tensors()
-        with torch.no_grad():
-            for p, m in zip(self.outer_params, masters):
-                p.copy_(m)
-            for vector in (self.previous, self.residual):
-                if vector is not None:
-                    vector.zero_()
-        self.optimizer = self._make_optimizer(self.outer_params)
-        self.pending, self.outer_step = None, 0
-
-    def check_same_step(self, step: int, what: str = "steps") -> None:
-        """Raise unless every island resumed at the same step (a collective across islands)."""
-        if self.group is None:
-            return
-        t = torch.tensor([step, -step], dtype=torch.float64)
-        self.group.allreduce([t], dist.ReduceOp.MAX).wait()
-        if t[0] != -t[1]:
-            raise RuntimeError(
-                f"islands resumed from different {what} ({int(-t[1])} to {int(t[0])}); "
-                "resume every island from the same checkpoint step"
-            )
-
-
-class _Resolved:
-    """A finished exchange restored from a checkpoint ("lost": one that failed, to be redone)."""
-
-    seconds = hidden_seconds = 0.0
-
-    def __init__(self, average):
-        self.average = average
-
-    def result(self) -> torch.Tensor:
-        if isinstance(self.average, str):
-            raise RuntimeError("the exchange in flight at this checkpoint failed")
-        return self.average
+def check_fits(state: dict, fragments: int, mode: str, numels: list[int]) -> None:
+    """ValueError in one line unless this rank's saved `state` fits an outer loop of `fragments`
+    fragments in `mode` over master tensors of `numels` values."""
+    version = state.get("version", 1)
+    if version > STATE_VERSION:
+        raise ValueError(f"DiLoCo state of format {version}: this dragon reads formats up to "
+                         f"{STATE_VERSION}; resume with the dragon that saved it")
+    saved = (state.get("fragments", 1), state["mode"], state["numels"])
+    if saved != (fragments, mode, numels):
+        raise ValueError(
+            f"DiLoCo state of --diloco_fragments {saved[0]} --diloco_mode {saved[1]} over "
+            f"{len(saved[2])} tensors does not fit --diloco_fragments {fragments} --diloco_mode "
+            f"{mode} over {len(numels)} on this layout; resume with --diloco_fragments "
+            f"{saved[0]} --diloco_mode {saved[1]} on the model, ZeRO stage and island size it was "
+            "saved with")
 
 
 def _state_files(tag_dir: str) -> tuple[list[str], Optional[dict]]:
@@ -190,7 +74,7 @@ def saved_states(tag_dir: str) -> list[dict]:
             for f in check_diloco_state(tag_dir)]
 
 
-def relay(saved: list[dict], segments: list, numels: list[int], tensors_of,
+def laid_out_for(saved: list[dict], segments: list, numels: list[int], tensors_of,
           share: tuple[int, int] = (0, 1), config=None) -> list[torch.Tensor]:
     """Flat tensors that the ranks of another layout saved (tensors_of(state) -> one per master
     tensor of that rank) laid out again for master tensors `segments` of `numels` values: each
@@ -245,7 +129,7 @@ def diloco_state_for(tag_dir: str, weights, numels: list[int]) -> Optional[dict]
     segments, share = weights.segments(), weights.neuron_share()
 
     def moved(tensors_of) -> list[torch.Tensor]:
-        return relay(saved, segments, numels, tensors_of, share, weights.config)
+        return laid_out_for(saved, segments, numels, tensors_of, share, weights.config)
 
     def flat_vector(key):  # one vector over every master tensor (delayed mode)
         if saved[0].get(key) is None or isinstance(saved[0][key], str):
@@ -268,3 +152,58 @@ def diloco_state_for(tag_dir: str, weights, numels: list[int]) -> Optional[dict]
                 optimizer={"state": state, "param_groups": groups},
                 previous=flat_vector("previous"), pending=flat_vector("pending"),
                 residual=flat_vector("residual"))
+
+
+def fragment_state_for(tag_dir: str, weights, numels: list[int], fragments: int
+                       ) -> Optional[dict]:
+    """This rank's state from the fragment states the ranks of another partition of the
+    weights saved: every fragment's vectors put back in place over each saved rank's values,
+    laid out again for this rank's (laid_out_for), and cut by this rank's ids."""
+    saved = saved_states(tag_dir)
+    if not saved:
+        return None
+    shapes, first = weights.shapes(), saved[0]
+    cut = first.get("cut", RUNS)
+    ids = fragment_ids(weights.segments(), shapes, numels, fragments, cut)
+    old = [fragment_ids(s["segments"], shapes, s["numels"], fragments, cut) for s in saved]
+    at = {id(s): i for i, s in enumerate(saved)}
+
+    def moved(vectors_of) -> list[Optional[torch.Tensor]]:
+        """Per fragment, vectors_of(state) (F masked vectors, None where a fragment has
+        none) laid out for this rank."""
+        def placed(state: dict) -> list[torch.Tensor]:
+            flat = torch.zeros(sum(state["numels"]))
+            for f, vector in enumerate(vectors_of(state)):
+                if vector is not None:
+                    flat[old[at[id(state)]] == f] = vector.float()
+            return list(flat.split(state["numels"]))
+        whole = torch.cat(laid_out_for(saved, weights.segments(), numels, placed,
+                                       weights.neuron_share(), weights.config))
+        present = [v is not None for v in vectors_of(first)]
+        return [whole[ids == f] if present[f] else None for f in range(fragments)]
+
+    optimizers = [dict(o) for o in first["optimizers"]]  # a fragment not stepped yet: none
+    buffers = moved(lambda s: [o["state"].get(0, {}).get("momentum_buffer")
+                               for o in s["optimizers"]])
+    for optimizer, buffer in zip(optimizers, buffers):
+        if buffer is not None:
+            optimizer["state"] = {0: dict(optimizer["state"][0], momentum_buffer=buffer)}
+
+    def flights(i: int):  # item i of each fragment's saved flight, where it is a vector
+        return lambda s: [_vector(s["in_flight"].get(f, ()), i) for f in range(fragments)]
+
+    landing, sent_deltas = moved(flights(0)), moved(flights(3))
+    residual = None
+    if first.get("residual") is not None:
+        residual = torch.cat(laid_out_for(saved, weights.segments(), numels,
+                                          lambda s: list(s["residual"].split(s["numels"])),
+                                          weights.neuron_share(), weights.config))
+    return dict(first, numels=numels, segments=weights.segments(),
+                neuron_share=weights.neuron_share(), optimizers=optimizers,
+                outer_params=moved(lambda s: s["outer_params"]), residual=residual,
+                in_flight={f: ("lost" if isinstance(v[0], str) else landing[f], *v[1:3],
+                               sent_deltas[f], *v[4:]) for f, v in first["in_flight"].items()})
+
+
+def _vector(saved: tuple, i: int) -> Optional[torch.Tensor]:
+    return saved[i] if len(saved) > i and torch.is_tensor(saved[i]) else None

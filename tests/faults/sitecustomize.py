@@ -104,19 +104,26 @@ def _held_saves(steps: set[int]) -> None:
 
 
 def _dying_island(steps: set[int]) -> None:
-    """DiLoCo.exchange starts an outer step's exchange once the quorum has formed."""
-    from dragon.diloco.outer import DiLoCo
+    """The island exits as it starts an exchange of an elastic round of one of `steps`: each
+    round notes its outer step, each exchange (dragon.diloco.runtime) reads it."""
+    from dragon.diloco.membership import ElasticIslands
+    from dragon.diloco.runtime import OuterRuntime
 
-    exchange = DiLoCo.exchange
+    run_round, exchange = ElasticIslands.run_round, OuterRuntime.exchange
     island = int(os.environ.get("DRAGON_FAULT_ISLAND", "0"))
 
+    def noting_round(self, outer_step, *args, **kwargs):
+        self.fault_outer_step = outer_step
+        return run_round(self, outer_step, *args, **kwargs)
+
     def dying_exchange(self, *args, **kwargs):
-        elastic = self.membership is not None
-        if elastic and self.outer_step in steps and self.topology.island == island:
+        outer_step = getattr(self.membership, "fault_outer_step", None)
+        if outer_step in steps and self.topology.island == island:
             os._exit(1)
         return exchange(self, *args, **kwargs)
 
-    DiLoCo.exchange = dying_exchange
+    ElasticIslands.run_round = noting_round
+    OuterRuntime.exchange = dying_exchange
 
 
 def _killed_preparation(shards: set[int]) -> None:

@@ -15,6 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from dragon.diloco.codecs import codec_for
 from dragon.diloco.exchange import Exchange
 
 LENGTH, BLOCK, TOPK = 100_000, 64, 0.02
@@ -31,8 +32,8 @@ def main() -> None:
     group = dist.ProcessGroupGloo(store, island, n, timedelta(seconds=60))
     for codec in codecs:
         group.barrier().wait()  # connections made, and the last exchange done, before counting
-        exchange = Exchange(pseudo_gradient(island), group, n, codec, BLOCK, [LENGTH],
-                            measure_bytes=True, topk=TOPK)
+        exchange = Exchange(pseudo_gradient(island), group, n, codec_for(codec, BLOCK, TOPK),
+                            [LENGTH], measure_bytes=True)
         torch.save({"average": exchange.result(), "bytes_sent": exchange.bytes_sent,
                     "payload_bytes": exchange.payload_bytes,
                     "error": (exchange.error_sq / exchange.norm_sq) ** 0.5}, f"{out}.{codec}.pt")

@@ -1,0 +1,37 @@
+"""What the outer loop needs to know, from the --diloco_* arguments."""
+
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+
+@dataclass
+class DiLoCoConfig:
+    """What the outer loop needs to know (dragon.diloco.arguments.DiLoCoArguments.config())."""
+
+    inner_steps: int  # H
+    mode: str = "sync"  # or "delayed"
+    compress: str = "none"  # the pseudo-gradient on the wire: none (fp32), bf16, int8, int4, topk
+    topk: float = 0.0  # compress "topk": the fraction of entries sent, with error feedback
+    int8_block: int = 1024  # values per int8 or int4 scale (0: one per tensor, int8 only)
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    outer_on_cpu: bool = False
+    checksum: bool = False  # log a fingerprint of the weights after every outer step
+    elastic: bool = False  # islands may die and join (dragon.diloco.membership)
+    quorum_timeout: float = 60.0
+    min_islands: int = 1
+    join: bool = False  # this island joins live ones
+    fragments: int = 1  # streaming DiLoCo: fragments synced in turn (dragon.diloco.fragments)
+    # delayed, fragments: inner steps a fragment's exchange runs under, or "auto" (until done)
+    fragment_delay: Union[int, str] = 0
+    fragment_alpha: float = 0.5  # delayed, fragments: the local share kept when a fragment lands
+    exchange_thread: bool = True  # delayed: the exchange's collectives off the training thread
+
+    def outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        """torch SGD with the outer lr and momentum (Nesterov unless momentum is 0)."""
+        momentum = self.outer_momentum
+        return torch.optim.SGD(params, lr=self.outer_lr, momentum=momentum,
+                               nesterov=self.nesterov and momentum > 0)

@@ -1,0 +1,100 @@
+"""The metrics of an outer step, summed or maxed over the island's ranks in one small all-reduce
+each.
+
+Metrics of an outer step (in each island's metrics.jsonl): outer_step; outer_grad_norm (of the
+islands' average applied at this step, over the whole model; in delayed mode the late one, and
+absent at the first step); outer_bytes_sent (the most any rank of the island sent: measured from
+/proc/self/io around the blocking exchange in sync mode, the ring model of
+dragon.diloco.exchange.ring_bytes in delayed mode, whose last step adds the average of
+theta_outer), outer_peak_bytes (the most of any outer step before the last, so far) and
+outer_payload_bytes (this rank's); outer_comm_seconds (start to completion of the exchanges of
+averages applied; not the last step's average of theta_outer) and, delayed,
+outer_comm_hidden_seconds (the part of it that ran under inner steps) and outer_wait_seconds (what
+the training thread waited for them, a save's wait included); outer_compress_error; outer_seconds
+(the whole outer step); with --diloco_checksum, float64 sums and sums of squares of the working
+weights and of theta_outer over the island's ranks (equal bits on every island after a sync outer
+step).
+
+Streaming DiLoCo (dragon.diloco.fragments). Metrics of a step where a fragment syncs or lands:
+outer_step (such steps so far), outer_fragment (the one that syncs), outer_landed (the one that
+lands, the first if several do; both F at the last step: all of them), outer_landed_after (delayed:
+inner steps since it synced), outer_bytes_sent (what the exchanges started at this step send, the
+most of any rank of the island), outer_peak_bytes (the most of any such step so far; the last
+step's sync of every fragment is not in it), and, as above, outer_payload_bytes,
+outer_compress_error, outer_grad_norm (of the averages that landed), outer_residual_norm,
+outer_quorum (elastic), outer_seconds and the checksums.
+"""
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from dragon.diloco.exchange import AnyExchange
+from dragon.parallel.distributed import all_reduce_values
+
+
+class OuterMetrics:
+    """What an outer loop reports of its steps; `peak_bytes`: the most any outer step before the
+    last sent (saved with the outer loop's state)."""
+
+    def __init__(self, weights, config, numels: list[int]):
+        self.weights, self.config, self.numels = weights, config, numels
+        self.peak_bytes = 0
+
+    def of_step(self, exchange: AnyExchange, applied: list, final: bool,
+                residual: Optional[torch.Tensor], outer_flat: Callable[[], torch.Tensor]) -> dict:
+        """An outer step's bytes, errors, norms and times; `applied`: the exchanges whose
+        averages this step applied. The peak leaves out the last step, which sends everything
+        at once by design."""
+        metrics = {}
+        sums = [exchange.error_sq, exchange.norm_sq]
+        sums.append(self.norm_sq(applied[-1].result()) if applied else 0.0)
+        if self.config.checksum:
+            sums += self.weights.fingerprint() + self._fingerprint(outer_flat())
+        if residual is not None:
+            sums.append(self.norm_sq(residual))
+        sums = all_reduce_values(sums, dist.ReduceOp.SUM)
+        bytes_max = all_reduce_values([float(exchange.bytes_sent)], dist.ReduceOp.MAX)[0]
+        if not final:
+            self.peak_bytes = max(self.peak_bytes, int(bytes_max))
+        metrics.update(outer_bytes_sent=int(bytes_max), outer_peak_bytes=self.peak_bytes,
+                       outer_payload_bytes=exchange.payload_bytes)
+        if self.config.compress != "none":
+            metrics["outer_compress_error"] = math.sqrt(sums[0] / sums[1]) if sums[1] > 0 else 0.0
+        if residual is not None:
+            metrics["outer_residual_norm"] = math.sqrt(sums[-1])
+        if applied:
+            metrics["outer_grad_norm"] = math.sqrt(sums[2])
+            metrics["outer_comm_seconds"] = sum(e.seconds for e in applied)
+            if self.config.mode == "delayed":
+                metrics["outer_comm_hidden_seconds"] = sum(e.hidden_seconds for e in applied)
+                metrics["outer_wait_seconds"] = sum(e.blocked for e in applied)
+        if self.config.checksum:
+            metrics.update(weights_sum=sums[3], weights_sumsq=sums[4], outer_sum=sums[5],
+                           outer_sumsq=sums[6])
+        return metrics
+
+    def counted(self, flat: torch.Tensor) -> torch.Tensor:
+        """`flat` (over this rank's master tensors) without the copies another rank counts."""
+        excluded = getattr(self.weights, "excluded", [])
+        if not excluded:
+            return flat
+        offsets = [0]
+        for n in self.numels:
+            offsets.append(offsets[-1] + n)
+        keep = torch.ones(flat.numel(), dtype=torch.bool)
+        for k, start, numel in excluded:
+            keep[offsets[k] + start: offsets[k] + start + numel] = False
+        return flat[keep]
+
+    def norm_sq(self, flat: torch.Tensor) -> float:
+        """This rank's share of the squared norm of a flat pseudo-gradient (copies counted once)."""
+        counted = self.counted(flat)
+        return float(torch.dot(counted, counted)) / getattr(self.weights, "replicas", 1)
+
+    def _fingerprint(self, outer_flat: torch.Tensor) -> list[float]:
+        """[sum, sum of squares] in float64 of theta_outer on this rank, copies counted once."""
+        counted = self.counted(outer_flat).double()
+        return [float(counted.sum()), float(counted.pow(2).sum())]

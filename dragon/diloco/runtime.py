@@ -1,0 +1,138 @@
+"""What every outer loop of a rank runs on, whether it syncs the whole model (dragon.diloco.outer)
+or fragments in turn (dragon.diloco.fragments): the weights, the islands' membership and group,
+the codec and the exchange thread, the link watch and the metrics, and the steps they share (the
+first weights, writing theta back, an exchange, the state a joiner takes, the end of a run)."""
+
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from dragon.diloco.background import Background, LinkWatch
+from dragon.diloco.codecs import codec_for
+from dragon.diloco.config import DiLoCoConfig
+from dragon.diloco.exchange import Exchange, broadcast_object, flatten
+from dragon.diloco.membership import ElasticIslands, FixedGroup
+from dragon.diloco.metrics import OuterMetrics
+from dragon.errors import IslandLost
+from dragon.parallel.topology import Topology
+
+
+class OuterRuntime:
+    """One rank's side of the islands for an outer loop. `weights` is a MasterWeights (or anything
+    with tensors(), publish(), replicas, excluded and fingerprint()). `group` is the group of the
+    last outer step's members (elastic islands change it)."""
+
+    def __init__(self, weights, config: DiLoCoConfig, topology: Topology):
+        self.weights, self.config, self.topology = weights, config, topology
+        self.islands = topology.islands
+        masters = weights.tensors()
+        self.numels = [t.numel() for t in masters]
+        self.device = torch.device("cpu") if config.outer_on_cpu else masters[0].device
+        self.membership = membership_for(config, topology)
+        self.group = self.membership.first_group(config.join)
+        self.adopt_island0_weights()
+        self.report = OuterMetrics(weights, config, self.numels)
+        self.background = None  # delayed: the thread the exchanges run on
+        if (config.mode == "delayed" and config.exchange_thread and not config.elastic
+                and self.group is not None):
+            self.background = Background(topology)
+        self.codec = codec_for(config.compress, config.int8_block, config.topk)
+        self.link = LinkWatch(config.inner_steps, config.fragments, config.compress,
+                              config.int8_block)
+
+    def run(self, step: int, final: bool, due: Callable[[int, bool], bool],
+            outer_step: Callable[[int, bool], dict]) -> dict:
+        """After inner step `step`: outer_step(step, final) when due(step, final), else {}; an
+        island lost on the way ends the run in one line (dragon.errors.IslandLost)."""
+        if self.background is not None:
+            self.background.tick(step)
+        self.link.begin()
+        try:
+            if not due(step, final):
+                return {}
+            self.topology.reach(step)
+            return outer_step(step, final)
+        except RuntimeError as e:  # gloo: an island's connection closed, or the timeout passed
+            raise IslandLost(self.topology.lost(step, e)) from None
+        finally:
+            self.link.end()
+
+    def exchange(self, delta: torch.Tensor, group, islands: int,
+                 contributors: Optional[int] = None, numels: Optional[list[int]] = None,
+                 then: Optional[Callable[[int], None]] = None) -> Exchange:
+        """Start the exchange among `islands` (the group's size); the average divides by the
+        `contributors` (default all: an elastic joiner adds zeros); `numels`: the tensors in
+        `delta` (default this rank's master tensors); delayed, on the exchange thread, which
+        calls `then(ready_after)` once the average is ready."""
+        return Exchange(delta, group, islands, self.codec, numels or self.numels,
+                        measure_bytes=self.config.mode == "sync", contributors=contributors,
+                        background=self.background, then=then)
+
+    def waited(self, exchanges: list) -> None:
+        """Exchanges just applied a window after they started: any that an inner step waited
+        for tells the link watch."""
+        for exchange in exchanges:
+            if exchange.blocked > 0:
+                self.link.waited(exchange)
+
+    def adopt_island0_weights(self) -> None:
+        """Every island starts from island 0's weights (rank r of each island holds the same
+        shard)."""
+        if self.islands > 1 and self.group is not None:
+            flat = flatten(self.weights.tensors())
+            self.group.broadcast(flat, 0).wait()
+            self.write(flat.split(self.numels))
+
+    @torch.no_grad()
+    def write(self, values) -> None:
+        """theta into the fp32 master weights, then into the module's working weights."""
+        for m, v in zip(self.weights.tensors(), values):
+            m.copy_(v.view_as(m))
+        self.weights.publish()
+
+    def shape(self) -> dict:
+        """What a joiner must match."""
+        return {"parameters on this rank": sum(self.numels), "H": self.config.inner_steps,
+                "islands": self.islands, "fragments": self.config.fragments}
+
+    def share_state(self, group, members: list[int], joiners: list[int], state: dict) -> dict:
+        """`state` (theta_outer, the outer optimizer's state, the step, the gradient) of the first
+        member that is not joining, on every member (the joiners' own is not read)."""
+        root = members.index(min(i for i in members if i not in joiners))
+        joining = self.topology.island in joiners
+        return broadcast_object(None if joining else state, group, root)
+
+    def check_same_step(self, step: int, what: str = "steps") -> None:
+        """Raise unless every island resumed at the same step (a collective across islands)."""
+        if self.group is None:
+            return
+        t = torch.tensor([step, -step], dtype=torch.float64)
+        self.group.allreduce([t], dist.ReduceOp.MAX).wait()
+        if t[0] != -t[1]:
+            raise RuntimeError(
+                f"islands resumed from different {what} ({int(-t[1])} to {int(t[0])}); "
+                "resume every island from the same checkpoint step"
+            )
+
+    def close(self, ended_at: Optional[int] = None) -> None:
+        """After the last outer step: the exchange thread stops, and the membership ends the run
+        (a fixed group waits for every island; elastic islands tell joiners where it ended)."""
+        if self.background is not None:
+            self.background.close()
+        self.membership.finish(ended_at)
+
+
+def membership_for(config: DiLoCoConfig, topology: Topology) -> Union[FixedGroup, ElasticIslands]:
+    """Elastic islands with --diloco_elastic, else every island in every outer step."""
+    if not config.elastic:
+        return FixedGroup(topology)
+    return ElasticIslands(topology, config.quorum_timeout, config.min_islands, topology.timeout_s)
+
+
+def resumable_state(saved, own_file: str, laid_out: Callable[[str], Optional[dict]]
+                    ) -> Optional[Any]:
+    """The state to load from a checkpoint that holds none of this rank as it is now
+    (dragon.checkpoint.checkpointer.Saved): one laid out from another partition of the weights,
+    or island 0's file; None: a run without DiLoCo saved it."""
+    return laid_out(saved.tag_dir) if saved.relaid else saved.rank_file(own_file)
