@@ -292,19 +292,6 @@ class FragmentedDiLoCo:
         if saved.borrowed and self.residual is not None:
             self.residual.zero_()
 
-    def _share_state(self, group, members: list[int], joiners: list[int], step: int) -> int:
-        """theta_outer, every fragment's outer optimizer state and the step of the first member
-        that is not joining; the joiners take them. Returns the sender's step."""
-        state = self.runtime.share_state(group, members, joiners, {
-            "step": step, "theta_outer": [p.detach().cpu() for p in self.outer_params],
-            "optimizer": self.outer_optimizer_state(), "gradient": None})
-        if self.topology.island in joiners:
-            with torch.no_grad():
-                for p, v in zip(self.outer_params, state["theta_outer"]):
-                    p.copy_(v.view_as(p))
-            self.load_outer_optimizer_state(state["optimizer"])
-        return state["step"]
-
     def restart(self) -> None:
         """Start afresh from the current weights (a checkpoint saved without DiLoCo)."""
         self.runtime.adopt_island0_weights()
@@ -348,7 +335,9 @@ class FragmentedDiLoCo:
         def attempt(members: list[int], group, joiners: list[int]):
             at_step, due = step, self.landing(step, final)
             if joiners:
-                at_step = self._share_state(group, members, joiners, step)
+                at_step, _ = self.runtime.share_outer_state(
+                    group, members, joiners, step, self.outer_params,
+                    self.outer_optimizer_state(), self.load_outer_optimizer_state)
                 root = members.index(min(i for i in members if i not in joiners))
                 due = broadcast_object(due, group, root)
                 if self.topology.island in joiners:

@@ -151,7 +151,9 @@ class DiLoCo:
             gradient = self.eager_gradient(share, late_average, exchange, final, contributors)
         if joiners:  # sync: the joiner's own average is the same
             shared = None if self.mode == "sync" else gradient
-            at_step, shared = self._share_state(group, members, joiners, step, shared)
+            at_step, shared = self.runtime.share_outer_state(
+                group, members, joiners, step, self.outer_params, self.outer_optimizer_state(),
+                self.load_outer_optimizer_state, gradient=shared)
             gradient = exchange.result() if shared is None else shared
         self.membership.publish(self.outer_step, at_step, self.runtime.shape())
         self.runtime.group = group
@@ -229,20 +231,6 @@ class DiLoCo:
         redo = self.runtime.exchange(self.previous.clone(), group, len(members), contributors)
         redo.result()
         return redo
-
-    def _share_state(self, group, members: list[int], joiners: list[int], step: int, gradient):
-        """theta_outer, the outer optimizer's state, the step and (delayed) the outer gradient of
-        the first member that is not joining; the joiners take theta_outer and the optimizer's
-        state. Returns (step, gradient) as the sender has them."""
-        state = self.runtime.share_state(group, members, joiners, {
-            "step": step, "theta_outer": [p.detach().cpu() for p in self.outer_params],
-            "optimizer": self.outer_optimizer_state(), "gradient": gradient})
-        if self.topology.island in joiners:
-            with torch.no_grad():
-                for p, v in zip(self.outer_params, state["theta_outer"]):
-                    p.copy_(v.view_as(p))
-            self.load_outer_optimizer_state(state["optimizer"])
-        return state["step"], state["gradient"]
 
     def outer_optimizer_state(self) -> dict:
         return self.optimizer.state_dict()
