@@ -126,6 +126,8 @@ class Checkpointer:
         # attached any (no marker, no prune)
         self.hook = attach_save_hook(engine)
         self.hook.register_rank_pieces(self.per_rank)
+        if self.hook.background is not None:  # another Checkpointer's save in flight ends first
+            self.hook.background.complete()
         self.hook.background = BackgroundSaves() if save_async else None
 
     @property

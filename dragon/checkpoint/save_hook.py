@@ -100,6 +100,8 @@ class SaveHook:
     def __call__(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
                  **kwargs) -> Any:
         """DeepSpeed's save_checkpoint (the same arguments and result), as one sequence."""
+        if self.background is not None:  # the save in flight completes first (a Checkpointer
+            self.background.complete()  # waits already; a user's own loop may not)
         save = self.begin(str(save_dir), tag, client_state, save_latest)
         self.write_rank_files(save)  # 1
         recording = self.guard.recording(save.writes) if self.guard else nullcontext()
@@ -117,14 +119,13 @@ class SaveHook:
         """Steps 3-5, once every rank's files are written (a collective)."""
         self.agree(save)  # 3
         history = self.history(save)
-        try:
-            if _is_deleter(self.engine):
-                self.mark(save)  # 4
+        failed = GuardedWrites()  # the deleter's marker or `latest` that could not be written
+        if _is_deleter(self.engine):
+            failed.run(self.mark, save, path=os.path.join(save.tag_dir, MARKER))  # 4
+            if failed.error is None:
                 self.prune(save, history)  # 5
-        finally:
-            # nobody starts the next save while deletion runs; a failure here still frees the
-            # others
-            _barrier()
+        # every rank learns it together (and nobody starts the next save while deletion runs)
+        failed.agree(f"the completion marker of {save.tag} in {save.save_dir}")
 
     def begin(self, save_dir: str, tag: Optional[str], client_state: Optional[dict],
               save_latest: bool) -> Save:
