@@ -16,6 +16,10 @@ from conftest import free_port
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
+from dragon.checkpoint.catalog import is_complete, read_latest
+from dragon.checkpoint.checkpointer import Checkpointer
+from dragon.checkpoint.retention import RetentionPolicy
+from dragon.checkpoint.save_hook import attach_retention
 from dragon.checkpoint.writes import GuardedCheckpointEngine, GuardedWrites
 from dragon.parallel.deepspeed_fixes import (
     guard_checkpoint_writes,
@@ -197,3 +201,21 @@ def test_a_failed_checkpoint_write_raises_on_its_rank_unless_the_guard_keeps_it(
     assert writes.error is None and set(writes.checksums) == {str(p) for p in tag_dir.iterdir()}
     path, _ = fixed.load_checkpoint(str(tmp_path / "saved"), tag="t")
     assert path is not None
+
+
+# The save hook that sets guard_checkpoint_writes, on this module's one-process world (DeepSpeed
+# keeps its process groups for the life of the process, so one module holds the engines).
+
+
+def test_a_save_called_while_a_background_save_is_in_flight_completes_both(tmp_path):
+    """Two direct engine.save_checkpoint calls with the first one's files still in the writer: the
+    second waits for the first to complete (else the first's prune would take the second, not
+    yet marked, for a half-written checkpoint), and both end complete, `latest` on the second."""
+    engine = engine_of(torch.nn.Linear(2, 1), {})
+    attach_retention(engine, RetentionPolicy(save_total_limit=5, metric_for_best_model=None))
+    checkpointer = Checkpointer(engine, str(tmp_path), save_async=True)
+    for step in (1, 2):
+        engine.save_checkpoint(str(tmp_path), tag=f"step{step}", client_state={"step": step})
+    checkpointer.wait()
+    assert is_complete(str(tmp_path / "step1")) and is_complete(str(tmp_path / "step2"))
+    assert read_latest(str(tmp_path)) == "step2"
