@@ -23,7 +23,8 @@ from test_faults import signal_after
 
 from dragon import BDHConfig, BDHForCausalLM
 from dragon.diloco.arguments import DiLoCoArguments
-from dragon.diloco.fragments import FragmentedDiLoCo, fragment_ids
+from dragon.diloco.fragment_cut import fragment_ids
+from dragon.diloco.outer import DiLoCo
 from dragon.parallel.topology import Topology
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
@@ -118,7 +119,7 @@ def test_one_island_of_four_fragments_equals_the_hand_simulation(mode, delay, al
                            diloco_fragment_delay=delay or None)
     weights = toy.Weights(toy.initial_weights())
     ids = (torch.arange(1000) * F // 1000).to(torch.int8)
-    outer = FragmentedDiLoCo(weights, args.config(), Topology(), ids=ids)
+    outer = DiLoCo(weights, args.config(), Topology(), ids=ids)
     for step, (want, syncing, landed) in enumerate(simulate(mode, delay, alpha), 1):
         with torch.no_grad():
             for t, c in zip(weights.tensors(), toy.centre(0)):

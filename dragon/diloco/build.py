@@ -1,21 +1,16 @@
-"""The outer loop of a DeepSpeed engine: DiLoCo, or streaming DiLoCo with --diloco_fragments F.
+"""The outer loop of a DeepSpeed engine: DiLoCo over its fp32 master weights."""
 
-The one place that chooses between the two outer loops (both run on dragon.diloco.runtime).
-"""
+from typing import Optional
 
-from typing import Optional, Union
-
-from dragon.diloco.fragments import FragmentedDiLoCo
-from dragon.diloco.master_weights import MasterWeights
 from dragon.diloco.config import DiLoCoConfig
+from dragon.diloco.master_weights import MasterWeights
 from dragon.diloco.outer import DiLoCo
 from dragon.parallel.topology import Topology
 
 
 def outer_loop(engine, config: Optional[DiLoCoConfig], topology: Topology,
-               outer_optimizer=None) -> Optional[Union[DiLoCo, FragmentedDiLoCo]]:
+               outer_optimizer=None) -> Optional[DiLoCo]:
     """The outer loop for a DeepSpeed engine; None when DiLoCo is off (no config)."""
     if config is None:
         return None
-    kind = FragmentedDiLoCo if config.fragments > 1 else DiLoCo
-    return kind(MasterWeights(engine), config, topology, outer_optimizer)
+    return DiLoCo(MasterWeights(engine), config, topology, outer_optimizer)

@@ -9,7 +9,6 @@ payload_bytes, error_sq, norm_sq, sent, seconds, hidden_seconds and blocked."""
 
 import io
 import time
-from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Union
 
 import torch
@@ -240,17 +239,6 @@ class ExchangeSet:
 
 
 AnyExchange = Union[Exchange, FinishedExchange, ExchangeSet]
-
-
-@dataclass
-class RoundOutcome:
-    """One outer step's exchange, and what an elastic round settled with it."""
-
-    exchange: Exchange
-    late_average: Optional[AnyExchange] = None  # delayed: the average applied one step late
-    gradient: Optional[torch.Tensor] = None  # delayed or shared by a live island
-    contributors: Optional[int] = None  # what the exchange divides by (default: every island)
-    step: int = 0  # the step shared with a joiner
 
 
 def broadcast_object(value: Any, group, root: int) -> Any:

@@ -19,32 +19,19 @@ waits for its average, and saves it, so a resume lands it at the same step.
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from dragon.diloco.exchange import AnyExchange
+from dragon.diloco.fragment import InFlight
 
 AUTO = "auto"
 # a proposal is one step past the first step that ends after the exchange: the proposals' reader
 # gets that step to bring the other ranks' in (over a busy link a store read takes a while)
 LOOKAHEAD = 1
 _PREFIX = "dragon-diloco/landing"
-
-
-@dataclass
-class InFlight:
-    """A fragment's exchange under the inner steps, and the step it lands at (auto: None until
-    the islands agree)."""
-
-    exchange: AnyExchange  # an Exchange, or a FinishedExchange restored from a checkpoint
-    lands_at: Optional[int]
-    synced_at: int = 0
-    delta: Optional[torch.Tensor] = None  # elastic: the pseudo-gradient sent, for a redo
-    contributed: bool = True  # elastic: this island's own (a joiner sends zeros)
 
 
 class AutoLandings:

@@ -1,215 +1,351 @@
-"""DiLoCo (Douillard et al., 2023): islands train on their own and meet every H steps for an outer
-step.
+"""DiLoCo (Douillard et al., 2023; streaming: 2025): islands train on their own and meet every H
+steps for an outer step, the weights in F fragments (dragon.diloco.fragment) that meet in turn.
 
-Inside an island every step is an ordinary DeepSpeed step. Every H steps each rank takes its
-pseudo-gradient Delta = theta_outer - theta_inner, in fp32, on its own part of DeepSpeed's fp32
-MASTER weights (its partition under ZeRO-1/2/3 and the bf16 optimizer, its stage's weights in
-a pipeline, the whole model under ZeRO-0), averages Delta with rank r of every other island
-(dragon.parallel.topology), steps an outer optimizer (Nesterov SGD by default) on theta_outer
-with the average as gradient (delayed mode: see below), and writes theta_outer back into the
-master weights and the module's working weights. theta_outer and the outer optimizer's state
-are fp32, on the master weights' device or on CPU (--diloco_outer_on_cpu).
+Inside an island every step is an ordinary DeepSpeed step. Fragment f syncs after inner steps
+floor(f H/F) + kH (F = 1: every H steps): each rank takes its pseudo-gradient Delta_f =
+theta_outer_f - theta_f in fp32 on its own part of DeepSpeed's fp32 MASTER weights
+(dragon.diloco.master_weights), averages it with rank r of every other island (any codec of
+dragon.diloco.codecs; top-k keeps what it did not send for the next one), and the fragment's
+outer optimizer (Nesterov SGD by default) steps theta_outer_f with the average.
 
-Modes. sync: the all-reduce blocks. delayed: the exchange of outer step k runs on the exchange
-thread (dragon.diloco.background; --diloco_exchange_thread false: its collectives are issued on
-the training thread, int4's all-to-all blocking) while the inner steps of k+1 compute and is
-applied at step k+1, one outer step late, with the "eager updates" of
-Kale et al. (2025): each island keeps its own theta_outer and outer optimizer, and at outer step k
-feeds it the average that just arrived (of step k-1) with this island's share of it, Delta_{k-1}/n,
-replaced by its fresh Delta_k/n (n islands). Each island's own progress thus passes through the
-outer optimizer, momentum included, as soon as it is made; only the other islands' part is late.
-At the first outer step no average has arrived yet, so the island steps on its fresh share alone;
-the last one replaces the fresh share with the blocking average of the last window and then
-averages theta_outer over the islands (their momenta differ), so training ends with every island
-on the same weights. With top-k, an island's share is what it sent; the rest waits in its
-residual.
+sync: the exchange blocks and theta_f becomes theta_outer_f. delayed: the exchange runs under the
+inner steps (on the exchange thread of dragon.diloco.background) and lands later. Plain DiLoCo's
+one fragment lands when it syncs again, with the eager update of Kale et al. (2025): the late
+average with this island's share of it swapped for its fresh one. A fragment of F > 1 lands
+`fragment_delay` inner steps after it synced, or with `auto` once its exchange is done on every
+island (dragon.diloco.landing), merged with the local progress made meanwhile (alpha). The last
+step lands what is in flight and syncs every fragment at once, blocking (plain DiLoCo then also
+averages theta_outer, whose momenta differ), so training ends with every island on the same
+weights.
 
-Streaming DiLoCo (--diloco_fragments F > 1: the weights in fragments synced in turn) is
-dragon.diloco.fragments.FragmentedDiLoCo (dragon.diloco.build chooses between them). Codecs:
-dragon.diloco.codecs; metrics: dragon.diloco.metrics.
-
-Inner optimizer state, LR schedule and data stream stay per island, as in DiLoCo.
-
-Elastic (--diloco_elastic): each outer step averages over the islands that reach it
-(dragon.diloco.membership), outer_quorum records how many; an island
-lost during the exchange is left out of a retry. The average is over the members only, so a
-lone island steps on its own Delta. Delayed: an average in flight that failed (an island died
-during it) is redone at the next outer step from the survivors' kept Deltas, so the late average
-is the survivors' average.
+Every outer step is one round among the islands of the membership (dragon.diloco.membership): a
+fixed group, or elastic islands that die and join. A round lands what is due, then starts what
+syncs; it is retried without an island lost during it, and nothing is applied before it succeeds.
+An exchange in flight that failed (an island died during it) is redone by the survivors from the
+pseudo-gradients each kept, divided by those that contributed. A joiner takes theta_outer, the
+outer optimizers and the step from a live island, sends zeros, and applies what that island
+applies. The metrics: dragon.diloco.metrics; the saved state: dragon.diloco.state.
 """
 
-
 import time
-from functools import partial
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
 from dragon.diloco.codecs import Codec
 from dragon.diloco.config import DiLoCoConfig
-from dragon.diloco.exchange import (AnyExchange, Exchange, FinishedExchange, RoundOutcome,
-                                    flatten)
+from dragon.diloco.exchange import Exchange, ExchangeSet, FinishedExchange, flatten
+from dragon.diloco.fragment import Fragment, InFlight, OptimizerFactory
+from dragon.diloco.fragment_cut import INTERLEAVED, fragment_ids
+from dragon.diloco.landing import AUTO, AutoLandings
 from dragon.diloco.runtime import OuterRuntime, resumable_state
-from dragon.diloco.state import STATE_FILE, STATE_VERSION, check_fits, diloco_state_for
+from dragon.diloco import state as saved_state
 from dragon.parallel.topology import Topology
 
-OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+@dataclass
+class Round:
+    """What one round among the islands settled; applied once it succeeded."""
+
+    landed: dict = field(default_factory=dict)  # fragment -> the average that lands
+    syncing: list = field(default_factory=list)
+    started: list = field(default_factory=list)  # their exchanges
+    deltas: list = field(default_factory=list)  # the pseudo-gradients they sent
+    synced: dict = field(default_factory=dict)  # blocking: fragment -> its average
+    gradient: Optional[torch.Tensor] = None  # eager: the outer gradient
+    late: Optional[object] = None  # eager: the late average's exchange
+    contributors: int = 1
+    contributes: bool = True
+    step: int = 0  # the step, as the live islands have it (a joiner's)
+    flights: list = field(default_factory=list)  # the exchanges in flight that landed
 
 
 class DiLoCo:
     """The outer loop of one rank: call maybe_outer_step(step) after every inner step.
 
     `weights` is a MasterWeights (or anything with tensors(), publish(), replicas, excluded and
-    fingerprint()); `outer_optimizer(params)` builds any torch optimizer over theta_outer.
-    """
+    fingerprint(); with F > 1 also segments() and shapes()); `outer_optimizer(params)` builds any
+    torch optimizer over a fragment's theta_outer; `ids`: the fragment of each of this rank's
+    values (default: BDH's cut, dragon.diloco.fragment_cut)."""
 
     def __init__(self, weights, config: DiLoCoConfig, topology: Topology,
-                 outer_optimizer: Optional[OptimizerFactory] = None):
+                 outer_optimizer: Optional[OptimizerFactory] = None,
+                 ids: Optional[torch.Tensor] = None):
         self.runtime = OuterRuntime(weights, config, topology)
         self.weights, self.config, self.topology = weights, config, topology
-        self.H, self.mode, self.islands = config.inner_steps, config.mode, topology.islands
+        self.H, self.mode, self.F = config.inner_steps, config.mode, config.fragments
         self.numels, self.membership = self.runtime.numels, self.runtime.membership
-        device = self.runtime.device
-        self.outer_params = [m.detach().to(device, torch.float32, copy=True)
-                             for m in weights.tensors()]
-        self._make_optimizer = outer_optimizer or config.outer_optimizer
-        self.optimizer = self._make_optimizer(self.outer_params)
-        # delayed: this island's pseudo-gradient in flight, and the exchange carrying it
-        self.previous = torch.zeros(sum(self.numels)) if self.mode == "delayed" else None
-        self.pending: Optional[AnyExchange] = None
-        self.previous_share = self.islands  # what the late average divided `previous` by
-        # top-k: what this rank has not sent yet, added to its next pseudo-gradient
-        self.residual = torch.zeros(sum(self.numels)) if config.compress == "topk" else None
-        self.contributed = True  # `previous` is this island's share of it
+        self.eager = self.mode == "delayed" and self.F == 1
+        self.alpha = config.fragment_alpha if self.mode == "delayed" and not self.eager else 0.0
+        self.delay, self.auto = config.fragment_delay, None
+        if self.delay == AUTO:
+            if self.runtime.background is not None:
+                self.auto = AutoLandings(topology, self.runtime.background, self.H)
+            self.delay = 1  # one island has no link to wait for
+        self.cut = INTERLEAVED
+        if self.F > 1 and ids is None:
+            ids = fragment_ids(weights.segments(), weights.shapes(), self.numels, self.F)
+        whole, make = flatten(weights.tensors()), outer_optimizer or config.outer_optimizer
+        topk = config.compress == "topk"
+        if self.F == 1:
+            self.fragments = [Fragment(0, None, self.numels, whole, self.runtime.device, make,
+                                       topk)]
+        else:
+            self.fragments = [Fragment(f, ids, None, whole[ids == f], self.runtime.device, make,
+                                       topk) for f in range(self.F)]
         self.outer_step = self.joined_step = 0
+
+    # ----------------------------------------------------------- the schedule
 
     def is_boundary(self, step: int, final: bool = False) -> bool:
         """Whether a checkpoint may be taken after inner step `step`."""
         return step % self.H == 0 or final
 
+    def syncing(self, step: int, final: bool) -> list[int]:
+        """The fragments that sync after inner step `step` (at the last step, all)."""
+        if final:
+            return list(range(self.F))
+        offsets = [f * self.H // self.F for f in range(self.F)]
+        return [f for f, o in enumerate(offsets) if step >= max(o, 1) and step % self.H == o]
+
+    def landing(self, step: int, final: bool) -> list[int]:
+        """The fragments in flight that land after inner step `step` (eager: none, as its one
+        fragment lands when it syncs)."""
+        if self.eager:
+            return []
+        flying = {f.number: f.in_flight for f in self.fragments if f.in_flight is not None}
+        if self.auto is not None and not final:
+            for f, x in flying.items():
+                self.auto.decide(f, x, step)
+        return sorted(f for f, x in flying.items()
+                      if final or (x.lands_at is not None and x.lands_at <= step))
+
+    def is_due(self, step: int, final: bool) -> bool:
+        return bool(self.syncing(step, final) or self.landing(step, final))
+
     def maybe_outer_step(self, step: int, final: bool = False) -> dict:
-        """After inner step `step` (1-based): the outer step when one is due, with its metrics; else
-        {}. `final` makes the last step an outer step and, in delayed mode, applies what is in
-        flight."""
-        return self.runtime.run(step, final, self.is_boundary, self._outer_step)
+        """After inner step `step` (1-based): the outer step when one is due, with its metrics;
+        else {}. `final` makes the last step an outer step that lands and syncs everything."""
+        return self.runtime.run(step, final, self.is_due, self._outer_step)
+
+    # ----------------------------------------------------------- an outer step
 
     def _outer_step(self, step: int, final: bool, joining: Optional[tuple] = None) -> dict:
-        start = time.perf_counter()
-        self.outer_step += 1
-        masters = self.weights.tensors()
-        if joining is None:
-            delta = flatten(
-                [o - m.to(o.device, torch.float32) for o, m in zip(self.outer_params, masters)]
-            )
-        else:  # a joiner trained nothing from the live islands' theta_outer
-            delta = torch.zeros(sum(self.numels))
-        if self.residual is not None:  # error feedback: what earlier steps did not send
-            delta += self.residual
-        fresh = delta.clone() if self.mode == "delayed" else None  # fp32 all-reduces in place
-        outcome = self.membership.run_round(
-            self.outer_step, partial(self._round, delta, fresh, step, final), joining, final)
-        exchange, late_average = outcome.exchange, outcome.late_average
-        if self.residual is not None:
-            self.residual = delta - exchange.sent
-            fresh = None if fresh is None else exchange.sent  # delayed: its share is what it sent
-        del delta
-        metrics = {"outer_step": self.outer_step, **self.membership.metrics()}
-        applied = [e for e in (late_average, exchange if final or self.mode == "sync" else None)
-                   if e is not None]
-        self.runtime.waited([late_average] if late_average is not None else [])
-        self._apply(outcome.gradient)
-        if self.mode == "delayed":
-            # after the last step nothing is in flight: a run extended past it starts its pipeline
-            # afresh
-            self.previous, self.pending = (
-                (torch.zeros_like(fresh), None) if final else (fresh, exchange)
-            )
-            self.previous_share = outcome.contributors
-            self.contributed = joining is None  # to the exchange now in flight
-            if final:
-                exchange.bytes_sent += self._average_islands()
-        self.joined_step = outcome.step
-        self.runtime.write(self.outer_params)
-        metrics.update(self.runtime.report.of_step(exchange, applied, final, self.residual,
-                                           self._outer_flat))
+        """The rounds of inner step `step`: a fragment that lands and syncs again at once lands
+        first, in a round of its own, so that it syncs from the weights its landing left."""
+        start, rounds = time.perf_counter(), []
+        if set(self.landing(step, final)) & set(self.syncing(step, final)):
+            rounds.append(self._round(step, final, joining, sync=False))
+            joining = None
+        rounds.append(self._round(step, final, joining))
+        metrics = self._metrics(step, final, rounds)
         metrics["outer_seconds"] = time.perf_counter() - start
         return metrics
 
-    def _round(self, delta: torch.Tensor, fresh: Optional[torch.Tensor], step: int, final: bool,
-               members: list[int], group, joiners: list[int]) -> RoundOutcome:
-        """One attempt at the exchange among this outer step's members (retried by an elastic
-        membership without an island lost during it); delayed, also the late average and the
-        eager gradient. Joiners take the shared state. Nothing is applied here."""
-        late_average = self._late_average(group, members) if self.mode == "delayed" else None
-        contributors = len(members) - len(joiners)
-        exchange = self.runtime.exchange(delta.clone(), group, len(members), contributors)
-        at_step = step
-        if self.mode == "sync":
-            gradient = exchange.result()
-        else:  # top-k: this island's share is what it sent
-            share = fresh if exchange.sent is None else exchange.sent
-            gradient = self.eager_gradient(share, late_average, exchange, final, contributors)
-        if joiners:  # sync: the joiner's own average is the same
-            shared = None if self.mode == "sync" else gradient
-            at_step, shared = self.runtime.share_outer_state(
-                group, members, joiners, step, self.outer_params, self.outer_optimizer_state(),
-                self.load_outer_optimizer_state, gradient=shared)
-            gradient = exchange.result() if shared is None else shared
-        self.membership.publish(self.outer_step, at_step, self.runtime.shape())
+    def _round(self, step: int, final: bool, joining: Optional[tuple], sync: bool = True
+               ) -> Round:
+        """One round among the islands that reach it, then what it settled, applied."""
+        self.outer_step += 1
+        done = self.membership.run_round(
+            self.outer_step, lambda *group: self._attempt(step, final, sync, *group), joining,
+            final)
+        self.joined_step = done.step
+        done.flights = [self.fragments[f].in_flight for f in done.landed]
+        for f in done.landed:
+            self.fragments[f].in_flight = None
+        for fragment, x, delta in zip(self._of(done.syncing), done.started, done.deltas):
+            if fragment.residual is not None:  # what top-k did not send
+                fragment.residual = delta - x.sent
+        if self.eager and done.syncing:
+            self._apply_eager(done, final)
+        else:
+            self._land(done.landed, self.alpha)
+            self._land(done.synced, 0.0)
+        if not (self.mode == "sync" or final):
+            self._fly(done)
+        return done
+
+    def _attempt(self, step: int, final: bool, sync: bool, members: list[int], group,
+                 joiners: list[int]) -> Round:
+        """One attempt at a round among `members` (retried by an elastic membership without an
+        island lost during it): joiners take the live islands' state, what is due lands, what
+        syncs starts (blocking: and completes). Nothing is applied here."""
+        done = Round(step=step, contributors=len(members) - len(joiners),
+                     contributes=self.topology.island not in joiners)
+        due = self.landing(step, final)
+        if joiners:
+            done.step, due = self.runtime.share_outer_state(group, members, joiners, step,
+                                                            self.fragments, due)
+            if not done.contributes:  # a joiner's weights are theta_outer: it sends zeros
+                self._land(dict.fromkeys(range(self.F)), 0.0)
+        done.landed = self._averages(due, group, members, redo=bool(joiners))
+        if sync:
+            done.syncing = self.syncing(done.step, final)
+        if self.eager and done.syncing:
+            done.late = self._late_average(self.fragments[0], group, members)
+        local = flatten(self.weights.tensors())
+        for fragment in self._of(done.syncing):
+            delta = fragment.delta(local)
+            then = None
+            if self.auto is not None and not final:
+                then = self.auto.poster(fragment.number, done.step)
+            done.deltas.append(delta)
+            done.started.append(self.runtime.exchange(
+                delta.clone(), group, len(members), done.contributors, fragment.numels, then))
+        if self.mode == "sync" or final:
+            done.synced = {f: x.result() for f, x in zip(done.syncing, done.started)}
+        if self.eager and done.syncing:
+            done.gradient = self.eager_gradient(done, final)
+            if joiners and self.mode == "delayed":  # a joiner applies what the live islands do
+                done.gradient = self.runtime.share_state(group, members, joiners, done.gradient)
+        self.membership.publish(self.outer_step, done.step, self.runtime.shape())
         self.runtime.group = group
-        return RoundOutcome(exchange, late_average, gradient, contributors, at_step)
+        return done
 
-    # -------------------------------------------------------------- pieces
+    def _averages(self, due: list[int], group, members: list[int], redo: bool) -> dict:
+        """The averages of the fragments `due` to land: their exchanges' results, or, when one
+        failed on any member (or `redo`: a joiner is in the round), the exchanges redone among
+        `members` from the kept pseudo-gradients, divided by the members that contributed."""
+        if not due:
+            return {}
+        flights = [self.fragments[f].in_flight for f in due]
+        exchanges = [x.exchange for x in flights if x is not None]
+        contributed = all(x is not None and x.contributed for x in flights)
+        share = self.membership.failed(
+            self.outer_step, f"the exchange of fragment(s) {due} in flight", exchanges,
+            contributed, group, redo)
+        if share is None:
+            return {f: x.result() for f, x in zip(due, exchanges)}
+        return {f.number: self.runtime.exchange(f.sent_delta(), group, len(members), share,
+                                                f.numels).result() for f in self._of(due)}
 
-    def eager_gradient(
-        self, fresh_share: torch.Tensor, late_average: Optional[AnyExchange], exchange: Exchange,
-        final: bool, contributors: int
-    ) -> torch.Tensor:
+    def _late_average(self, fragment: Fragment, group, members: list[int]) -> Optional[object]:
+        """Eager: the average in flight since the last outer step, or, when it failed on any
+        member (an island died during it), redone by the members from their kept shares."""
+        x = fragment.in_flight
+        exchanges = [] if x is None else [x.exchange]
+        share = self.membership.failed(
+            self.outer_step, "the average in flight since the last outer step", exchanges,
+            x is not None and x.contributed, group)
+        if share is None:
+            return None if x is None else x.exchange
+        if x is not None:
+            x.share = share
+        redo = self.runtime.exchange(fragment.sent_delta(), group, len(members), share,
+                                     fragment.numels)
+        redo.result()
+        return redo
+
+    def eager_gradient(self, done: Round, final: bool) -> torch.Tensor:
         """Kale et al.'s eager outer gradient: the late average with this island's share of it
         swapped for its fresh one (at the last step, for the whole fresh average)."""
-        late = late_average.result() if late_average is not None else torch.zeros_like(fresh_share)
-        fresh = exchange.result() if final else fresh_share / contributors
-        return late - self.previous / self.previous_share + fresh
+        fragment, x = self.fragments[0], done.started[0]
+        share = done.deltas[0] if x.sent is None else x.sent  # top-k: what it sent
+        late = done.late.result() if done.late is not None else torch.zeros_like(share)
+        fresh = x.result() if final else share / done.contributors
+        flight = fragment.in_flight
+        previous_share = (flight.share if flight is not None else 0) or self.topology.islands
+        return late - fragment.sent_delta() / previous_share + fresh
 
-    def _average_islands(self) -> int:
-        """theta_outer averaged over the islands (each stepped its own momentum); returns bytes
-        sent.
-        """
-        islands = len(self.membership.members)
-        if islands == 1:
-            return 0
-        average = Exchange(flatten(self.outer_params), self.runtime.group, islands, Codec(),
-                           self.numels)
-        with torch.no_grad():
-            for p, a in zip(self.outer_params, average.result().split(self.numels)):
-                p.copy_(a.view_as(p))
-        return average.bytes_sent
+    # ----------------------------------------------------------- applying a round
 
-    def _apply(self, average: torch.Tensor) -> None:
-        """One outer optimizer step on theta_outer with `average` as its gradient."""
-        for p, g in zip(self.outer_params, average.split(self.numels)):
-            p.grad = g.view_as(p).to(self.runtime.device)
-        self.optimizer.step()
-        for p in self.outer_params:
-            p.grad = None
+    def _of(self, numbers) -> list[Fragment]:
+        return [self.fragments[f] for f in numbers]
 
-    def _outer_flat(self) -> torch.Tensor:
-        """theta_outer as one vector over this rank's master tensors."""
-        return torch.cat([p.detach().reshape(-1) for p in self.outer_params])
+    def _land(self, averages: dict, alpha: float) -> None:
+        """Each fragment's outer optimizer steps with its average (None: no step), then
+        theta_f <- alpha theta_f + (1 - alpha) theta_outer_f, into the master and working
+        weights."""
+        if not averages:
+            return
+        flat = flatten(self.weights.tensors())
+        for fragment in self._of(sorted(averages)):
+            if averages[fragment.number] is not None:
+                fragment.step(averages[fragment.number])
+            fragment.place(flat, fragment.merged(flat, alpha))
+        self.runtime.write(flat.split(self.numels))
 
-    # -------------------------------------------------------------- elastic islands
+    def _apply_eager(self, done: Round, final: bool) -> None:
+        """Plain DiLoCo, delayed: one step with the eager gradient; the last one also averages
+        theta_outer over the islands (each stepped its own momentum)."""
+        fragment = self.fragments[0]
+        fragment.step(done.gradient)
+        if final and len(self.membership.members) > 1:
+            average = Exchange(flatten([fragment.outer]), self.runtime.group,
+                               len(self.membership.members), Codec(), self.numels)
+            with torch.no_grad():
+                fragment.outer.copy_(average.result().view_as(fragment.outer))
+            done.started[0].bytes_sent += average.bytes_sent
+        done.flights = [] if fragment.in_flight is None else [fragment.in_flight]
+        done.landed = {} if done.late is None else {0: done.late.result()}
+        fragment.in_flight = None
+        self.runtime.write(fragment.outer.to("cpu", torch.float32).split(self.numels))
+
+    def _fly(self, done: Round) -> None:
+        """The exchanges just started are in flight until they land."""
+        for fragment, x, delta in zip(self._of(done.syncing), done.started, done.deltas):
+            if self.eager:  # its share is what it sent
+                kept, lands_at = delta if x.sent is None else x.sent, done.step + self.H
+            else:
+                kept = delta if self.config.elastic else None
+                lands_at = None if self.auto is not None else done.step + self.delay
+            fragment.in_flight = InFlight(x, lands_at, done.step, kept, done.contributes,
+                                          done.contributors)
+
+    def _metrics(self, step: int, final: bool, rounds: list[Round]) -> dict:
+        metrics = {"outer_step": self.outer_step, **self.membership.metrics()}
+        done = rounds[-1]
+        averages, flights, applied = {}, [], []
+        for r in rounds:
+            averages.update(r.landed)
+            averages.update(r.synced)
+            flights += r.flights
+            applied += [x.exchange for x in r.flights if x is not None]
+            applied += r.started if r.synced else []
+        self.runtime.waited([x.exchange for x in flights
+                             if x is not None and x.lands_at == x.synced_at + self.H])
+        if self.F > 1:
+            if done.syncing:  # one fragment a step; F: all of them (the last step)
+                metrics["outer_fragment"] = self.F if final else done.syncing[0]
+            if averages:
+                metrics["outer_landed"] = self.F if final else min(averages)
+            if flights and not final:
+                metrics["outer_landed_after"] = step - flights[0].synced_at
+        placed = ([ExchangeSet(applied, self._placed(lambda f: averages.get(f.number)))]
+                  if averages else [])
+        residual = None
+        if self.config.compress == "topk":
+            residual = self._placed(lambda f: f.residual)
+        metrics.update(self.runtime.report.of_step(ExchangeSet(done.started), placed, final,
+                                                   residual, self.theta_outer))
+        return metrics
+
+    def _placed(self, values_of) -> torch.Tensor:
+        """values_of(fragment) of every fragment in its place among this rank's values (0 where
+        it is None)."""
+        whole = torch.zeros(sum(self.numels))
+        for fragment in self.fragments:
+            values = values_of(fragment)
+            if values is not None:
+                fragment.place(whole, values.to("cpu", torch.float32))
+        return whole
+
+    def theta_outer(self) -> torch.Tensor:
+        """theta_outer as one vector over this rank's values."""
+        return self._placed(lambda f: f.outer.detach())
+
+    # ----------------------------------------------------------- elastic islands
 
     def join(self) -> tuple[int, dict]:
         """--diloco_join: wait to be let into the live islands' next outer step, take
-        theta_outer, the outer optimizer's state and the step from them, and take that outer step
-        with them (sync: their average; delayed: the gradient their first island applies), ending
-        it on their weights. Returns the step and the outer step's metrics."""
+        theta_outer, the outer optimizers' state and the step from them, and take that outer
+        step with them, ending it on their weights. Returns the step and its metrics."""
         target, quorum = self.membership.admit(self.runtime.shape())
         self.outer_step = target - 1
-        for stale in (self.previous, self.residual):  # what this island's checkpoint had
-            if stale is not None:
-                stale.zero_()
-        self.pending, self.contributed = None, False
+        for fragment in self.fragments:  # what this island's checkpoint had is theirs now
+            fragment.in_flight = None
+            fragment.forget_own_share()
         metrics = self._outer_step(0, False, joining=quorum)
         return self.joined_step, metrics
 
@@ -217,52 +353,17 @@ class DiLoCo:
         """After the last outer step (dragon.diloco.runtime.OuterRuntime.close)."""
         self.runtime.close(ended_at)
 
-    def _late_average(self, group, members: list[int]) -> Optional[AnyExchange]:
-        """Delayed: the average in flight since the last outer step. When it failed on any member
-        (an island died during it), the members redo it from their kept pseudo-gradients: the late
-        average is then the survivors' average."""
-        exchanges = [] if self.pending is None else [self.pending]
-        contributors = self.membership.failed(
-            self.outer_step, "the average in flight since the last outer step", exchanges,
-            self.contributed, group)
-        if contributors is None:
-            return self.pending
-        self.previous_share = contributors
-        redo = self.runtime.exchange(self.previous.clone(), group, len(members), contributors)
-        redo.result()
-        return redo
-
-    def outer_optimizer_state(self) -> dict:
-        return self.optimizer.state_dict()
-
-    def load_outer_optimizer_state(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
-
-    # -------------------------------------------------------------- checkpoints
+    # ----------------------------------------------------------- checkpoints
 
     def state_dict(self) -> dict:
-        """theta_outer, the outer optimizer, the outer step and (delayed) this island's last
-        pseudo-gradient and the average in flight (waited for here: the save point is the same on
-        every island)."""
-        try:
-            pending = self.pending.result().clone() if self.pending is not None else None
-        except RuntimeError:  # elastic: an island died during it; the next outer step redoes it
-            pending = "lost"
-        return {
-            "version": STATE_VERSION, "outer_step": self.outer_step, "mode": self.mode,
-            "numels": self.numels,
-            # the partition, for dragon.checkpoint.reshape
-            "segments": getattr(self.weights, "segments", lambda: None)(),
-            "neuron_share": getattr(self.weights, "neuron_share", lambda: (0, 1))(),
-            "outer_params": [p.detach().cpu().clone() for p in self.outer_params],
-            "optimizer": self.optimizer.state_dict(),
-            "previous": None if self.previous is None else self.previous.clone(),
-            "residual": None if self.residual is None else self.residual.clone(),
-            "pending": pending,
-            "previous_share": self.previous_share,
-            "contributed": self.contributed,
-            "peak_bytes": self.runtime.report.peak_bytes,
-        }
+        """Every fragment's theta_outer, outer optimizer, what top-k kept back and the exchange
+        in flight (waited for here: the save point is the same on every island), with where
+        it lands (auto: decided here, so that a resume lands it at the same step)."""
+        for fragment in self.fragments:
+            if self.auto is not None and fragment.in_flight is not None:
+                self.auto.decide(fragment.number, fragment.in_flight,
+                                 self.runtime.background.clock, waiting=True)
+        return saved_state.of_outer_loop(self)
 
     def load_state_dict(self, state: dict) -> None:
         """This rank's state as it saved it; every island must resume the same outer step."""
@@ -272,56 +373,37 @@ class DiLoCo:
     def resume_elsewhere(self, saved) -> None:
         """Resume from a checkpoint that holds no state of this rank as it is now
         (dragon.checkpoint.checkpointer.Saved): one saved on another partition of the weights
-        (laid out again for this one), island 0's (a new island: no share of its own in the
-        average in flight), or one of a run without DiLoCo (the outer loop starts afresh)."""
+        (laid out again for this one), island 0's (a new island: no share of its own in what
+        is in flight), or one of a run without DiLoCo (the outer loop starts afresh)."""
         self.runtime.check_same_step(saved.step)
-        state = resumable_state(saved, STATE_FILE, lambda tag_dir: diloco_state_for(
-            tag_dir, self.weights, self.numels))
+        state = resumable_state(saved, saved_state.STATE_FILE, lambda tag_dir: (
+            saved_state.laid_out_state(tag_dir, self.weights, self.numels, self.F)))
         if state is None:
             self.restart()
             return
         self._load(state)
         if saved.borrowed:
-            self.forget_own_share()
+            for fragment in self.fragments:
+                fragment.forget_own_share()
 
     def _load(self, state: dict) -> None:
-        check_fits(state, 1, self.mode, self.numels)
-        with torch.no_grad():
-            for p, saved in zip(self.outer_params, state["outer_params"]):
-                p.copy_(saved)
-            if self.previous is not None:
-                self.previous.copy_(state["previous"])
-            if self.residual is not None and state.get("residual") is not None:
-                self.residual.copy_(state["residual"])
-            elif self.residual is not None:  # a run without top-k until now
-                self.residual.zero_()
-        self.optimizer.load_state_dict(state["optimizer"])
+        state = saved_state.current(state, getattr(self.weights, "shapes", dict)())
+        saved_state.check_fits(state, self.F, self.mode, self.numels)
+        if self.F > 1 and state["cut"] != self.cut:  # saved before the cut was interleaved
+            self.cut = state["cut"]
+            ids = fragment_ids(self.weights.segments(), self.weights.shapes(), self.numels,
+                               self.F, self.cut)
+            for fragment in self.fragments:
+                fragment.ids = ids
+        for fragment, saved in zip(self.fragments, state["fragment"]):
+            saved_state.load_fragment(fragment, saved)
         self.outer_step = state["outer_step"]
-        pending = state["pending"]
-        self.pending = None if pending is None else FinishedExchange(
-            None if isinstance(pending, str) else pending)
-        self.previous_share = state.get("previous_share", self.islands)
-        self.contributed = state.get("contributed", True)
-        self.runtime.report.peak_bytes = state.get("peak_bytes", 0)
-
-    def forget_own_share(self) -> None:
-        """A new island resumed from island 0's state has no pseudo-gradient of its own in the
-        average in flight, nor anything of its own held back (top-k)."""
-        for vector in (self.previous, self.residual):
-            if vector is not None:
-                vector.zero_()
-        self.contributed = False
+        self.runtime.report.peak_bytes = state["peak_bytes"]
 
     def restart(self) -> None:
-        """Start the outer loop afresh from the current weights (a checkpoint saved without DiLoCo).
-        """
+        """Start afresh from the current weights (a checkpoint saved without DiLoCo)."""
         self.runtime.adopt_island0_weights()
-        masters = self.weights.tensors()
-        with torch.no_grad():
-            for p, m in zip(self.outer_params, masters):
-                p.copy_(m)
-            for vector in (self.previous, self.residual):
-                if vector is not None:
-                    vector.zero_()
-        self.optimizer = self._make_optimizer(self.outer_params)
-        self.pending, self.outer_step = None, 0
+        whole = flatten(self.weights.tensors())
+        for fragment in self.fragments:
+            fragment.restart(fragment.of(whole))
+        self.outer_step = 0

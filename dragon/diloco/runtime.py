@@ -104,22 +104,20 @@ class OuterRuntime:
         return broadcast_object(None if joining else state, group, root)
 
     def share_outer_state(self, group, members: list[int], joiners: list[int], step: int,
-                          outer_params: list[torch.Tensor], optimizer_state: dict,
-                          load_optimizer_state: Callable[[dict], None],
-                          gradient: Any = None) -> tuple[int, Any]:
-        """At a round with joiners: theta_outer, the outer optimizer's state, the step and
-        (delayed) the outer gradient of the first member that is not joining; a joiner takes its
-        theta_outer (into `outer_params`) and optimizer state. Returns (step, gradient) as the
-        sender has them."""
+                          fragments: list, extra: Any = None) -> tuple[int, Any]:
+        """At a round with joiners: every fragment's theta_outer and outer optimizer state, the
+        step and `extra` of the first member that is not joining; a joiner takes the fragments'.
+        Returns (step, extra) as the sender has them."""
         state = self.share_state(group, members, joiners, {
-            "step": step, "theta_outer": [p.detach().cpu() for p in outer_params],
-            "optimizer": optimizer_state, "gradient": gradient})
+            "step": step, "theta_outer": [f.outer.detach().cpu() for f in fragments],
+            "optimizer": [f.optimizer.state_dict() for f in fragments], "extra": extra})
         if self.topology.island in joiners:
             with torch.no_grad():
-                for p, v in zip(outer_params, state["theta_outer"]):
-                    p.copy_(v.view_as(p))
-            load_optimizer_state(state["optimizer"])
-        return state["step"], state["gradient"]
+                for fragment, outer, optimizer in zip(fragments, state["theta_outer"],
+                                                      state["optimizer"]):
+                    fragment.outer.copy_(outer.view_as(fragment.outer))
+                    fragment.optimizer.load_state_dict(optimizer)
+        return state["step"], state["extra"]
 
     def check_same_step(self, step: int, what: str = "steps") -> None:
         """Raise unless every island resumed at the same step (a collective across islands)."""

@@ -1,36 +1,80 @@
-"""DiLoCo's state in a checkpoint: the checks every outer loop's state goes through, and the
-re-layout of a state saved on one partition of the weights (data-parallel size, ZeRO stage) for
-another.
+"""DiLoCo's state in a checkpoint (diloco_state_<rank>.pt), and its re-layout for another
+partition of the weights (data-parallel size, ZeRO stage, neuron shares).
 
-Each rank's saved state names where its flat values sit in the model (`segments`, from
-MasterWeights.segments): the pieces of every saved rank are joined per parameter and cut again
-for this rank's partition.
+Format 3: the outer step, the mode, the partition (`segments`: where this rank's flat values sit
+in the model's parameters, by name; `neuron_share`) and, per fragment, theta_outer, the outer
+optimizer's state, what top-k kept back and the exchange in flight, each a vector over the
+fragment's values. A re-layout puts every saved rank's vectors back in place in the model's
+parameters by name and cuts them again for this rank, as the model's weights are. Formats 1
+and 2 (plain DiLoCo's tensors, or streaming DiLoCo's fragments side by side) load as format 3.
 """
 
+import copy
 import functools
 import glob
 import math
 import os
 from types import SimpleNamespace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
+from dragon.diloco.exchange import FinishedExchange
+from dragon.diloco.fragment import Fragment, InFlight
 from dragon.diloco.fragment_cut import RUNS, fragment_ids
 from dragon.parallel.neurons import SHARDED, share_of
 
 STATE_FILE = "diloco_state"  # <tag dir>/diloco_state_<rank>.pt
-# the format of a saved state; 1: saved before the field existed (the same keys), which loads
-STATE_VERSION = 2
+STATE_VERSION = 3
+
+
+def of_outer_loop(loop) -> dict:
+    """The state of a dragon.diloco.outer.DiLoCo (its exchanges in flight waited for)."""
+    weights = loop.weights
+    return {
+        "version": STATE_VERSION, "outer_step": loop.outer_step, "mode": loop.mode,
+        "numels": loop.numels, "fragments": loop.F, "cut": loop.cut,
+        "segments": getattr(weights, "segments", lambda: None)(),
+        "neuron_share": getattr(weights, "neuron_share", lambda: (0, 1))(),
+        "fragment": [_of_fragment(f) for f in loop.fragments],
+        "peak_bytes": loop.runtime.report.peak_bytes,
+    }
+
+
+def _of_fragment(fragment: Fragment) -> dict:
+    flight, x = None, fragment.in_flight
+    if x is not None:
+        try:
+            average = x.exchange.result().clone()
+        except RuntimeError:  # elastic: an island died during it; its landing redoes it
+            average = "lost"
+        flight = {"average": average, "lands_at": x.lands_at, "synced_at": x.synced_at,
+                  "delta": None if x.delta is None else x.delta.clone(),
+                  "contributed": x.contributed, "share": x.share}
+    return {"outer": fragment.outer.detach().cpu().clone(),
+            "optimizer": copy.deepcopy(fragment.optimizer.state_dict()),  # not the live state
+            "residual": None if fragment.residual is None else fragment.residual.clone(),
+            "in_flight": flight}
+
+
+def load_fragment(fragment: Fragment, saved: dict) -> None:
+    """A fragment's saved state (_of_fragment) into `fragment`."""
+    with torch.no_grad():
+        fragment.outer.copy_(saved["outer"].view_as(fragment.outer))
+        if fragment.residual is not None and saved["residual"] is not None:
+            fragment.residual.copy_(saved["residual"])
+        elif fragment.residual is not None:  # a run without top-k until now
+            fragment.residual.zero_()
+    fragment.optimizer.load_state_dict(copy.deepcopy(saved["optimizer"]))  # torch aliases it
+    x = saved["in_flight"]
+    fragment.in_flight = None if x is None else InFlight(
+        FinishedExchange(None if isinstance(x["average"], str) else x["average"]),
+        x["lands_at"], x["synced_at"], x["delta"], x["contributed"], x["share"])
 
 
 def check_fits(state: dict, fragments: int, mode: str, numels: list[int]) -> None:
     """ValueError in one line unless this rank's saved `state` fits an outer loop of `fragments`
     fragments in `mode` over master tensors of `numels` values."""
-    version = state.get("version", 1)
-    if version > STATE_VERSION:
-        raise ValueError(f"DiLoCo state of format {version}: this dragon reads formats up to "
-                         f"{STATE_VERSION}; resume with the dragon that saved it")
     saved = (state.get("fragments", 1), state["mode"], state["numels"])
     if saved != (fragments, mode, numels):
         raise ValueError(
@@ -39,6 +83,59 @@ def check_fits(state: dict, fragments: int, mode: str, numels: list[int]) -> Non
             f"{mode} over {len(numels)} on this layout; resume with --diloco_fragments "
             f"{saved[0]} --diloco_mode {saved[1]} on the model, ZeRO stage and island size it was "
             "saved with")
+
+
+def current(state: dict, shapes: dict) -> dict:
+    """`state` in format 3 (`shapes`: the model's parameter shapes, for streaming DiLoCo's cut);
+    ValueError in one line for a format newer than this dragon's."""
+    version = state.get("version", 1)  # 1: saved before the field existed (format 2's keys)
+    if version > STATE_VERSION:
+        raise ValueError(f"DiLoCo state of format {version}: this dragon reads formats up to "
+                         f"{STATE_VERSION}; resume with the dragon that saved it")
+    if version == STATE_VERSION:
+        return state
+    if state.get("fragments", 1) == 1:
+        fragments = [_plain_fragment(state)]
+    else:
+        ids = fragment_ids(state["segments"], shapes, state["numels"], state["fragments"],
+                           state.get("cut", RUNS))
+        fragments = [_streaming_fragment(state, f, ids == f) for f in range(state["fragments"])]
+    kept = ("outer_step", "mode", "numels", "fragments", "segments", "neuron_share", "peak_bytes")
+    return dict({k: state.get(k) for k in kept}, version=STATE_VERSION, fragment=fragments,
+                cut=state.get("cut", RUNS), fragments=state.get("fragments", 1),
+                peak_bytes=state.get("peak_bytes", 0))
+
+
+def _plain_fragment(state: dict) -> dict:
+    """Format 2's plain DiLoCo: one tensor per master tensor, and delayed mode's share and
+    average in flight."""
+    sizes = [p.numel() for p in state["outer_params"]]
+    optimizer = state["optimizer"]
+    one = {k: (torch.cat([optimizer["state"][i][k].reshape(-1) for i in range(len(sizes))])
+               if torch.is_tensor(v) and v.numel() == sizes[0] else v)
+           for k, v in optimizer["state"].get(0, {}).items()}
+    flight = None
+    if state.get("pending") is not None:
+        flight = {"average": state["pending"], "lands_at": None, "synced_at": 0,
+                  "delta": state["previous"], "contributed": state.get("contributed", True),
+                  "share": state.get("previous_share", 0)}
+    return {"outer": torch.cat([p.reshape(-1) for p in state["outer_params"]]),
+            "optimizer": {"state": {0: one} if one else {},
+                          "param_groups": [dict(optimizer["param_groups"][0], params=[0])]},
+            "residual": state.get("residual"), "in_flight": flight}
+
+
+def _streaming_fragment(state: dict, f: int, mask: torch.Tensor) -> dict:
+    """Format 2's fragment f of streaming DiLoCo (its residual cut out of the rank's)."""
+    flight = state["in_flight"].get(f)
+    if flight is not None:
+        average, lands_at, synced_at, *rest = flight
+        delta, contributed = (list(rest) + [None, True])[:2]
+        flight = {"average": average, "lands_at": lands_at, "synced_at": synced_at,
+                  "delta": delta, "contributed": contributed, "share": 0}
+    residual = state.get("residual")
+    return {"outer": state["outer_params"][f], "optimizer": state["optimizers"][f],
+            "residual": None if residual is None else residual[mask], "in_flight": flight}
 
 
 def _state_files(tag_dir: str) -> tuple[list[str], Optional[dict]]:
@@ -119,91 +216,69 @@ def _share_index(name: str, dims: tuple[int, int, int], index: int, k: int) -> t
     return share_of(name, places, config, index, k).reshape(-1)
 
 
-def diloco_state_for(tag_dir: str, weights, numels: list[int]) -> Optional[dict]:
-    """This rank's DiLoCo state (DiLoCo.state_dict's form) for master tensors laid out as
-    `weights` (MasterWeights) lay theirs, gathered from the states every rank of another layout
-    saved in `tag_dir` (None: it has none): each flat tensor goes through the parameters."""
-    saved = saved_states(tag_dir)
+def laid_out_state(tag_dir: str, weights, numels: list[int], fragments: int
+                   ) -> Optional[dict]:
+    """This rank's state (format 3) for master tensors laid out as `weights` (MasterWeights)
+    lay theirs, from the states every rank of another layout saved in `tag_dir` (None: it has
+    none): every vector of every fragment put back in place in the model's parameters and cut
+    again for this rank."""
+    shapes = weights.shapes()
+    saved = [current(s, shapes) for s in saved_states(tag_dir)]
     if not saved:
         return None
-    segments, share = weights.segments(), weights.neuron_share()
+    first, segments, share = saved[0], weights.segments(), weights.neuron_share()
 
-    def moved(tensors_of) -> list[torch.Tensor]:
-        return laid_out_for(saved, segments, numels, tensors_of, share, weights.config)
+    def ids_of(segments_: list, numels_: list[int]) -> Optional[torch.Tensor]:
+        if fragments == 1:
+            return None
+        return fragment_ids(segments_, shapes, numels_, fragments, first["cut"])
 
-    def flat_vector(key):  # one vector over every master tensor (delayed mode)
-        if saved[0].get(key) is None or isinstance(saved[0][key], str):
-            return saved[0].get(key)
-        return torch.cat(moved(lambda state: state[key].split(state["numels"])))
+    ids, old = ids_of(segments, numels), {id(s): ids_of(s["segments"], s["numels"]) for s in saved}
 
-    first = saved[0]
-    optimizer = first["optimizer"]
-    keys = [k for k, v in optimizer["state"].get(0, {}).items()
-            if torch.is_tensor(v) and v.shape == first["outer_params"][0].shape]
-    state = {i: {k: v for k, v in optimizer["state"][0].items() if k not in keys}
-             for i in range(len(numels))} if optimizer["state"] else {}
-    for key in keys:
-        for i, values in enumerate(moved(lambda s: [s["optimizer"]["state"][j][key]
-                                                     for j in range(len(s["numels"]))])):
-            state[i][key] = values
-    groups = [dict(optimizer["param_groups"][0], params=list(range(len(numels))))]
-    return dict(first, numels=numels, segments=segments, neuron_share=share,
-                outer_params=moved(lambda s: s["outer_params"]),
-                optimizer={"state": state, "param_groups": groups},
-                previous=flat_vector("previous"), pending=flat_vector("pending"),
-                residual=flat_vector("residual"))
+    def moved(vector_of: Callable[[dict], Optional[torch.Tensor]]) -> list:
+        """vector_of(a fragment's saved state), of every fragment, laid out for this rank."""
+        present = [vector_of(f) is not None for f in first["fragment"]]
 
-
-def fragment_state_for(tag_dir: str, weights, numels: list[int], fragments: int
-                       ) -> Optional[dict]:
-    """This rank's state from the fragment states the ranks of another partition of the
-    weights saved: every fragment's vectors put back in place over each saved rank's values,
-    laid out again for this rank's (laid_out_for), and cut by this rank's ids."""
-    saved = saved_states(tag_dir)
-    if not saved:
-        return None
-    shapes, first = weights.shapes(), saved[0]
-    cut = first.get("cut", RUNS)
-    ids = fragment_ids(weights.segments(), shapes, numels, fragments, cut)
-    old = [fragment_ids(s["segments"], shapes, s["numels"], fragments, cut) for s in saved]
-    at = {id(s): i for i, s in enumerate(saved)}
-
-    def moved(vectors_of) -> list[Optional[torch.Tensor]]:
-        """Per fragment, vectors_of(state) (F masked vectors, None where a fragment has
-        none) laid out for this rank."""
         def placed(state: dict) -> list[torch.Tensor]:
-            flat = torch.zeros(sum(state["numels"]))
-            for f, vector in enumerate(vectors_of(state)):
-                if vector is not None:
-                    flat[old[at[id(state)]] == f] = vector.float()
+            flat, cut = torch.zeros(sum(state["numels"])), old[id(state)]
+            for f, fragment in enumerate(state["fragment"]):
+                vector = vector_of(fragment)
+                if vector is not None and cut is None:
+                    flat = vector.float().reshape(-1)
+                elif vector is not None:
+                    flat[cut == f] = vector.float().reshape(-1)
             return list(flat.split(state["numels"]))
-        whole = torch.cat(laid_out_for(saved, weights.segments(), numels, placed,
-                                       weights.neuron_share(), weights.config))
-        present = [v is not None for v in vectors_of(first)]
-        return [whole[ids == f] if present[f] else None for f in range(fragments)]
 
-    optimizers = [dict(o) for o in first["optimizers"]]  # a fragment not stepped yet: none
-    buffers = moved(lambda s: [o["state"].get(0, {}).get("momentum_buffer")
-                               for o in s["optimizers"]])
-    for optimizer, buffer in zip(optimizers, buffers):
-        if buffer is not None:
-            optimizer["state"] = {0: dict(optimizer["state"][0], momentum_buffer=buffer)}
+        if not any(present):
+            return [None] * fragments
+        whole = torch.cat(laid_out_for(saved, segments, numels, placed, share, weights.config))
+        return [(whole if ids is None else whole[ids == f]) if present[f] else None
+                for f in range(fragments)]
 
-    def flights(i: int):  # item i of each fragment's saved flight, where it is a vector
-        return lambda s: [_vector(s["in_flight"].get(f, ()), i) for f in range(fragments)]
+    def optimizer_tensors(fragment: dict) -> dict:
+        return {k: v for k, v in fragment["optimizer"]["state"].get(0, {}).items()
+                if torch.is_tensor(v) and v.numel() == fragment["outer"].numel()}
 
-    landing, sent_deltas = moved(flights(0)), moved(flights(3))
-    residual = None
-    if first.get("residual") is not None:
-        residual = torch.cat(laid_out_for(saved, weights.segments(), numels,
-                                          lambda s: list(s["residual"].split(s["numels"])),
-                                          weights.neuron_share(), weights.config))
-    return dict(first, numels=numels, segments=weights.segments(),
-                neuron_share=weights.neuron_share(), optimizers=optimizers,
-                outer_params=moved(lambda s: s["outer_params"]), residual=residual,
-                in_flight={f: ("lost" if isinstance(v[0], str) else landing[f], *v[1:3],
-                               sent_deltas[f], *v[4:]) for f, v in first["in_flight"].items()})
+    keys = {k for f in first["fragment"] for k in optimizer_tensors(f)}
+    moments = {k: moved(lambda f, k=k: optimizer_tensors(f).get(k)) for k in keys}
+    flights = {k: moved(lambda f, k=k: _vector(f["in_flight"], k)) for k in ("average", "delta")}
+    outer, residual = moved(lambda f: f["outer"]), moved(lambda f: f["residual"])
+    laid = []
+    for f, fragment in enumerate(first["fragment"]):
+        optimizer = dict(fragment["optimizer"])
+        if optimizer["state"]:
+            optimizer["state"] = {0: dict(optimizer["state"][0], **{
+                k: v[f] for k, v in moments.items() if v[f] is not None})}
+        flight = fragment["in_flight"]
+        if flight is not None:
+            flight = dict(flight, delta=flights["delta"][f], average=(
+                flight["average"] if isinstance(flight["average"], str)
+                else flights["average"][f]))
+        laid.append(dict(fragment, outer=outer[f], residual=residual[f], optimizer=optimizer,
+                         in_flight=flight))
+    return dict(first, numels=numels, segments=segments, neuron_share=share, fragment=laid)
 
 
-def _vector(saved: tuple, i: int) -> Optional[torch.Tensor]:
-    return saved[i] if len(saved) > i and torch.is_tensor(saved[i]) else None
+def _vector(flight: Optional[dict], key: str) -> Optional[torch.Tensor]:
+    value = None if flight is None else flight[key]
+    return value if torch.is_tensor(value) else None

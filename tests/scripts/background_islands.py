@@ -21,7 +21,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 import diloco_islands as toy  # noqa: E402
 
 from dragon.diloco.arguments import DiLoCoArguments  # noqa: E402
-from dragon.diloco.fragments import FragmentedDiLoCo  # noqa: E402
 from dragon.diloco.outer import DiLoCo  # noqa: E402
 from dragon.parallel.topology import enter_island  # noqa: E402
 
@@ -39,7 +38,7 @@ def run(island: int, topology, options: dict) -> list[dict]:
     config = args.config()
     if config.fragments > 1:  # the toy has no BDH parameters: fragments are runs of values
         ids = (torch.arange(1000) * F // 1000).to(torch.int8)
-        outer = FragmentedDiLoCo(weights, config, topology, ids=ids)
+        outer = DiLoCo(weights, config, topology, ids=ids)
     else:
         outer = DiLoCo(weights, config, topology)
     c, record = toy.centre(island), []

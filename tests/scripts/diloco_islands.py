@@ -89,7 +89,8 @@ def inner_steps(weights, c) -> None:
 def record_of(weights, outer, metrics) -> dict:
     return {
         "weights": [w.flatten().tolist() for w in weights.tensors()],
-        "outer": [p.flatten().tolist() for p in outer.outer_params],
+        "outer": [p.tolist() for p in outer.theta_outer().split(
+            [w.numel() for w in weights.tensors()])],
         "metrics": metrics,
     }
 
@@ -192,7 +193,8 @@ def main():
             record.append(
                 {
                     "weights": [w.flatten().tolist() for w in weights.tensors()],
-                    "outer": [p.flatten().tolist() for p in outer.outer_params],
+                    "outer": [p.tolist() for p in outer.theta_outer().split(
+            [w.numel() for w in weights.tensors()])],
                     "metrics": metrics,
                 }
             )

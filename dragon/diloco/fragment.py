@@ -1,0 +1,109 @@
+"""One fragment of the weights: the part of this rank's values that meets the other islands on
+its own schedule, with everything it owns: theta_outer, its outer optimizer, what top-k kept
+back of it, and its exchange in flight. Plain DiLoCo is one fragment of all the values;
+streaming DiLoCo (--diloco_fragments F) is F of them (the cut: dragon.diloco.fragment_cut).
+
+How a fragment in flight lands (delayed mode). A fragment of streaming DiLoCo lands inside its
+own window and merges: theta_f <- alpha theta_f + (1 - alpha) theta_outer_f. Plain DiLoCo's one
+fragment is `eager` (Kale et al., 2025): it lands when it syncs again, and steps with the late
+average whose own share is swapped for the fresh one (DiLoCo.eager_gradient).
+"""
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from dragon.diloco.exchange import AnyExchange
+
+OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+
+@dataclass
+class InFlight:
+    """A fragment's exchange under the inner steps, and the step it lands at (auto: None until
+    the islands agree)."""
+
+    exchange: AnyExchange  # an Exchange, or a FinishedExchange restored from a checkpoint
+    lands_at: Optional[int]
+    synced_at: int = 0
+    delta: Optional[torch.Tensor] = None  # what this island sent, for a redo without a lost one
+    contributed: bool = True  # this island's own (a joiner sends zeros)
+    share: int = 0  # how many islands' pseudo-gradients it averages (0: every island's)
+
+
+class Fragment:
+    """Fragment `number` of this rank's values: those whose entry in `ids` (one byte a value,
+    shared by the fragments) is `number` (ids None: all of them); `numels`, the tensors of its
+    vector as the codec blocks them (default: one); `values`, its weights now."""
+
+    def __init__(self, number: int, ids: Optional[torch.Tensor], numels: Optional[list[int]],
+                 values: torch.Tensor, device: torch.device, make_optimizer: OptimizerFactory,
+                 topk: bool):
+        self.number, self.ids = number, ids
+        self.numels = numels or [values.numel()]
+        self.outer = values.to(device, torch.float32, copy=True)  # theta_outer
+        self.make_optimizer = make_optimizer
+        self.optimizer = make_optimizer([self.outer])
+        self.residual = torch.zeros(values.numel()) if topk else None
+        self.in_flight: Optional[InFlight] = None
+
+    @property
+    def mask(self) -> Optional[torch.Tensor]:
+        """Which of this rank's values are in this fragment (None: all; made when used)."""
+        return None if self.ids is None else self.ids == self.number
+
+    def of(self, flat: torch.Tensor) -> torch.Tensor:
+        """This fragment's values out of a vector over all of this rank's values."""
+        return flat if self.ids is None else flat[self.mask]
+
+    def place(self, flat: torch.Tensor, values: torch.Tensor) -> None:
+        """Put this fragment's `values` in their places in `flat`."""
+        if self.ids is None:
+            flat.copy_(values.reshape(-1))
+        else:
+            flat[self.mask] = values
+
+    def delta(self, local: torch.Tensor) -> torch.Tensor:
+        """theta_outer - theta (`local`: this rank's values, flat), plus what top-k kept back."""
+        delta = self.outer.to("cpu", torch.float32) - self.of(local)
+        if self.residual is not None:
+            delta += self.residual
+        return delta
+
+    def step(self, gradient: torch.Tensor) -> None:
+        """One step of the outer optimizer on theta_outer with `gradient`."""
+        self.outer.grad = gradient.to(self.outer.device)
+        self.optimizer.step()
+        self.outer.grad = None
+
+    def merged(self, local: torch.Tensor, alpha: float) -> torch.Tensor:
+        """alpha theta + (1 - alpha) theta_outer: what this fragment's weights become."""
+        outer = self.outer.to("cpu", torch.float32)
+        return alpha * self.of(local) + (1 - alpha) * outer if alpha else outer
+
+    def sent_delta(self) -> torch.Tensor:
+        """The pseudo-gradient this island sent in the exchange in flight (zeros: none of its
+        own)."""
+        x = self.in_flight
+        if x is None or x.delta is None or not x.contributed:
+            return torch.zeros(self.outer.numel())
+        return x.delta.clone()
+
+    def restart(self, values: torch.Tensor) -> None:
+        """Afresh from `values`: nothing stepped, kept back or in flight."""
+        with torch.no_grad():
+            self.outer.copy_(values)
+        self.optimizer = self.make_optimizer([self.outer])
+        self.forget_own_share()
+        self.in_flight = None
+
+    def forget_own_share(self) -> None:
+        """Nothing of this island's own is held back or in flight (a joiner, or a new island
+        resumed from island 0's state)."""
+        if self.residual is not None:
+            self.residual.zero_()
+        if self.in_flight is not None:
+            self.in_flight.contributed = False
+            if self.in_flight.delta is not None:
+                self.in_flight.delta.zero_()
