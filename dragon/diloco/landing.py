@@ -22,7 +22,6 @@ import time
 from datetime import timedelta
 from typing import Callable, Optional
 
-import torch
 import torch.distributed as dist
 
 from dragon.diloco.fragment import InFlight

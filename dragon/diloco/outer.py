@@ -35,7 +35,7 @@ import torch
 
 from dragon.diloco.codecs import Codec
 from dragon.diloco.config import DiLoCoConfig
-from dragon.diloco.exchange import Exchange, ExchangeSet, FinishedExchange, flatten
+from dragon.diloco.exchange import Exchange, ExchangeSet, flatten
 from dragon.diloco.fragment import Fragment, InFlight, OptimizerFactory
 from dragon.diloco.fragment_cut import INTERLEAVED, fragment_ids
 from dragon.diloco.landing import AUTO, AutoLandings
