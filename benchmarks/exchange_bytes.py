@@ -9,7 +9,7 @@ dragon.diloco.exchange.Exchange, once per codec; each counts the bytes it wrote 
 (/proc/self/io) and the slowest island's wall time is kept. Data parallel's gradient all-reduce
 moves the fp32 row's bytes every step; DiLoCo moves them once per H steps. With F fragments
 (streaming DiLoCo) an exchange carries one fragment, 1/F of the values (fragments are the same
-size: dragon.diloco.fragments), at its own step: a window sends F of them, its busiest step one.
+size: dragon.diloco.outer), at its own step: a window sends F of them, its busiest step one.
 """
 
 import argparse

@@ -254,7 +254,7 @@ def zero_bytes(stage: int, bf16: bool) -> dict:
     import deepspeed
 
     from dragon.parallel.distributed import init_distributed
-    from dragon.diloco.master_weights import MasterWeights
+    from dragon.parallel.master_weights import MasterWeights
 
     init_distributed(120)
     torch.manual_seed(0)
@@ -273,7 +273,7 @@ def zero_bytes(stage: int, bf16: bool) -> dict:
     ids = torch.randint(0, 256, (1, 32))
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     engine.step()
-    # This rank's weights, its fp32 master weights (dragon.diloco.master_weights knows where each
+    # This rank's weights, its fp32 master weights (dragon.parallel.master_weights knows where each
     # DeepSpeed
     # optimizer keeps them) and its optimizer states; each storage counted once (ZeRO-0 fp32: the
     # weights are the masters).

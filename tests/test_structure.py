@@ -50,6 +50,12 @@ def test_every_package_imports_only_the_layers_below_it():
     assert upward == []
 
 
+def test_no_module_imports_more_than_ten_dragon_modules():
+    """A module that needs more than ten others does too much: split it."""
+    wide = {name: len(uses) for name, uses in graph().items() if len(uses) > 10}
+    assert not wide, wide
+
+
 def test_no_module_is_in_an_import_circle():
     edges, circles = graph(), []
     state: dict[str, int] = {}  # 1: on the path being walked, 2: done

@@ -3,7 +3,7 @@
 from typing import Optional
 
 from dragon.diloco.config import DiLoCoConfig
-from dragon.diloco.master_weights import MasterWeights
+from dragon.parallel.master_weights import MasterWeights
 from dragon.diloco.outer import DiLoCo
 from dragon.parallel.topology import Topology
 

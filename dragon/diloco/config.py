@@ -24,7 +24,7 @@ class DiLoCoConfig:
     quorum_timeout: float = 60.0
     min_islands: int = 1
     join: bool = False  # this island joins live ones
-    fragments: int = 1  # streaming DiLoCo: fragments synced in turn (dragon.diloco.fragments)
+    fragments: int = 1  # streaming DiLoCo: fragments synced in turn (dragon.diloco.outer)
     # delayed, fragments: inner steps a fragment's exchange runs under, or "auto" (until done)
     fragment_delay: Union[int, str] = 0
     fragment_alpha: float = 0.5  # delayed, fragments: the local share kept when a fragment lands

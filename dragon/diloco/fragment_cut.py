@@ -1,4 +1,4 @@
-"""Streaming DiLoCo's cut of the weights into F fragments (dragon.diloco.fragments).
+"""Streaming DiLoCo's cut of the weights into F fragments (dragon.diloco.outer).
 
 The cut. BDH's layers share one block of weights, so a fragment cannot be a set of layers (the
 paper's choice). A fragment here is a set of neurons: neuron n of every head is in fragment
@@ -50,7 +50,7 @@ def element_fragments(name: str, shape: tuple, start: int, numel: int, neurons: 
 def fragment_ids(segments: list, shapes: dict, numels: list[int], fragments: int,
                  cut: str = INTERLEAVED) -> torch.Tensor:
     """The fragment of every value of this rank's master tensors, one int8 vector over them all
-    (dragon.diloco.master_weights.MasterWeights.segments says where each piece sits; padding
+    (dragon.parallel.master_weights.MasterWeights.segments says where each piece sits; padding
     belongs to fragment 0)."""
     neurons = next((s[-1] for n, s in shapes.items() if n.split(".")[-1] == "encoder"), 1)
     ids = torch.zeros(sum(numels), dtype=torch.int8)

@@ -1,4 +1,4 @@
-"""When a fragment in flight lands (streaming DiLoCo in delayed mode, dragon.diloco.fragments): a
+"""When a fragment in flight lands (streaming DiLoCo in delayed mode, dragon.diloco.outer): a
 fixed number of inner steps after it synced (--diloco_fragment_delay D), or, with `auto`, at the
 first inner step but one after its exchange completed on every island.
 

@@ -15,7 +15,7 @@ the training thread waited for them, a save's wait included); outer_compress_err
 weights and of theta_outer over the island's ranks (equal bits on every island after a sync outer
 step).
 
-Streaming DiLoCo (dragon.diloco.fragments). Metrics of a step where a fragment syncs or lands:
+Streaming DiLoCo (dragon.diloco.outer). Metrics of a step where a fragment syncs or lands:
 outer_step (such steps so far), outer_fragment (the one that syncs), outer_landed (the one that
 lands, the first if several do; both F at the last step: all of them), outer_landed_after (delayed:
 inner steps since it synced), outer_bytes_sent (what the exchanges started at this step send, the

@@ -4,7 +4,7 @@ steps for an outer step, the weights in F fragments (dragon.diloco.fragment) tha
 Inside an island every step is an ordinary DeepSpeed step. Fragment f syncs after inner steps
 floor(f H/F) + kH (F = 1: every H steps): each rank takes its pseudo-gradient Delta_f =
 theta_outer_f - theta_f in fp32 on its own part of DeepSpeed's fp32 MASTER weights
-(dragon.diloco.master_weights), averages it with rank r of every other island (any codec of
+(dragon.parallel.master_weights), averages it with rank r of every other island (any codec of
 dragon.diloco.codecs; top-k keeps what it did not send for the next one), and the fragment's
 outer optimizer (Nesterov SGD by default) steps theta_outer_f with the average.
 
@@ -54,7 +54,6 @@ class Round:
     deltas: list = field(default_factory=list)  # the pseudo-gradients they sent
     synced: dict = field(default_factory=dict)  # blocking: fragment -> its average
     gradient: Optional[torch.Tensor] = None  # eager: the outer gradient
-    late: Optional[object] = None  # eager: the late average's exchange
     contributors: int = 1
     contributes: bool = True
     step: int = 0  # the step, as the live islands have it (a joiner's)
@@ -174,16 +173,16 @@ class DiLoCo:
         done = Round(step=step, contributors=len(members) - len(joiners),
                      contributes=self.topology.island not in joiners)
         due = self.landing(step, final)
+        if sync and self.eager:  # its one fragment lands as it syncs (none in flight: nothing)
+            due = [0]
         if joiners:
             done.step, due = self.runtime.share_outer_state(group, members, joiners, step,
                                                             self.fragments, due)
             if not done.contributes:  # a joiner's weights are theta_outer: it sends zeros
                 self._land(dict.fromkeys(range(self.F)), 0.0)
-        done.landed = self._averages(due, group, members, redo=bool(joiners))
+        done.landed = self._averages(due, group, members, redo=bool(joiners) and not self.eager)
         if sync:
             done.syncing = self.syncing(done.step, final)
-        if self.eager and done.syncing:
-            done.late = self._late_average(self.fragments[0], group, members)
         local = flatten(self.weights.tensors())
         for fragment in self._of(done.syncing):
             delta = fragment.delta(local)
@@ -217,32 +216,18 @@ class DiLoCo:
             contributed, group, redo)
         if share is None:
             return {f: x.result() for f, x in zip(due, exchanges)}
+        for x in flights:
+            if x is not None:
+                x.share = share
         return {f.number: self.runtime.exchange(f.sent_delta(), group, len(members), share,
                                                 f.numels).result() for f in self._of(due)}
-
-    def _late_average(self, fragment: Fragment, group, members: list[int]) -> Optional[object]:
-        """Eager: the average in flight since the last outer step, or, when it failed on any
-        member (an island died during it), redone by the members from their kept shares."""
-        x = fragment.in_flight
-        exchanges = [] if x is None else [x.exchange]
-        share = self.membership.failed(
-            self.outer_step, "the average in flight since the last outer step", exchanges,
-            x is not None and x.contributed, group)
-        if share is None:
-            return None if x is None else x.exchange
-        if x is not None:
-            x.share = share
-        redo = self.runtime.exchange(fragment.sent_delta(), group, len(members), share,
-                                     fragment.numels)
-        redo.result()
-        return redo
 
     def eager_gradient(self, done: Round, final: bool) -> torch.Tensor:
         """Kale et al.'s eager outer gradient: the late average with this island's share of it
         swapped for its fresh one (at the last step, for the whole fresh average)."""
         fragment, x = self.fragments[0], done.started[0]
         share = done.deltas[0] if x.sent is None else x.sent  # top-k: what it sent
-        late = done.late.result() if done.late is not None else torch.zeros_like(share)
+        late = done.landed.get(0, torch.zeros_like(share))
         fresh = x.result() if final else share / done.contributors
         flight = fragment.in_flight
         previous_share = (flight.share if flight is not None else 0) or self.topology.islands
@@ -277,9 +262,6 @@ class DiLoCo:
             with torch.no_grad():
                 fragment.outer.copy_(average.result().view_as(fragment.outer))
             done.started[0].bytes_sent += average.bytes_sent
-        done.flights = [] if fragment.in_flight is None else [fragment.in_flight]
-        done.landed = {} if done.late is None else {0: done.late.result()}
-        fragment.in_flight = None
         self.runtime.write(fragment.outer.to("cpu", torch.float32).split(self.numels))
 
     def _fly(self, done: Round) -> None:

@@ -1,7 +1,7 @@
-"""What every outer loop of a rank runs on, whether it syncs the whole model (dragon.diloco.outer)
-or fragments in turn (dragon.diloco.fragments): the weights, the islands' membership and group,
-the codec and the exchange thread, the link watch and the metrics, and the steps they share (the
-first weights, writing theta back, an exchange, the state a joiner takes, the end of a run)."""
+"""What the outer loop of a rank (dragon.diloco.outer) runs on: the weights, the islands'
+membership and group, the codec and the exchange thread, the link watch and the metrics, and the
+steps around a round (the first weights, writing theta back, an exchange, the state a joiner
+takes, the end of a run)."""
 
 from typing import Any, Callable, Optional, Union
 

@@ -5,6 +5,7 @@
 - topology: islands x data ranks, each island its own torch.distributed world (enter_island)
 - pipeline: BDH as a DeepSpeed PipelineModule (bdh_pipeline, carrying)
 - neurons: BDH's tensor parallelism over its neurons (split_neurons, NeuronGroups)
+- master_weights: this rank's fp32 master weights inside any DeepSpeed engine (MasterWeights)
 - ds_config: DeepSpeed JSON configs with "auto" values filled from the arguments
 - deepspeed_fixes: the workarounds of DeepSpeed behaviours that set an engine's or optimizer's
   attributes (norm_on_every_rank, skip_nonfinite_updates, set_global_steps)

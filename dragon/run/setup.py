@@ -15,23 +15,15 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-import torch
-
-from dragon.checkpoint.accelerator_state import AcceleratorCheckpointer
-from dragon.checkpoint.card import write_run_files
-from dragon.checkpoint.checkpointer import Checkpointer, RNGState
 from dragon.checkpoint.export import export_run, print_sample
-from dragon.checkpoint.save_hook import attach_retention
 from dragon.diloco.build import outer_loop
-from dragon.history import metrics_path
 from dragon.parallel.distributed import init_distributed, rank
 from dragon.parallel.topology import Topology, enter_island
-from dragon.run.args import TrainingArguments
+from dragon.run.checkpointing import keep_checkpoints, resumed_run, run_checkpointer
 from dragon.run.data import RunData, run_data
 from dragon.run.inputs import RecipeInputs
 from dragon.run.lock import check_every_rank_sees
-from dragon.run.loop import TrainingRun
-from dragon.run.metrics import RECORDED_METRICS, setup_logging
+from dragon.run.metrics import setup_logging
 from dragon.run.preflight import preflight
 
 
@@ -63,13 +55,14 @@ class Setup:
     config: Any  # the model's
     data: RunData
     outer: Optional[Any]  # the DiLoCo outer loop (dragon.diloco.build); None without DiLoCo
-    checkpointer: Checkpointer
-    run: TrainingRun
+    checkpointer: Any  # a dragon.checkpoint.checkpointer.Checkpointer
+    run: Any  # the dragon.run.loop.TrainingRun
     save_dir: str  # <run dir>/checkpoints
     accelerator: Optional[Any] = None  # the accelerate recipe's Accelerator
 
     @property
-    def args(self) -> TrainingArguments:
+    def args(self) -> Any:
+        """The run's TrainingArguments."""
         return self.inputs.train
 
 
@@ -90,53 +83,16 @@ def set_up(build_engine: BuildEngine, pipeline: bool = False,
     check_every_rank_sees(run_dir)  # node-local disks would split the checkpoints: refused
     built = build_engine(inputs, run_dir)
     engine, save_dir = built.engine, os.path.join(run_dir, "checkpoints")
-    # Optional: after every engine.save_checkpoint (accelerator.save_state calls it too), a
-    # completion marker once every rank wrote its files, and pruning to the last
-    # --save_total_limit plus the best by --metric_for_best_model.
-    attach_retention(engine, args.retention_policy(), RECORDED_METRICS, metrics_path(run_dir))
+    keep_checkpoints(engine, inputs, run_dir)  # retention around engine.save_checkpoint
     outer = outer_loop(engine, inputs.diloco.config(), topology)  # None without DiLoCo
     data_rank, data_world = topology.data_shard(built.dp_rank, built.dp_world)
     # this rank's data, and the attention states of its layers that --carry_state keeps
     data = run_data(inputs, data_rank, data_world, built.dp_rank, built.dp_world, engine,
                     built.layers)
-    checkpointer = _checkpointer(built, save_dir, data, outer, inputs, topology)
-    run = _resumed_run(built, inputs, topology, data, outer, checkpointer)
-    if rank() == 0:
-        write_run_files(save_dir, inputs, built.config, topology.islands, built.dp_world,
-                        run.run_tokens_per_step)
+    checkpointer = run_checkpointer(built, save_dir, data, outer, inputs, topology)
+    run = resumed_run(built, inputs, topology, data, outer, checkpointer, save_dir)
     return Setup(inputs, topology, engine, built.config, data, outer, checkpointer, run,
                  save_dir, built.accelerator)
-
-
-def _checkpointer(built: Built, save_dir: str, data: RunData, outer, inputs: RecipeInputs,
-                  topology: Topology) -> Checkpointer:
-    """The Checkpointer of the engine and the run's other state: the data position and tokens
-    trained (the carried states, a stream's position), RNG, the LR schedule, DiLoCo's state."""
-    shared, per_rank = data.checkpoint_pieces()
-    if built.lr_schedule:  # the steps it was planned for: a resume keeps them
-        shared["lr_schedule"] = built.lr_schedule
-    seed = inputs.train.seed + topology.launch_rank
-    torch.manual_seed(seed)  # every rank its own dropout masks
-    per_rank["rng_state"] = RNGState(seed)
-    if outer:
-        per_rank["diloco_state"] = outer
-    if built.accelerator is not None:  # accelerator.save_state: every rank saves every piece
-        return AcceleratorCheckpointer(built.accelerator, built.engine, save_dir,
-                                       {**shared, **per_rank})
-    return Checkpointer(built.engine, save_dir, shared, per_rank, inputs.train.save_async)
-
-
-def _resumed_run(built: Built, inputs: RecipeInputs, topology: Topology, data: RunData, outer,
-                 checkpointer: Checkpointer) -> TrainingRun:
-    """The TrainingRun from --resume_from_checkpoint's step (0 without one), moved on to the live
-    islands' step when this island joins them (--diloco_join)."""
-    target = inputs.resume_target(topology.island)
-    step = checkpointer.resume(target) if target else 0
-    run = TrainingRun(built.engine, inputs, built.config, topology, data, built.dp_world, step,
-                      outer)
-    if inputs.diloco.diloco_join:  # elastic: take the live islands' weights, outer state, step
-        run.joined(*outer.join(), resumed=target is not None)
-    return run
 
 
 def tear_down(setup: Setup) -> None:
