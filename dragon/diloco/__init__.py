@@ -3,7 +3,7 @@
 - arguments, config: the --diloco_* command-line arguments, and the DiLoCoConfig they give
 - build: outer_loop(engine, ...), the outer loop a recipe runs over the engine's master weights
 - outer: DiLoCo, the outer loop of one rank: rounds among the islands over its fragments
-- fragment: a part of the weights with its theta_outer, outer optimizer, residual, exchange in flight
+- fragment: a part of the weights: its theta_outer, outer optimizer, residual, exchange in flight
 - fragment_cut: streaming DiLoCo's cut of BDH into F fragments
 - runtime: what the outer loop runs on (weights, membership, codec, exchange thread, metrics)
 - membership: which islands take part in an outer step (a fixed group, or elastic islands)

@@ -14,7 +14,8 @@ def _help(text: str, **kwargs):
 
 
 MODES = ("sync", "delayed")
-COMPRESSIONS = ("none", "bf16", "int8", "int4")
+COMPRESSIONS = ("none", "bf16", "int8", "int4", "sparseloco")
+SPARSELOCO_DENSITY = 64 / 4096  # SparseLoCo's k of a chunk of 4096
 DELAYED_MOMENTUM = 0.3  # delayed mode's steadiest outer momentum at lr 1 (benchmarks/README.md)
 
 
@@ -36,8 +37,11 @@ class DiLoCoArguments:
         default="sync",
     )
     diloco_compress: str = _help(
-        "Pseudo-gradient on the wire: none (fp32), bf16, int8 (all-gathered) or int4 (an "
-        "all-to-all and an all-gather: bytes that do not grow with the islands).", default="none"
+        "Pseudo-gradient on the wire: none (fp32), bf16, int8 (all-gathered), int4 (an "
+        "all-to-all and an all-gather: bytes that do not grow with the islands) or sparseloco "
+        "(SparseLoCo: the top --diloco_topk of every chunk of --diloco_sparseloco_chunk values, "
+        "default 64 of 4096, in 2 bits, all-gathered; its error feedback, decayed by "
+        "--diloco_sparseloco_decay, replaces outer momentum).", default="none"
     )
     diloco_int8_block: int = _help(
         "Values per int8 or int4 scale (0: one scale per tensor, int8 only).", default=1024
@@ -46,6 +50,14 @@ class DiLoCoArguments:
         "Send only this fraction of each pseudo-gradient's entries, those of largest magnitude, "
         "as int32 indices and bf16 values; each rank keeps what it did not send for its next "
         "outer step (error feedback). 0: off.", default=0.0
+    )
+    diloco_sparseloco_chunk: int = _help(
+        "--diloco_compress sparseloco: values per chunk, each chunk its own top-k (at most "
+        "65536).", default=4096
+    )
+    diloco_sparseloco_decay: float = _help(
+        "--diloco_compress sparseloco: the share of the error kept back that carries into the "
+        "next outer step, in (0, 1].", default=0.95
     )
     diloco_fragments: int = _help(
         "Streaming DiLoCo: the weights in this many fragments (slices of BDH's neurons and of "
@@ -126,11 +138,17 @@ class DiLoCoArguments:
         topk = self.diloco_topk
         if not 0 <= topk < 1:
             raise ValueError(f"--diloco_topk {topk}: must be in [0, 1) (0.02 sends 2 %)")
-        if topk and self.diloco_compress != "none":
+        if self.diloco_compress == "sparseloco":
+            self._check_sparseloco()
+        if topk and self.diloco_compress not in ("none", "sparseloco"):
             raise ValueError(f"--diloco_topk {topk} sends its own code; drop --diloco_compress "
                              f"{self.diloco_compress}")
         if self.diloco_fragments != 1 or self.diloco_fragment_delay is not None:
             self._check_fragments()
+        if self.diloco_compress == "sparseloco" and self.diloco_mode == "delayed" and \
+                self.diloco_elastic:
+            raise ValueError("--diloco_compress sparseloco with --diloco_mode delayed and "
+                             "--diloco_elastic is not supported; use --diloco_mode sync")
         if topk and self.diloco_mode == "delayed" and self.diloco_elastic:
             raise ValueError(f"--diloco_topk {topk} with --diloco_mode delayed and "
                              "--diloco_elastic is not supported; use --diloco_mode sync")
@@ -251,14 +269,37 @@ class DiLoCoArguments:
             return resume
         return os.path.join(save_dir, os.path.basename(os.path.normpath(resume)))
 
+    def _check_sparseloco(self) -> None:
+        if self.diloco_outer_momentum != 0:
+            raise ValueError(
+                f"--diloco_compress sparseloco with --diloco_outer_momentum "
+                f"{self.diloco_outer_momentum}: its error feedback replaces outer momentum; "
+                "add --diloco_outer_momentum 0")
+        if not 1 <= self.diloco_sparseloco_chunk <= 65536:
+            raise ValueError(f"--diloco_sparseloco_chunk {self.diloco_sparseloco_chunk}: must "
+                             "be in [1, 65536]")
+        if not 0 < self.diloco_sparseloco_decay <= 1:
+            raise ValueError(f"--diloco_sparseloco_decay {self.diloco_sparseloco_decay}: must "
+                             "be in (0, 1]")
+
+    def sparse_density(self) -> float:
+        """The share of values sent: --diloco_topk, or SparseLoCo's 64 of 4096 by default."""
+        if self.diloco_compress == "sparseloco" and not self.diloco_topk:
+            return SPARSELOCO_DENSITY
+        return self.diloco_topk
+
     def config(self) -> Optional[DiLoCoConfig]:
         """The outer loop's own config; None when DiLoCo is off."""
         if not self.enabled:
             return None
         return DiLoCoConfig(
             inner_steps=self.diloco_inner_steps, mode=self.diloco_mode,
-            compress="topk" if self.diloco_topk else self.diloco_compress,
-            int8_block=self.diloco_int8_block, topk=self.diloco_topk,
+            compress="topk" if self.diloco_topk and self.diloco_compress == "none"
+            else self.diloco_compress,
+            int8_block=self.diloco_int8_block, topk=self.sparse_density(),
+            sparse_chunk=self.diloco_sparseloco_chunk,
+            error_decay=self.diloco_sparseloco_decay if self.diloco_compress == "sparseloco"
+            else 1.0,
             outer_lr=self.diloco_outer_lr, outer_momentum=self.diloco_outer_momentum,
             nesterov=self.diloco_nesterov, outer_on_cpu=self.diloco_outer_on_cpu,
             checksum=self.diloco_checksum, elastic=self.diloco_elastic,

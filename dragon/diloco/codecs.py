@@ -11,9 +11,11 @@ Compression (the outer step stays fp32): bf16 all-reduces Delta in
 bf16; int8 quantizes Delta with one absmax scale per block of --diloco_int8_block values (0: per
 tensor) and all-gathers the codes; int4 reduces 4-bit chunks and all-gathers the sums
 (dragon.diloco.quantized); top-k sends the largest entries and keeps the rest for later
-(dragon.diloco.sparse). The relative error ||Q(Delta) - Delta|| / ||Delta|| of this island's
-Deltas is logged. Bytes on the wire per rank, for n islands and a payload of P bytes: fp32, bf16
-and int4 2(n-1)/n * P, int8 and top-k (all-gathers) (n-1) * P.
+(dragon.diloco.sparse); sparseloco sends the largest entries of every chunk in 2 bits
+(dragon.diloco.sparse), its error feedback decaying. The relative error
+||Q(Delta) - Delta|| / ||Delta|| of this island's Deltas is logged. Bytes on the wire per rank,
+for n islands and a payload of P bytes: fp32, bf16 and int4 2(n-1)/n * P; int8, top-k and
+sparseloco (all-gathers) (n-1) * P.
 """
 
 from dataclasses import dataclass
@@ -22,7 +24,7 @@ from typing import Optional
 import torch
 
 from dragon.diloco.quantized import chunk_codes, gathered_sum, reduce_chunk
-from dragon.diloco.sparse import topk_encode, topk_sum
+from dragon.diloco.sparse import sparseloco_encode, sparseloco_sum, topk_encode, topk_sum
 
 
 @dataclass
@@ -113,8 +115,22 @@ class TopK(Codec):
         return topk_sum(gathered, n)
 
 
-def codec_for(compress: str, block: int = 0, topk: float = 0.0) -> Codec:
-    """The codec of --diloco_compress (none, bf16, int8, int4, topk)."""
+class SparseLoCo(Codec):
+    op = "allgather"
+
+    def __init__(self, density: float, chunk: int):
+        self.density, self.chunk = density, chunk
+
+    def encode(self, flat: torch.Tensor, islands: int, numels: list[int]) -> Encoded:
+        payload, sent = sparseloco_encode(flat, self.density, self.chunk)
+        return Encoded(payload, payload.numel(), float((sent - flat).pow(2).sum()), sent)
+
+    def total(self, gathered: list[torch.Tensor], n: int, numels: list[int]) -> torch.Tensor:
+        return sparseloco_sum(gathered, n, self.density, self.chunk)
+
+
+def codec_for(compress: str, block: int = 0, topk: float = 0.0, chunk: int = 4096) -> Codec:
+    """The codec of --diloco_compress (none, bf16, int8, int4, topk, sparseloco)."""
     if compress == "bf16":
         return Bf16()
     if compress == "int8":
@@ -123,6 +139,8 @@ def codec_for(compress: str, block: int = 0, topk: float = 0.0) -> Codec:
         return Int4(block)
     if compress == "topk":
         return TopK(topk)
+    if compress == "sparseloco":
+        return SparseLoCo(topk, chunk)
     return Codec()
 
 def int8_encode(x: torch.Tensor, block: int, numels: list[int]

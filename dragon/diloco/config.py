@@ -12,8 +12,10 @@ class DiLoCoConfig:
 
     inner_steps: int  # H
     mode: str = "sync"  # or "delayed"
-    compress: str = "none"  # the pseudo-gradient on the wire: none (fp32), bf16, int8, int4, topk
-    topk: float = 0.0  # compress "topk": the fraction of entries sent, with error feedback
+    compress: str = "none"  # on the wire: none (fp32), bf16, int8, int4, topk, sparseloco
+    topk: float = 0.0  # compress "topk", "sparseloco": the fraction of entries sent
+    sparse_chunk: int = 4096  # compress "sparseloco": values per chunk, each its own top-k
+    error_decay: float = 1.0  # what of the kept-back error feedback carries on (sparseloco < 1)
     int8_block: int = 1024  # values per int8 or int4 scale (0: one per tensor, int8 only)
     outer_lr: float = 0.7
     outer_momentum: float = 0.9

@@ -39,8 +39,8 @@ class Fragment:
 
     def __init__(self, number: int, ids: Optional[torch.Tensor], numels: Optional[list[int]],
                  values: torch.Tensor, device: torch.device, make_optimizer: OptimizerFactory,
-                 topk: bool):
-        self.number, self.ids = number, ids
+                 topk: bool, decay: float = 1.0):
+        self.number, self.ids, self.decay = number, ids, decay
         self.numels = numels or [values.numel()]
         self.outer = values.to(device, torch.float32, copy=True)  # theta_outer
         self.make_optimizer = make_optimizer
@@ -65,10 +65,11 @@ class Fragment:
             flat[self.mask] = values
 
     def delta(self, local: torch.Tensor) -> torch.Tensor:
-        """theta_outer - theta (`local`: this rank's values, flat), plus what top-k kept back."""
+        """theta_outer - theta (`local`: this rank's values, flat), plus what top-k kept back
+        (SparseLoCo: decayed)."""
         delta = self.outer.to("cpu", torch.float32) - self.of(local)
         if self.residual is not None:
-            delta += self.residual
+            delta += self.residual if self.decay == 1 else self.decay * self.residual
         return delta
 
     def step(self, gradient: torch.Tensor) -> None:

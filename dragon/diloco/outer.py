@@ -86,13 +86,13 @@ class DiLoCo:
         if self.F > 1 and ids is None:
             ids = fragment_ids(weights.segments(), weights.shapes(), self.numels, self.F)
         whole, make = flatten(weights.tensors()), outer_optimizer or config.outer_optimizer
-        topk = config.compress == "topk"
+        kept = dict(topk=config.compress in ("topk", "sparseloco"), decay=config.error_decay)
         if self.F == 1:
             self.fragments = [Fragment(0, None, self.numels, whole, self.runtime.device, make,
-                                       topk)]
+                                       **kept)]
         else:
             self.fragments = [Fragment(f, ids, None, whole[ids == f], self.runtime.device, make,
-                                       topk) for f in range(self.F)]
+                                       **kept) for f in range(self.F)]
         self.outer_step = self.joined_step = 0
 
     # ----------------------------------------------------------- the schedule
@@ -297,7 +297,7 @@ class DiLoCo:
         placed = ([ExchangeSet(applied, self._placed(lambda f: averages.get(f.number)))]
                   if averages else [])
         residual = None
-        if self.config.compress == "topk":
+        if self.fragments[0].residual is not None:
             residual = self._placed(lambda f: f.residual)
         metrics.update(self.runtime.report.of_step(ExchangeSet(done.started), placed, final,
                                                    residual, self.theta_outer))

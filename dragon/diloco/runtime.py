@@ -37,7 +37,8 @@ class OuterRuntime:
         if (config.mode == "delayed" and config.exchange_thread and not config.elastic
                 and self.group is not None):
             self.background = Background(topology)
-        self.codec = codec_for(config.compress, config.int8_block, config.topk)
+        self.codec = codec_for(config.compress, config.int8_block, config.topk,
+                               config.sparse_chunk)
         self.link = LinkWatch(config.inner_steps, config.fragments, config.compress,
                               config.int8_block)
 

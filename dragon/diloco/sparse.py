@@ -1,4 +1,5 @@
-"""Top-k pseudo-gradients with error feedback (DeMo's and SparseLoCo's scheme).
+"""Top-k pseudo-gradients with error feedback (DeMo's and SparseLoCo's scheme), and SparseLoCo's
+code: top-k within chunks, in 2 bits.
 
 Each rank sends only the k = ceil(fraction x n) entries of largest magnitude of its pseudo-
 gradient plus the residual it kept from earlier outer steps; what it did not send (the rest, and
@@ -38,3 +39,57 @@ def topk_sum(codes: list[torch.Tensor], n: int) -> torch.Tensor:
         index = code[: 4 * k].view(torch.int32).long()
         total.index_add_(0, index, code[4 * k:].view(torch.bfloat16).float())
     return total
+
+
+# SparseLoCo (Sarfi et al., 2025): top-k within chunks of the accumulated pseudo-gradient, its
+# values in 2 bits. A chunk's k values take the level of {-1, -1/3, 1/3, 1} x its largest |value|
+# nearest to them, so each is off by at most a third of that scale; the code of a chunk is its k
+# indices (uint16), its k 2-bit levels (four a byte) and its fp32 scale.
+LEVELS = 4
+
+
+def chunk_shape(n: int, chunk: int, density: float) -> tuple[int, int]:
+    """(chunks, values sent per chunk) of an n-vector."""
+    return -(-n // chunk), min(chunk, topk_count(chunk, density))
+
+
+def sparseloco_encode(x: torch.Tensor, density: float, chunk: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the code of x's top-k entries of every chunk in 2 bits, the dense fp32 vector it decodes
+    to)."""
+    n = x.numel()
+    chunks, k = chunk_shape(n, chunk, density)
+    padded = torch.nn.functional.pad(x, (0, chunks * chunk - n)).view(chunks, chunk)
+    index = padded.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+    values = padded.gather(1, index)
+    scale = values.abs().amax(dim=1)
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    level = ((values * inverse[:, None] + 1) * 1.5).round_().clamp_(0, LEVELS - 1).to(torch.uint8)
+    sent = torch.zeros_like(padded).scatter_(1, index, _value(level, scale)).view(-1)[:n]
+    packed = torch.nn.functional.pad(level.view(-1), (0, -level.numel() % 4)).view(-1, 4)
+    packed = packed[:, 0] | packed[:, 1] << 2 | packed[:, 2] << 4 | packed[:, 3] << 6
+    code = [index.to(torch.int32).to(torch.int16).view(torch.uint8).view(-1), packed,
+            scale.float().view(torch.uint8)]
+    return torch.cat(code), sent.contiguous()
+
+
+def _value(level: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (level.float() / 1.5 - 1) * scale[:, None]
+
+
+def sparseloco_sum(codes: list[torch.Tensor], n: int, density: float, chunk: int
+                   ) -> torch.Tensor:
+    """The sum of the islands' codes as a dense fp32 n-vector, added in island order."""
+    chunks, k = chunk_shape(n, chunk, density)
+    total = torch.zeros(chunks * chunk, dtype=torch.float32)
+    offsets = (torch.arange(chunks) * chunk)[:, None]
+    packed_bytes = -(-chunks * k // 4)
+    for code in codes:
+        index = code[:2 * chunks * k].view(torch.int16).long() & 0xFFFF
+        packed = code[2 * chunks * k:2 * chunks * k + packed_bytes]
+        scale = code[2 * chunks * k + packed_bytes:].view(torch.float32)
+        level = torch.stack([(packed >> s) & 3 for s in (0, 2, 4, 6)], dim=1).view(-1)
+        level = level[:chunks * k].view(chunks, k)
+        total.index_add_(0, (index.view(chunks, k) + offsets).view(-1),
+                         _value(level, scale).view(-1))
+    return total[:n]

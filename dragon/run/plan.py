@@ -56,7 +56,12 @@ def plan_lines(inputs, config) -> list[str]:
         lines.append(
             f"DiLoCo: outer step every {diloco.diloco_inner_steps} steps, {diloco.diloco_mode}, "
             f"compression {diloco.diloco_compress}"
-            + (f", top-k {diloco.diloco_topk}" if diloco.diloco_topk else "")
+            + (f", top-k {diloco.diloco_topk}" if diloco.diloco_topk and
+               diloco.diloco_compress == "none" else "")
+            + (f" (density {diloco.sparse_density():.4f} of every chunk of "
+               f"{diloco.diloco_sparseloco_chunk} values, 2-bit values, error feedback decay "
+               f"{diloco.diloco_sparseloco_decay})" if diloco.diloco_compress == "sparseloco"
+               else "")
             + (f", {diloco.diloco_fragments} fragments in turn" if diloco.diloco_fragments > 1
                else "")
             + (", elastic" if diloco.diloco_elastic else "")
