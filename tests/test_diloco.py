@@ -650,20 +650,30 @@ def resume_islands_at_step_4(runs, name, full_out, tmp_path, config, extra) -> l
 
 
 @pytest.mark.slow
-def test_topk_with_error_feedback_agrees_learns_and_resumes_exactly(runs, tmp_path):
-    """2 islands (ZeRO-0, H 2, sync) sending 5 % of their pseudo-gradients' entries: both hold
-    bit-identical weights after every outer step, each sent 6 bytes an entry, what each kept
-    back is logged, the loss falls; resumed at step 4, steps 5-8 repeat bit for bit (the
-    residual is in the checkpoint: without it step 6's average would differ)."""
-    extra = [*DILOCO, "--diloco_topk", "0.05"]
-    full_out = islands_run(runs, "diloco_topk", config="zero0.json", extra=extra)
+# SparseLoCo's code of 40,960 values in chunks of 4096, 205 of each sent: 10 fp32 scales, then
+# 2 bytes of index and 2 bits of level a value
+SPARSELOCO_BYTES = 4 * 10 + 2 * 2050 + 2050 // 4 + 1
+
+
+@pytest.mark.parametrize("name,codec,payload", [
+    ("diloco_topk", [], 6 * math.ceil(0.05 * 40_960)),
+    ("diloco_sparseloco", ["--diloco_compress", "sparseloco", *LR1], SPARSELOCO_BYTES)])
+def test_topk_with_error_feedback_agrees_learns_and_resumes_exactly(runs, tmp_path, name, codec,
+                                                                    payload):
+    """2 islands (ZeRO-0, H 2, sync) sending 5 % of their pseudo-gradients' entries (top-k, or
+    SparseLoCo's 5 % of every chunk in 2 bits): both hold bit-identical weights after every
+    outer step, each sent its code's bytes, what each kept back is logged, the loss falls;
+    resumed at step 4, steps 5-8 repeat bit for bit (the residual is in the checkpoint: without
+    it step 6's average would differ)."""
+    extra = [*DILOCO, "--diloco_topk", "0.05", *codec]
+    full_out = islands_run(runs, name, config="zero0.json", extra=extra)
     assert_islands_identical(full_out)
     full = [island_metrics(full_out, i) for i in (0, 1)]
     outer = [m for m in full[0] if "outer_step" in m]
-    assert {m["outer_payload_bytes"] for m in outer} == {6 * math.ceil(0.05 * 40_960)}
+    assert {m["outer_payload_bytes"] for m in outer} == {payload}
     assert all(m["outer_residual_norm"] > 0 for m in outer)
     assert losses(full[0])[-1] < losses(full[0])[0] - 0.3
-    resumed = resume_islands_at_step_4(runs, "diloco_topk_resumed", full_out, tmp_path,
+    resumed = resume_islands_at_step_4(runs, f"{name}_resumed", full_out, tmp_path,
                                        "zero0.json", extra)
     for i in (0, 1):
         assert [m["step"] for m in resumed[i]] == [5, 6, 7, 8]
@@ -764,6 +774,21 @@ ELASTIC_LAUNCH = [
             {},
             "--diloco_min_islands 3: must be in [1, --diloco_islands 2]",
         ),
+        (
+            "recipes/pretrain.py",
+            ["--diloco_inner_steps", "2", "--diloco_compress", "sparseloco"],
+            {},
+            "--diloco_compress sparseloco with --diloco_outer_momentum 0.9: its error feedback "
+            "replaces outer momentum; add --diloco_outer_momentum 0",
+        ),
+        *[(
+            "recipes/pretrain.py",
+            ["--diloco_inner_steps", "2", "--diloco_compress", "sparseloco",
+             "--diloco_outer_momentum", "0", flag, value],
+            {},
+            f"{flag} {value}: must be in {valid}",
+        ) for flag, value, valid in (("--diloco_sparseloco_chunk", "70000", "[1, 65536]"),
+                                     ("--diloco_sparseloco_decay", "0", "(0, 1]"))],
     ],
 )
 def test_bad_input_stops_before_start(

@@ -1,5 +1,6 @@
 """Top-k pseudo-gradients with error feedback (dragon.diloco.sparse): the code, the feedback's
-bookkeeping over several outer steps, and the exchange among 2, 3 and 4 real processes."""
+bookkeeping over several outer steps, and the exchange among 2, 3 and 4 real processes; SparseLoCo's
+code (top-k within chunks in 2 bits) and its decaying feedback in the outer loop."""
 
 import math
 
@@ -7,7 +8,10 @@ import pytest
 import torch
 from test_quantized import exchanges_by_codec
 
-from dragon.diloco.sparse import topk_encode, topk_sum
+from dragon.diloco.arguments import DiLoCoArguments
+from dragon.diloco.outer import DiLoCo
+from dragon.diloco.sparse import sparseloco_encode, sparseloco_sum, topk_encode, topk_sum
+from dragon.parallel.topology import Topology
 from quantized_exchange import LENGTH, TOPK, pseudo_gradient
 
 
@@ -20,6 +24,64 @@ def test_the_code_holds_the_largest_entries_in_bf16():
     assert set(chosen.tolist()) == set(x.abs().topk(k).indices.tolist())
     assert torch.equal(sent[chosen], x[chosen].bfloat16().float())
     assert torch.equal(topk_sum([code], 5000), sent)  # the code decodes to what was sent
+
+
+def test_sparseloco_sends_the_largest_of_every_chunk_in_two_bits():
+    """Each chunk of 4096 sends its k = 64 largest entries (1/64 of them), each off by at most a
+    third of the chunk's largest |value|, as 2 bytes of index, 2 bits of level and a 4-byte scale
+    a chunk; the code decodes to what was sent, and two codes sum to the sum of what each sent."""
+    x = torch.randn(3 * 4096 + 1000, generator=torch.Generator().manual_seed(0))
+    code, sent = sparseloco_encode(x, 1 / 64, 4096)
+    assert code.numel() == 4 * (2 * 64 + 64 // 4 + 4)
+    for start in range(0, x.numel(), 4096):
+        part, got = x[start:start + 4096], sent[start:start + 4096]
+        chosen = got.nonzero().squeeze(1)
+        assert set(chosen.tolist()) == set(part.abs().topk(64).indices.tolist())
+        scale = part[chosen].abs().max()
+        assert (got[chosen] - part[chosen]).abs().max() <= scale / 3 * (1 + 1e-6)
+        levels = torch.tensor([-1, -1 / 3, 1 / 3, 1]) * scale
+        assert all(bool((levels - v).abs().min() < 1e-6 * scale) for v in got[chosen])
+    assert torch.equal(sparseloco_sum([code], x.numel(), 1 / 64, 4096), sent)
+    other, sent_other = sparseloco_encode(-2 * x.flip(0), 1 / 64, 4096)
+    assert torch.equal(sparseloco_sum([code, other], x.numel(), 1 / 64, 4096), sent + sent_other)
+
+
+def test_sparseloco_keeps_back_exactly_what_it_did_not_send_decayed():
+    """One island: after every outer step the residual is beta x the last residual plus this
+    step's pseudo-gradient, less what was sent (==), and theta_outer moves by lr x the sent
+    average (no momentum)."""
+    args = DiLoCoArguments(diloco_inner_steps=1, diloco_compress="sparseloco",
+                           diloco_topk=0.05, diloco_sparseloco_chunk=64,
+                           diloco_sparseloco_decay=0.9, diloco_outer_momentum=0.0,
+                           diloco_outer_lr=1.0)
+    weights = [torch.randn(300, generator=torch.Generator().manual_seed(2))]
+    outer = DiLoCo(Weights(weights), args.config(), Topology())
+    residual, theta = torch.zeros(300), weights[0].clone()
+    for step in range(1, 5):
+        with torch.no_grad():
+            weights[0].mul_(0.8)
+        delta = theta - weights[0] + 0.9 * residual
+        _, sent = sparseloco_encode(delta, 0.05, 64)
+        outer.maybe_outer_step(step)
+        residual, theta = delta - sent, theta - sent
+        assert torch.equal(outer.fragments[0].residual, residual)
+        assert torch.equal(outer.theta_outer(), theta)
+        assert torch.equal(weights[0], theta)
+
+
+class Weights:
+    """Plain fp32 tensors standing in for an engine's master weights."""
+
+    replicas, excluded = 1, []
+
+    def __init__(self, tensors):
+        self.ts = tensors
+
+    def tensors(self):
+        return self.ts
+
+    def publish(self):
+        pass
 
 
 def test_error_feedback_sends_every_pseudo_gradient_in_the_end():

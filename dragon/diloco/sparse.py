@@ -43,8 +43,8 @@ def topk_sum(codes: list[torch.Tensor], n: int) -> torch.Tensor:
 
 # SparseLoCo (Sarfi et al., 2025): top-k within chunks of the accumulated pseudo-gradient, its
 # values in 2 bits. A chunk's k values take the level of {-1, -1/3, 1/3, 1} x its largest |value|
-# nearest to them, so each is off by at most a third of that scale; the code of a chunk is its k
-# indices (uint16), its k 2-bit levels (four a byte) and its fp32 scale.
+# nearest to them, so each is off by at most a third of that scale; the code is every chunk's fp32
+# scale, then its k indices (uint16), then its k 2-bit levels (four a byte).
 LEVELS = 4
 
 
@@ -68,8 +68,8 @@ def sparseloco_encode(x: torch.Tensor, density: float, chunk: int
     sent = torch.zeros_like(padded).scatter_(1, index, _value(level, scale)).view(-1)[:n]
     packed = torch.nn.functional.pad(level.view(-1), (0, -level.numel() % 4)).view(-1, 4)
     packed = packed[:, 0] | packed[:, 1] << 2 | packed[:, 2] << 4 | packed[:, 3] << 6
-    code = [index.to(torch.int32).to(torch.int16).view(torch.uint8).view(-1), packed,
-            scale.float().view(torch.uint8)]
+    code = [scale.float().view(torch.uint8),  # first: a view as fp32 needs its alignment
+            index.to(torch.int32).to(torch.int16).view(torch.uint8).view(-1), packed]
     return torch.cat(code), sent.contiguous()
 
 
@@ -83,11 +83,10 @@ def sparseloco_sum(codes: list[torch.Tensor], n: int, density: float, chunk: int
     chunks, k = chunk_shape(n, chunk, density)
     total = torch.zeros(chunks * chunk, dtype=torch.float32)
     offsets = (torch.arange(chunks) * chunk)[:, None]
-    packed_bytes = -(-chunks * k // 4)
     for code in codes:
-        index = code[:2 * chunks * k].view(torch.int16).long() & 0xFFFF
-        packed = code[2 * chunks * k:2 * chunks * k + packed_bytes]
-        scale = code[2 * chunks * k + packed_bytes:].view(torch.float32)
+        scale = code[:4 * chunks].view(torch.float32)
+        index = code[4 * chunks:4 * chunks + 2 * chunks * k].view(torch.int16).long() & 0xFFFF
+        packed = code[4 * chunks + 2 * chunks * k:]
         level = torch.stack([(packed >> s) & 3 for s in (0, 2, 4, 6)], dim=1).view(-1)
         level = level[:chunks * k].view(chunks, k)
         total.index_add_(0, (index.view(chunks, k) + offsets).view(-1),
