@@ -309,6 +309,37 @@ def resume_after_the_join(out, again, text_file, steps, saved):
             assert value == first[key], (i, key)
 
 
+@pytest.mark.slow
+def test_a_joiner_whose_round_failed_on_it_alone_joins_a_later_one(tmp_path, text_file, store):
+    """Island 1 joins island 0 (sync, H 4, quorum timeout 5 s, island 0 held to 0.3 s a step);
+    its join round completes on island 0 but fails on island 1 alone, as when the round's last
+    message is lost to it. Island 0 goes on (its next outer step waits out the quorum timeout
+    and trains on alone). Island 1's retry gets no quorum within the quorum timeout, and it
+    joins a later outer step instead of waiting for one that is over. Both exit 0, bit-identical
+    after every outer step from that join on."""
+    out = tmp_path / "run"
+    steps = ["--max_steps", "200", "--eval_steps", "100", "--save_steps", "100"]
+    live = start(0, 2, out, text_file, store, env={"DRAGON_FAULT_STEP_SECONDS": "0.3"},
+                 extra=steps)
+    joiner = start(1, 2, out, text_file, store, env={"DRAGON_FAULT_JOIN_FAILS": "1"},
+                   extra=[*steps, "--diloco_join"])
+    said = ""
+    for proc in (live, joiner):
+        stdout, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, stderr[-3000:]
+        said += stdout + stderr
+    assert "retrying without the lost island" in said
+    assert re.search(r"outer step \d+ went on without this island; it joins a later one", said)
+    assert "joined the run at step" in said
+    mine = {m["step"]: m for m in outer(out, 0)}
+    theirs = outer(out, 1)
+    assert len(theirs) >= 2 and theirs[-1]["step"] == 200
+    for m in theirs:
+        assert m["outer_quorum"] == mine[m["step"]]["outer_quorum"] == 2
+        for key in ("weights_sum", "weights_sumsq", "outer_sum", "outer_sumsq"):
+            assert m[key] == mine[m["step"]][key], (m["step"], key)
+
+
 def test_a_joiner_of_another_model_size_or_h_is_refused(tmp_path, text_file, store):
     """A joiner whose model size or H differs from the live island's exits 1 with one line
     naming both values; the live island trains on, unaware."""

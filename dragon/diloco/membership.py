@@ -41,6 +41,13 @@ from dragon.parallel.topology import Topology
 
 logger = logging.getLogger("dragon")
 _PREFIX = "dragon-diloco/elastic"
+# beyond the quorum timeout the deciding island waits, what a decision may take to reach the store
+DECISION_SLACK = 10.0
+
+
+class MissedRound(Exception):
+    """A joiner's outer step went on without it (the others completed it, or formed its retry
+    without it): it joins a later one."""
 
 
 def step_key(outer_step: int, attempt: int = 0) -> str:
@@ -142,10 +149,10 @@ class ElasticIslands:
                 if final:
                     arrived = [i for i in arrived if not self.store.check([f"{key}/joining/{i}"])]
                 self.store.set(f"{key}/members", ",".join(map(str, arrived)))
-        self._wait_for_decision(f"{key}/members", joining)
+        self._wait_for_decision(f"{key}/members", joining, outer_step, attempt)
         members = [int(i) for i in self.store.get(f"{key}/members").decode().split(",")]
         if t.island not in members:
-            if joining and attempt == 0:
+            if joining:  # it arrived late: it tries a later outer step
                 return None
             raise IslandLost(
                 f"island {t.island} reached outer step {outer_step} after its quorum "
@@ -175,7 +182,10 @@ class ElasticIslands:
             if joining is not None and retry == 0:
                 members, group, joiners = joining
             else:
-                members, group, joiners = self.quorum(outer_step, retry, joining is not None, final)
+                quorum = self.quorum(outer_step, retry, joining is not None, final)
+                if quorum is None:
+                    raise MissedRound()
+                members, group, joiners = quorum
             try:
                 return attempt(members, group, joiners)
             except RuntimeError as e:  # gloo: a member's connection closed, or the timeout
@@ -208,22 +218,35 @@ class ElasticIslands:
                 return arrived
             time.sleep(0.01)
 
-    def _wait_for_decision(self, key: str, joining: bool) -> None:
-        """A joiner also watches for the end of the run: no decision comes after it."""
-        if not joining:
-            self.store.wait([key], self.timeout)
-            return
-        deadline = time.monotonic() + self.timeout.total_seconds()
+    def _wait_for_decision(self, key: str, joining: bool, outer_step: int, attempt: int
+                           ) -> None:
+        """Until the islands' decision is in the store. It comes within the quorum timeout (the
+        deciding island waits no longer), except for a joiner's first attempt, which waits for
+        the live islands' next outer step (and watches for the end of the run). An island whose
+        retry gets no decision is out of step with the others: they completed the outer step,
+        or are gone. A joiner then joins a later step (MissedRound); a member says so in one
+        line (IslandLost), so that its launcher starts it again."""
+        first_join = joining and attempt == 0
+        bound = self.timeout.total_seconds() if first_join else (
+            self.quorum_timeout + DECISION_SLACK)
+        deadline = time.monotonic() + bound
         while not self.store.check([key]):
-            if self.store.check([f"{_PREFIX}/ended"]):
+            if first_join and self.store.check([f"{_PREFIX}/ended"]):
                 step = self.store.get(f"{_PREFIX}/ended").decode()
                 raise JoinRefused(f"--diloco_join: the live islands ended the run at step "
                                  f"{step}; no outer step is left to join (to train on, resume "
                                  "every island with a larger --max_steps)")
             if time.monotonic() > deadline:
-                raise JoinRefused(f"--diloco_join: no outer step of the live islands "
-                                 f"within {self.timeout.total_seconds():.0f} s")
-            time.sleep(0.05)
+                if first_join:
+                    raise JoinRefused(f"--diloco_join: no outer step of the live islands "
+                                     f"within {bound:.0f} s")
+                if joining:
+                    raise MissedRound()
+                raise IslandLost(
+                    f"outer step {outer_step}: no quorum of islands within {bound:.0f} s (the "
+                    "others completed it without this island, or are gone); start this island "
+                    "again with --diloco_join --resume_from_checkpoint auto")
+            time.sleep(0.05 if joining else 0.01)
 
     def end(self, step: int) -> None:
         """The run reached its last step: islands still joining are told so."""

@@ -27,6 +27,7 @@ outer optimizers and the step from a live island, sends zeros, and applies what 
 applies. The metrics: dragon.diloco.metrics; the saved state: dragon.diloco.state.
 """
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -39,9 +40,12 @@ from dragon.diloco.exchange import Exchange, ExchangeSet, flatten
 from dragon.diloco.fragment import Fragment, InFlight, OptimizerFactory
 from dragon.diloco.fragment_cut import INTERLEAVED, fragment_ids
 from dragon.diloco.landing import AUTO, AutoLandings
+from dragon.diloco.membership import MissedRound
 from dragon.diloco.runtime import OuterRuntime, resumable_state
 from dragon.diloco import state as saved_state
 from dragon.parallel.topology import Topology
+
+logger = logging.getLogger("dragon")
 
 
 @dataclass
@@ -323,13 +327,18 @@ class DiLoCo:
         """--diloco_join: wait to be let into the live islands' next outer step, take
         theta_outer, the outer optimizers' state and the step from them, and take that outer
         step with them, ending it on their weights. Returns the step and its metrics."""
-        target, quorum = self.membership.admit(self.runtime.shape())
-        self.outer_step = target - 1
-        for fragment in self.fragments:  # what this island's checkpoint had is theirs now
-            fragment.in_flight = None
-            fragment.forget_own_share()
-        metrics = self._outer_step(0, False, joining=quorum)
-        return self.joined_step, metrics
+        while True:
+            target, quorum = self.membership.admit(self.runtime.shape())
+            self.outer_step = target - 1
+            for fragment in self.fragments:  # what this island's checkpoint had is theirs now
+                fragment.in_flight = None
+                fragment.forget_own_share()
+            try:
+                metrics = self._outer_step(0, False, joining=quorum)
+                return self.joined_step, metrics
+            except MissedRound:  # the live islands went on without this island: a later step
+                logger.warning(f"outer step {target} went on without this island; it joins a "
+                               "later one")
 
     def close(self, ended_at: Optional[int] = None) -> None:
         """After the last outer step (dragon.diloco.runtime.OuterRuntime.close)."""

@@ -12,6 +12,10 @@ job_env adds it when a test sets a DRAGON_FAULT_* variable); dragon itself carri
   background write (--save_async) is in flight for as long as a test needs.
 - DRAGON_FAULT_EXIT_OUTER_STEP=2 and DRAGON_FAULT_ISLAND=i: island i's processes exit at once
   (os._exit) in elastic outer step 2, after its quorum formed and before the exchange.
+- DRAGON_FAULT_JOIN_FAILS=1: a joiner's first join round completes everywhere, then fails on the
+  joiner alone (as an exchange whose last message was lost to it), so the live islands go on.
+- DRAGON_FAULT_STEP_SECONDS=0.2: every training forward of this job takes at least so long (a
+  slow island).
 - DRAGON_FAULT_KILL_PREPARE_SHARD=2: recipes/prepare_data.py is killed (SIGKILL) as it starts
   shard 2, a half-written temporary file of it left behind.
 """
@@ -126,6 +130,45 @@ def _dying_island(steps: set[int]) -> None:
     OuterRuntime.exchange = dying_exchange
 
 
+def _failing_join() -> None:
+    """The joiner's first round (dragon.diloco.outer.DiLoCo._attempt with it among the joiners)
+    runs, then raises on the joiner only, as gloo does when a peer's connection closes."""
+    from dragon.diloco.outer import DiLoCo
+
+    attempt, failed = DiLoCo._attempt, []
+
+    def failing(self, step, final, sync, members, group, joiners):
+        done = attempt(self, step, final, sync, members, group, joiners)
+        if self.topology.island in joiners and not failed:
+            failed.append(True)
+            raise RuntimeError("Connection closed by peer (DRAGON_FAULT_JOIN_FAILS)")
+        return done
+
+    DiLoCo._attempt = failing
+
+
+def _slow_forwards(seconds: float) -> None:
+    """Every module forward of the engines deepspeed.initialize returns takes `seconds` at
+    least."""
+    import deepspeed
+
+    initialize = deepspeed.initialize
+
+    @functools.wraps(initialize)
+    def slowed(*args, **kwargs):
+        result = initialize(*args, **kwargs)
+
+        def wait(module, inputs, output):
+            if module.training:
+                time.sleep(seconds)
+            return output
+
+        result[0].module.register_forward_hook(wait)
+        return result
+
+    deepspeed.initialize = slowed
+
+
 def _killed_preparation(shards: set[int]) -> None:
     import signal
 
@@ -152,5 +195,9 @@ if _steps("HOLD_SAVE_STEP"):
     _held_saves(_steps("HOLD_SAVE_STEP"))
 if _steps("EXIT_OUTER_STEP"):
     _dying_island(_steps("EXIT_OUTER_STEP"))
+if os.environ.get("DRAGON_FAULT_JOIN_FAILS"):
+    _failing_join()
+if os.environ.get("DRAGON_FAULT_STEP_SECONDS"):
+    _slow_forwards(float(os.environ["DRAGON_FAULT_STEP_SECONDS"]))
 if _steps("KILL_PREPARE_SHARD"):
     _killed_preparation(_steps("KILL_PREPARE_SHARD"))
