@@ -215,9 +215,10 @@ class DiLoCo:
         flights = [self.fragments[f].in_flight for f in due]
         exchanges = [x.exchange for x in flights if x is not None]
         contributed = all(x is not None and x.contributed for x in flights)
-        share = self.membership.failed(
-            self.outer_step, f"the exchange of fragment(s) {due} in flight", exchanges,
-            contributed, group, redo)
+        what = ("the average in flight since the last outer step" if self.eager
+                else f"the exchange of fragment(s) {due} in flight")
+        share = self.membership.failed(self.outer_step, what, exchanges, contributed, group,
+                                       redo)
         if share is None:
             return {f: x.result() for f, x in zip(due, exchanges)}
         for x in flights:
