@@ -21,10 +21,9 @@ weights.
 Every outer step is one round among the islands of the membership (dragon.diloco.membership): a
 fixed group, or elastic islands that die and join. A round lands what is due, then starts what
 syncs; it is retried without an island lost during it, and nothing is applied before it succeeds.
-An exchange in flight that failed (an island died during it) is redone by the survivors from the
-pseudo-gradients each kept, divided by those that contributed. A joiner takes theta_outer, the
-outer optimizers and the step from a live island, sends zeros, and applies what that island
-applies. The metrics: dragon.diloco.metrics; the saved state: dragon.diloco.state.
+An exchange in flight that failed (an island died during it) is redone by the survivors from
+their kept pseudo-gradients, divided by those that contributed. A joiner takes theta_outer, the
+outer optimizers and the step from a live island, sends zeros, and applies what it applies.
 """
 
 import logging
