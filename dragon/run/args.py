@@ -179,6 +179,12 @@ class TrainingArguments:
         "torch.compile the model (engine.compile()); losses within 1e-4 of eager's (the compiled "
         "kernels fuse and reorder fp32 sums).", default=False
     )
+    gradient_checkpointing: bool = _help(
+        "Recompute each layer's forward in the backward instead of keeping its activations "
+        "(torch.utils.checkpoint, non-reentrant): one layer's activations at a time, for about "
+        "one more forward of compute; the same losses. In the pipeline recipe it is "
+        "--activation_checkpoint_interval 1.", default=False
+    )
     peak_tflops: Optional[float] = _help(
         "Peak TFLOP/s per device for MFU (default: detected).", default=None
     )
@@ -280,20 +286,35 @@ class PipelineArguments:
         default="compute",
     )
     activation_checkpoint_interval: int = _help(
-        "Recompute activations every k layers (0: off).", default=0
+        "Recompute activations every k layers (0: off; --gradient_checkpointing is 1).", default=0
     )
+
+    def take_gradient_checkpointing(self, on: bool) -> None:
+        """--gradient_checkpointing here is DeepSpeed's recompute of every layer: interval 1."""
+        interval = self.activation_checkpoint_interval
+        if interval < 0 or (on and interval > 1):
+            raise ValueError(
+                f"--activation_checkpoint_interval {interval}"
+                + (" with --gradient_checkpointing" if on else "")
+                + ": valid are 0 (off) or k >= 1 layers; --gradient_checkpointing is 1"
+            )
+        if on:
+            self.activation_checkpoint_interval = 1
 
 
 def parse_arguments(pipeline: bool = False, argv: Optional[list[str]] = None) -> tuple:
     """(ModelArguments, DataArguments, TrainingArguments, DiLoCoArguments, PipelineArguments or
     None) from the command line (or `argv`); the pipeline recipe's only have the last. A YAML or
     JSON file (a run's run.json too) as the first argument gives values that the flags after it
-    override (dragon.run.config_file)."""
+    override (dragon.run.config_file). The pipeline recipe's --gradient_checkpointing is its
+    --activation_checkpoint_interval 1."""
     types = (ModelArguments, DataArguments, TrainingArguments, DiLoCoArguments)
     parser = HfArgumentParser(types + ((PipelineArguments,) if pipeline else ()))
     path, argv = split_config_file(sys.argv[1:] if argv is None else argv)
     if path:
         apply_config_file(parser, path)
     model_args, data_args, args, diloco, *rest = parser.parse_args_into_dataclasses(args=argv)
+    if pipeline:
+        rest[0].take_gradient_checkpointing(args.gradient_checkpointing)
     return model_args, data_args, args, diloco, rest[0] if pipeline else None
 
