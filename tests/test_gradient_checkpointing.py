@@ -152,7 +152,8 @@ def assert_same_training(metrics: list[dict], reference: list[dict]) -> None:
 
 
 def test_the_zero_recipe_trains_the_same(runs):
-    """2 ranks under ZeRO-2: the suite's zero2 run, and the same run recomputing every layer."""
+    """2 ranks under ZeRO-2: the suite's zero2 run, and the same run recomputing every layer
+    (its --profile_steps traces are tests/test_profiler.py's)."""
     _, metrics, _ = runs("zero2_gc", **ZERO2_GC)
     _, reference, _ = runs("zero2")
     assert_same_training(metrics, reference)

@@ -10,6 +10,7 @@ from transformers import HfArgumentParser, SchedulerType
 from dragon.run.config_file import apply_config_file, split_config_file
 from dragon.run.faults import NAN_POLICIES, SAVE_FAILURES
 from dragon.run.metrics import GPU_PEAK_TFLOPS, RECORDED_METRICS
+from dragon.run.profiler import profile_window
 from dragon.model.attention import DEFAULT_CHUNK_SIZE
 from dragon.model.baseline import baseline_config, matched_config
 from dragon.model.bdh import BDHConfig
@@ -185,6 +186,11 @@ class TrainingArguments:
         "one more forward of compute; the same losses. In the pipeline recipe it is "
         "--activation_checkpoint_interval 1.", default=False
     )
+    profile_steps: Optional[str] = _help(
+        "A:B: a torch.profiler trace of steps A to B on every rank, in "
+        "<output_dir>/profile/rank<r>/ (TensorBoard or Perfetto open it); after step B rank 0 "
+        "prints the operators that took the most self CPU time.", default=None
+    )
     peak_tflops: Optional[float] = _help(
         "Peak TFLOP/s per device for MFU (default: detected).", default=None
     )
@@ -267,6 +273,8 @@ class TrainingArguments:
         if not 0 < self.plan_mfu <= 1 or self.max_data_epochs <= 0:
             raise ValueError(f"--plan_mfu {self.plan_mfu} must be in (0, 1] and "
                              f"--max_data_epochs {self.max_data_epochs} > 0")
+        if self.profile_steps is not None:
+            profile_window(self.profile_steps, self.max_steps)  # raises on a bad A:B
         for name in ("max_bad_steps", "max_eval_samples", "neuron_parallel"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name}={getattr(self, name)}: must be >= 1")

@@ -5,10 +5,10 @@ a model and its engine (deepspeed.initialize, a PipelineModule's engine, acceler
 and does the rest in this order: logging, preflight (every check before a process group starts),
 the DiLoCo island, the process group, the run directory, the model and engine (build_engine),
 checkpoint retention, the DiLoCo outer loop, this rank's data, the Checkpointer and its pieces,
-the resume, the TrainingRun, an elastic island's join and the run's files beside the
-checkpoints. tear_down(setup) ends the run after the loop: the progress bar, the outer loop, the
-export and a sample. The loop itself (batch, forward, backward, engine.step(), outer step,
-logging, evaluation, save) stays in each recipe.
+the resume, the TrainingRun, an elastic island's join, the run's files beside the checkpoints
+and the StepProfiler of --profile_steps. tear_down(setup) ends the run after the loop: the
+progress bar, the outer loop, the export and a sample. The loop itself (batch, forward,
+backward, engine.step(), outer step, logging, evaluation, save) stays in each recipe.
 """
 
 import os
@@ -33,6 +33,7 @@ from dragon.run.lock import check_every_rank_sees
 from dragon.run.loop import TrainingRun
 from dragon.run.metrics import RECORDED_METRICS, setup_logging
 from dragon.run.preflight import preflight
+from dragon.run.profiler import StepProfiler
 
 
 @dataclass
@@ -66,6 +67,7 @@ class Setup:
     checkpointer: Checkpointer
     run: TrainingRun
     save_dir: str  # <run dir>/checkpoints
+    profiler: StepProfiler  # --profile_steps: its step() ends each step of the loop
     accelerator: Optional[Any] = None  # the accelerate recipe's Accelerator
 
     @property
@@ -104,8 +106,9 @@ def set_up(build_engine: BuildEngine, pipeline: bool = False,
     if rank() == 0:
         write_run_files(save_dir, inputs, built.config, topology.islands, built.dp_world,
                         run.run_tokens_per_step)
+    profiler = StepProfiler(args.profile_steps, run_dir, rank(), args.max_steps, run.step)
     return Setup(inputs, topology, engine, built.config, data, outer, checkpointer, run,
-                 save_dir, built.accelerator)
+                 save_dir, profiler, built.accelerator)
 
 
 def _checkpointer(built: Built, save_dir: str, data: RunData, outer, inputs: RecipeInputs,
