@@ -37,9 +37,21 @@ def test_a_bad_window_is_refused_in_one_line(tmp_path, window):
     argv = ["--output_dir", str(tmp_path), "--max_steps", "8", "--profile_steps", window]
     with pytest.raises(ValueError) as refused:
         parse_arguments(argv=argv)
+    quote = '; quote it in a YAML file ("2:3")' if window == "5" else ""
     assert str(refused.value) == (
         f"--profile_steps {window!r}: valid is A:B, the first and last step to profile, "
-        "1 <= A <= B <= --max_steps 8 (e.g. 2:3)")
+        f"1 <= A <= B <= --max_steps 8 (e.g. 2:3){quote}")
+
+
+def test_a_yaml_file_s_unquoted_window_is_refused_with_the_fix(tmp_path):
+    """YAML 1.1 reads `profile_steps: 2:3` as 123 (base 60): the line says to quote it."""
+    config = tmp_path / "run.yaml"
+    config.write_text("profile_steps: 2:3\n")
+    with pytest.raises(ValueError, match=r"'123': valid is A:B.*quote it in a YAML file"):
+        parse_arguments(argv=[str(config), "--output_dir", str(tmp_path), "--max_steps", "8"])
+    config.write_text('profile_steps: "2:3"\n')
+    _, _, args, _, _ = parse_arguments(argv=[str(config), "--output_dir", str(tmp_path)])
+    assert args.profile_steps == "2:3"
 
 
 def test_every_recipe_refuses_it_before_any_work_starts(monkeypatch, tmp_path):

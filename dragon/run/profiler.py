@@ -20,9 +20,11 @@ def profile_window(text: str, max_steps: int) -> tuple[int, int]:
     match = _WINDOW.fullmatch(text.strip())
     first, last = (int(match.group(1)), int(match.group(2))) if match else (0, 0)
     if not 1 <= first <= last <= max_steps:
+        # YAML 1.1 reads an unquoted 2:3 as the base-60 number 123
+        quote = "; quote it in a YAML file (\"2:3\")" if text.strip().isdigit() else ""
         raise ValueError(
             f"--profile_steps {text!r}: valid is A:B, the first and last step to profile, "
-            f"1 <= A <= B <= --max_steps {max_steps} (e.g. 2:3)"
+            f"1 <= A <= B <= --max_steps {max_steps} (e.g. 2:3){quote}"
         )
     return first, last
 
