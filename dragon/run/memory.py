@@ -127,26 +127,22 @@ def saved_activations(
         saved.setdefault(id(base), size)
         return t
 
-    def enter(module, args) -> None:
+    def enter(module, args, kwargs) -> None:
         inside[0] = True
         calls.append({})
-        inputs.append(args[0].numel() * args[0].element_size())
+        x = args[0] if args else next(v for v in kwargs.values() if torch.is_tensor(v))
+        inputs.append(x.numel() * x.element_size())
 
     def leave(module, args, output) -> None:
         inside[0] = False
 
-    hooks = []
-    for module in model.modules():
+    for module in model.modules():  # (the meta model, and its hooks, go at the return)
         if isinstance(module, GradientCheckpointingLayer):
-            hooks += [module.register_forward_pre_hook(enter),
-                      module.register_forward_hook(leave)]
-    in_layers: set[int] = set()
+            module.register_forward_pre_hook(enter, with_kwargs=True)
+            module.register_forward_hook(leave)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(input_ids=ids, labels=ids)
-    for call in calls:
-        in_layers.update(call)
-    for hook in hooks:
-        hook.remove()
+    in_layers = set().union(*calls)
     return SavedActivations(
         total=sum(saved.values()),
         in_layers=sum(saved[i] for i in in_layers),
