@@ -59,13 +59,13 @@ def main():
     accelerator = setup.accelerator
     accelerator.init_trackers("dragon", config=tracker_config(setup.args))
     train(accelerator, setup.engine, setup.run, setup.data, setup.outer, setup.checkpointer,
-          setup.args)
+          setup.args, setup.profiler)
     tear_down(setup)  # the export to <output_dir>/final and a sample
     accelerator.end_training()  # the trackers finish their files; the process group ends
 
 
-def train(accelerator, engine, run, data, outer, checkpointer, args) -> None:
-    """The loop: batch, forward, backward, step, outer step, logging, evaluation, save."""
+def train(accelerator, engine, run, data, outer, checkpointer, args, profiler) -> None:
+    """The loop: batch, forward, backward, step, outer step, logging, evaluation, save, profiler."""
     engine.train()
     while not run.done:
         losses = []
@@ -96,6 +96,7 @@ def train(accelerator, engine, run, data, outer, checkpointer, args) -> None:
                 checkpointer.save(step)  # accelerator.save_state(<run>/checkpoints/checkpoint_N)
             except SaveFailed as failure:  # some rank could not write; the last save stands
                 run.save_failed(failure)  # trains on with --save_failure continue, else stops
+        profiler.step(step)  # --profile_steps A:B: traces steps A to B, then prints its table
         if verdict.stop:
             run.stop(verdict)
 

@@ -81,12 +81,13 @@ def pipeline_engine(inputs: RecipeInputs, run_dir: str) -> Built:
 
 def main():
     setup = set_up(pipeline_engine, pipeline=True)  # inputs, engine, data, Checkpointer, resume
-    train(setup.engine, setup.run, setup.data, setup.outer, setup.checkpointer, setup.args)
+    train(setup.engine, setup.run, setup.data, setup.outer, setup.checkpointer, setup.args,
+          setup.profiler)
     tear_down(setup)  # the export to <output_dir>/final and a sample
 
 
-def train(engine, run, data, outer, checkpointer, args) -> None:
-    """The loop: batch, forward-backward-step, outer step, logging, evaluation, save."""
+def train(engine, run, data, outer, checkpointer, args, profiler) -> None:
+    """The loop: batch, forward-backward-step, outer step, logging, evaluation, save, profiler."""
     pipe = engine.module  # the PipelineModule: this rank's stage
     train_data = pairs(data.train)
     while not run.done:
@@ -125,6 +126,7 @@ def train(engine, run, data, outer, checkpointer, args) -> None:
                 checkpointer.wait()  # a stop and the end wait for the write in flight
         except SaveFailed as failure:  # some rank could not write; `latest` is unchanged
             run.save_failed(failure)  # trains on with --save_failure continue, else stops
+        profiler.step(step)  # --profile_steps A:B: traces steps A to B, then prints its table
         if verdict.stop:
             run.stop(verdict)
 

@@ -157,6 +157,9 @@ PIPE_X2 = dict(config="pipeline_zero0.json", script="recipes/pretrain_pipeline.p
                extra=["--pipeline_stages", "2", "--gradient_accumulation_steps", "2"])
 DILOCO_ZERO3 = dict(config="zero3.json", extra=["--diloco_islands", "2", "--diloco_inner_steps",
                                                 "4", "--diloco_checksum"])
+# ZeRO-2 recomputing every layer in the backward, with steps 2-3 profiled: the runs the
+# gradient-checkpointing and profiler tests share (profiling changes no loss)
+ZERO2_GC = dict(extra=["--gradient_checkpointing", "--profile_steps", "2:3"])
 # 2 islands of one ZeRO-0 rank each with dropout, H 2, delayed outer steps
 DILOCO_DELAYED = dict(config="zero0.json", extra=[
     "--dropout", "0.2", "--diloco_islands", "2", "--diloco_inner_steps", "2", "--diloco_checksum",

@@ -219,3 +219,38 @@ def test_a_save_called_while_a_background_save_is_in_flight_completes_both(tmp_p
     checkpointer.wait()
     assert is_complete(str(tmp_path / "step1")) and is_complete(str(tmp_path / "step2"))
     assert read_latest(str(tmp_path)) == "step2"
+
+
+# The pipeline's recompute of every layer, on this module's one-process world (a PipelineModule
+# needs a process group).
+
+
+def test_a_pipeline_stage_recomputes_every_use_of_the_shared_block():
+    """DeepSpeed recomputes a span of a PipelineModule only if a module in it has parameters
+    (PipelineModule._is_checkpointable), and a later use of a tied block is a functools.partial
+    (its forward_fn): by default only a stage's first layer is recomputed. bdh_pipeline names
+    its layers checkpointable, so at interval 1 (--gradient_checkpointing) every layer's forward
+    runs twice in a training step, once more in the backward."""
+    from functools import partial
+
+    from deepspeed.pipe import PipelineModule
+    from torch.utils.checkpoint import checkpoint
+
+    from dragon.model.bdh import BDHConfig, BDHForCausalLM, causal_lm_loss
+    from dragon.parallel.pipeline import bdh_pipeline, partition, pipeline_specs, stage_layer
+
+    config = BDHConfig(n_layer=3, n_embd=32, n_head=2, mlp_internal_dim_multiplier=8,
+                       dropout=0.0)
+    default = PipelineModule(layers=pipeline_specs(config, partition(config, 1)), num_stages=1,
+                             activation_checkpoint_interval=1,
+                             activation_checkpoint_func=partial(checkpoint, use_reentrant=False))
+    pipe = bdh_pipeline(BDHForCausalLM(config), 1, activation_checkpoint_interval=1).train()
+    for module in (default, pipe):
+        module.set_checkpoint_interval(1)  # what the engine computes at its start
+    assert default.is_checkpointable_results == [True, True, False, False, True]
+    assert pipe.is_checkpointable_results == [True] * 5
+    calls = []
+    stage_layer(pipe).attn.register_forward_pre_hook(lambda *_: calls.append(1))
+    ids = torch.randint(0, 256, (2, 16))
+    causal_lm_loss(pipe(ids), ids).backward()
+    assert len(calls) == 2 * config.n_layer

@@ -649,12 +649,12 @@ def resume_islands_at_step_4(runs, name, full_out, tmp_path, config, extra) -> l
     return [island_metrics(resumed_out, i) for i in (0, 1)]
 
 
-@pytest.mark.slow
 # SparseLoCo's code of 40,960 values in chunks of 4096, 205 of each sent: 10 fp32 scales, then
 # 2 bytes of index and 2 bits of level a value
 SPARSELOCO_BYTES = 4 * 10 + 2 * 2050 + 2050 // 4 + 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,codec,payload", [
     ("diloco_topk", [], 6 * math.ceil(0.05 * 40_960)),
     ("diloco_sparseloco", ["--diloco_compress", "sparseloco", *LR1], SPARSELOCO_BYTES)])

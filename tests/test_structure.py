@@ -22,9 +22,15 @@ def modules() -> dict[str, Path]:
 
 
 def imports(path: Path) -> set[str]:
-    """The dragon modules `path` imports, anywhere in it (a function's own imports too)."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    """The dragon modules `path` imports, anywhere in it (a function's own imports too), but for
+    those under `if TYPE_CHECKING:`, which annotations alone use."""
+    names, tree = set(), ast.parse(path.read_text())
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+                   for n in ast.walk(block)}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dragon"):
             names.add(node.module)
             names.update(f"{node.module}.{alias.name}" for alias in node.names)

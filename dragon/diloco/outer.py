@@ -29,20 +29,22 @@ outer optimizers and the step from a live island, sends zeros, and applies what 
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from dragon.diloco.codecs import Codec
-from dragon.diloco.config import DiLoCoConfig
 from dragon.diloco.exchange import Exchange, ExchangeSet, flatten
 from dragon.diloco.fragment import Fragment, InFlight, OptimizerFactory
 from dragon.diloco.fragment_cut import INTERLEAVED, fragment_ids
 from dragon.diloco.landing import AUTO, AutoLandings
 from dragon.diloco.membership import MissedRound
 from dragon.diloco.runtime import OuterRuntime, resumable_state
-from dragon.diloco import state as saved_state
-from dragon.parallel.topology import Topology
+import dragon.diloco.state as saved_state
+
+if TYPE_CHECKING:  # annotations only
+    from dragon.diloco.config import DiLoCoConfig
+    from dragon.parallel.topology import Topology
 
 logger = logging.getLogger("dragon")
 
@@ -71,7 +73,7 @@ class DiLoCo:
     torch optimizer over a fragment's theta_outer; `ids`: the fragment of each of this rank's
     values (default: BDH's cut, dragon.diloco.fragment_cut)."""
 
-    def __init__(self, weights, config: DiLoCoConfig, topology: Topology,
+    def __init__(self, weights, config: "DiLoCoConfig", topology: "Topology",
                  outer_optimizer: Optional[OptimizerFactory] = None,
                  ids: Optional[torch.Tensor] = None):
         self.runtime = OuterRuntime(weights, config, topology)

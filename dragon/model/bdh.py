@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from dragon.model.attention import (
@@ -139,8 +140,14 @@ class Attention(nn.Module):
         )
 
 
-class BDHLayer(nn.Module):
-    """The weights every layer shares, and one layer's forward on x of shape (B, 1, T, D)."""
+class BDHLayer(GradientCheckpointingLayer):
+    """The weights every layer shares, and one layer's forward on x of shape (B, 1, T, D).
+
+    A GradientCheckpointingLayer: after model.activation_checkpointing_enable() each call of a
+    training forward keeps only its inputs and is recomputed in the backward (transformers wraps
+    `forward`). The forward is a function of its arguments (the state it continues goes in and
+    comes out; nothing is written in place with autograd on), so the recompute repeats it exactly,
+    dropout masks too (torch's checkpoint restores the RNG state)."""
 
     def __init__(self, config: BDHConfig):
         super().__init__()
@@ -229,6 +236,8 @@ class BDHPreTrainedModel(PreTrainedModel):
     base_model_prefix = "bdh"
     main_input_name = "input_ids"
     _no_split_modules = ["BDHLayer"]
+    # Each of the n_layer calls of the shared block is recomputed on its own (BDHLayer).
+    supports_gradient_checkpointing = True
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

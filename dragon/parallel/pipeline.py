@@ -182,6 +182,11 @@ def bdh_pipeline(
         # (token ids) needs no gradient, would give an output with none and the backward fails.
         # torch's non-re-entrant one replays that span's RNG too, so dropout masks repeat.
         activation_checkpoint_func=partial(checkpoint, use_reentrant=False),
+        # DeepSpeed recomputes a span only if a module in it has parameters: a later use of the
+        # shared block on a stage is a functools.partial of _run_shared, which has none, so
+        # without these names only each stage's first layer would be recomputed.
+        checkpointable_layers=[EmbedStage.__name__, StageLayer.__name__, HeadStage.__name__,
+                               partial.__name__],
         **shape,
     )
     if [int(p) for p in pipe.parts] != parts:

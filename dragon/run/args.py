@@ -1,6 +1,7 @@
 """Argument dataclasses the recipes share, named as in transformers' TrainingArguments / run_clm.py.
 """
 
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Optional
@@ -22,6 +23,23 @@ from dragon.data.text import DataArguments
 def _help(text: str, **kwargs):
     return field(metadata={"help": text}, **kwargs)
 
+
+
+_WINDOW = re.compile(r"(\d+):(\d+)")
+
+
+def profile_window(text: str, max_steps: int) -> tuple[int, int]:
+    """(A, B) of --profile_steps A:B; a one-line ValueError unless 1 <= A <= B <= max_steps."""
+    match = _WINDOW.fullmatch(text.strip())
+    first, last = (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+    if not 1 <= first <= last <= max_steps:
+        # YAML 1.1 reads an unquoted 2:3 as the base-60 number 123
+        quote = "; quote it in a YAML file (\"2:3\")" if text.strip().isdigit() else ""
+        raise ValueError(
+            f"--profile_steps {text!r}: valid is A:B, the first and last step to profile, "
+            f"1 <= A <= B <= --max_steps {max_steps} (e.g. 2:3){quote}"
+        )
+    return first, last
 
 @dataclass
 class ModelArguments:
@@ -179,6 +197,17 @@ class TrainingArguments:
         "torch.compile the model (engine.compile()); losses within 1e-4 of eager's (the compiled "
         "kernels fuse and reorder fp32 sums).", default=False
     )
+    gradient_checkpointing: bool = _help(
+        "Recompute each layer's forward in the backward instead of keeping its activations "
+        "(torch.utils.checkpoint, non-reentrant): one layer's activations at a time, for about "
+        "one more forward of compute; the same losses. In the pipeline recipe it is "
+        "--activation_checkpoint_interval 1.", default=False
+    )
+    profile_steps: Optional[str] = _help(
+        "A:B: a torch.profiler trace of steps A to B on every rank, in "
+        "<output_dir>/profile/rank<r>/ (TensorBoard or Perfetto open it); after step B rank 0 "
+        "prints the operators that took the most self CPU time.", default=None
+    )
     peak_tflops: Optional[float] = _help(
         "Peak TFLOP/s per device for MFU (default: detected).", default=None
     )
@@ -261,6 +290,8 @@ class TrainingArguments:
         if not 0 < self.plan_mfu <= 1 or self.max_data_epochs <= 0:
             raise ValueError(f"--plan_mfu {self.plan_mfu} must be in (0, 1] and "
                              f"--max_data_epochs {self.max_data_epochs} > 0")
+        if self.profile_steps is not None:
+            profile_window(self.profile_steps, self.max_steps)  # raises on a bad A:B
         for name in ("max_bad_steps", "max_eval_samples", "neuron_parallel"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name}={getattr(self, name)}: must be >= 1")
@@ -280,20 +311,35 @@ class PipelineArguments:
         default="compute",
     )
     activation_checkpoint_interval: int = _help(
-        "Recompute activations every k layers (0: off).", default=0
+        "Recompute activations every k layers (0: off; --gradient_checkpointing is 1).", default=0
     )
+
+    def take_gradient_checkpointing(self, on: bool) -> None:
+        """--gradient_checkpointing here is DeepSpeed's recompute of every layer: interval 1."""
+        interval = self.activation_checkpoint_interval
+        if interval < 0 or (on and interval > 1):
+            raise ValueError(
+                f"--activation_checkpoint_interval {interval}"
+                + (" with --gradient_checkpointing" if on else "")
+                + ": valid are 0 (off) or k >= 1 layers; --gradient_checkpointing is 1"
+            )
+        if on:
+            self.activation_checkpoint_interval = 1
 
 
 def parse_arguments(pipeline: bool = False, argv: Optional[list[str]] = None) -> tuple:
     """(ModelArguments, DataArguments, TrainingArguments, DiLoCoArguments, PipelineArguments or
     None) from the command line (or `argv`); the pipeline recipe's only have the last. A YAML or
     JSON file (a run's run.json too) as the first argument gives values that the flags after it
-    override (dragon.run.config_file)."""
+    override (dragon.run.config_file). The pipeline recipe's --gradient_checkpointing is its
+    --activation_checkpoint_interval 1."""
     types = (ModelArguments, DataArguments, TrainingArguments, DiLoCoArguments)
     parser = HfArgumentParser(types + ((PipelineArguments,) if pipeline else ()))
     path, argv = split_config_file(sys.argv[1:] if argv is None else argv)
     if path:
         apply_config_file(parser, path)
     model_args, data_args, args, diloco, *rest = parser.parse_args_into_dataclasses(args=argv)
+    if pipeline:
+        rest[0].take_gradient_checkpointing(args.gradient_checkpointing)
     return model_args, data_args, args, diloco, rest[0] if pipeline else None
 

@@ -151,10 +151,13 @@ def check_data_fits(inputs, config, dp_world: int, islands: int) -> None:
         return
     pipe_args = inputs.pipeline
     if pipe_args is not None and pipe_args.activation_checkpoint_interval:
+        # a stage's layer writes its cache as it runs (the ZeRO recipe's model returns the state)
+        flag = ("--gradient_checkpointing" if args.gradient_checkpointing else
+                f"--activation_checkpoint_interval {pipe_args.activation_checkpoint_interval}")
         raise ValueError(
-            "--carry_state with --activation_checkpoint_interval "
-            f"{pipe_args.activation_checkpoint_interval}: a recomputed forward would carry the "
-            "state twice; use --activation_checkpoint_interval 0"
+            f"--carry_state with {flag} in the pipeline recipe: a recomputed forward would carry "
+            "the state twice; drop it (--activation_checkpoint_interval 0), or train with "
+            "recipes/pretrain.py, which takes both"
         )
     rows = micro * accum + (args.per_device_eval_batch_size if args.eval_carried else 0)
     check_state_fits(config, rows, neurons=inputs.layout.neurons)

@@ -65,15 +65,24 @@ class RecipeInputs:
 
 def initial_model(inputs: RecipeInputs):
     """The starting weights, identical on every rank: a save_pretrained directory or a fresh init
-    (of BDH, or of the --model_type baseline: transformers' own model)."""
+    (of BDH, or of the --model_type baseline: transformers' own model). With
+    --gradient_checkpointing each layer's training forward is recomputed in the backward,
+    through transformers' own switch (the pipeline recipe recomputes its stages' layers through
+    DeepSpeed's activation_checkpoint_interval instead)."""
     torch.manual_seed(inputs.train.seed)
     if inputs.model.model_name_or_path:
-        return BDHForCausalLM.from_pretrained(
+        model = BDHForCausalLM.from_pretrained(
             inputs.model.model_name_or_path, dtype=torch.float32, **inputs.model.attention_kwargs()
         )
-    if not is_bdh(inputs.config):
-        return AutoModelForCausalLM.from_config(inputs.config)
-    return BDHForCausalLM(inputs.config)
+    elif not is_bdh(inputs.config):
+        model = AutoModelForCausalLM.from_config(inputs.config)
+    else:
+        model = BDHForCausalLM(inputs.config)
+    if inputs.train.gradient_checkpointing and inputs.pipeline is None:
+        # non-reentrant: it takes a layer's keyword and non-tensor arguments (the carried
+        # state, the rotation), and it replays the RNG state, so dropout's masks repeat
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    return model
 
 
 def model_config(model_args: ModelArguments, vocab_size: int, positions: int,

@@ -107,7 +107,10 @@ def memory_lines(inputs, config) -> list[str]:
     if args.carry_state:
         micro = ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
         rows = micro + (args.per_device_eval_batch_size if args.eval_carried else 0)
-    parts = estimate(config, ds, inputs.data.block_size, layout, outer, rows)
+    # --gradient_checkpointing recomputes every layer (the pipeline's interval 1)
+    recompute = (inputs.pipeline.activation_checkpoint_interval if inputs.pipeline else
+                 int(args.gradient_checkpointing))
+    parts = estimate(config, ds, inputs.data.block_size, layout, outer, rows, recompute)
     device = sum(v for k, v in parts.items() if not k.startswith("host"))
     lines = ["memory per rank (estimate, dragon.run.memory):"]
     lines += [f"  {name}: {value / MIB:,.1f} MiB" for name, value in parts.items()]

@@ -5,15 +5,15 @@ a model and its engine (deepspeed.initialize, a PipelineModule's engine, acceler
 and does the rest in this order: logging, preflight (every check before a process group starts),
 the DiLoCo island, the process group, the run directory, the model and engine (build_engine),
 checkpoint retention, the DiLoCo outer loop, this rank's data, the Checkpointer and its pieces,
-the resume, the TrainingRun, an elastic island's join and the run's files beside the
-checkpoints. tear_down(setup) ends the run after the loop: the progress bar, the outer loop, the
-export and a sample. The loop itself (batch, forward, backward, engine.step(), outer step,
-logging, evaluation, save) stays in each recipe.
+the resume, the TrainingRun, an elastic island's join, the run's files beside the checkpoints
+and the StepProfiler of --profile_steps. tear_down(setup) ends the run after the loop: the
+progress bar, the outer loop, the export and a sample. The loop itself (batch, forward,
+backward, engine.step(), outer step, logging, evaluation, save) stays in each recipe.
 """
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from dragon.checkpoint.export import export_run, print_sample
 from dragon.diloco.build import outer_loop
@@ -21,10 +21,13 @@ from dragon.parallel.distributed import init_distributed, rank
 from dragon.parallel.topology import Topology, enter_island
 from dragon.run.checkpointing import keep_checkpoints, resumed_run, run_checkpointer
 from dragon.run.data import RunData, run_data
-from dragon.run.inputs import RecipeInputs
 from dragon.run.lock import check_every_rank_sees
 from dragon.run.metrics import setup_logging
 from dragon.run.preflight import preflight
+from dragon.run.profiler import StepProfiler
+
+if TYPE_CHECKING:  # annotations only
+    from dragon.run.inputs import RecipeInputs
 
 
 @dataclass
@@ -42,14 +45,14 @@ class Built:
 
 # (inputs, run directory) -> the model in its engine; the accelerate recipe makes its Accelerator
 # from the run directory before the model, as accelerate users do.
-BuildEngine = Callable[[RecipeInputs, str], Built]
+BuildEngine = Callable[["RecipeInputs", str], Built]
 
 
 @dataclass
 class Setup:
     """What a recipe's loop and tear_down() need, as set_up() left it."""
 
-    inputs: RecipeInputs
+    inputs: "RecipeInputs"
     topology: Topology
     engine: Any
     config: Any  # the model's
@@ -58,6 +61,7 @@ class Setup:
     checkpointer: Any  # a dragon.checkpoint.checkpointer.Checkpointer
     run: Any  # the dragon.run.loop.TrainingRun
     save_dir: str  # <run dir>/checkpoints
+    profiler: StepProfiler  # --profile_steps: its step() ends each step of the loop
     accelerator: Optional[Any] = None  # the accelerate recipe's Accelerator
 
     @property
@@ -67,7 +71,7 @@ class Setup:
 
 
 def set_up(build_engine: BuildEngine, pipeline: bool = False,
-           check: Optional[Callable[[RecipeInputs], None]] = None) -> Setup:
+           check: Optional[Callable[["RecipeInputs"], None]] = None) -> Setup:
     """Everything before a recipe's loop (module docstring). `pipeline`: the pipeline recipe's
     inputs (PipelineArguments, its checks); `check`: the recipe's own refusals of the checked
     inputs, before any process group starts."""
@@ -91,8 +95,9 @@ def set_up(build_engine: BuildEngine, pipeline: bool = False,
                     built.layers)
     checkpointer = run_checkpointer(built, save_dir, data, outer, inputs, topology)
     run = resumed_run(built, inputs, topology, data, outer, checkpointer, save_dir)
+    profiler = StepProfiler(args.profile_steps, run_dir, rank(), args.max_steps, run.step)
     return Setup(inputs, topology, engine, built.config, data, outer, checkpointer, run,
-                 save_dir, built.accelerator)
+                 save_dir, profiler, built.accelerator)
 
 
 def tear_down(setup: Setup) -> None:
