@@ -155,7 +155,8 @@ class DiLoCo:
             self.outer_step, lambda *group: self._attempt(step, final, sync, *group), joining,
             final)
         self.joined_step = done.step
-        done.flights = [self.fragments[f].in_flight for f in done.landed]
+        done.flights = [self.fragments[f].in_flight for f in done.landed
+                        if self.fragments[f].in_flight is not None]  # a joiner has none
         for f in done.landed:
             self.fragments[f].in_flight = None
         for fragment, x, delta in zip(self._of(done.syncing), done.started, done.deltas):
@@ -289,10 +290,9 @@ class DiLoCo:
             averages.update(r.landed)
             averages.update(r.synced)
             flights += r.flights
-            applied += [x.exchange for x in r.flights if x is not None]
+            applied += [x.exchange for x in r.flights]
             applied += r.started if r.synced else []
-        self.runtime.waited([x.exchange for x in flights
-                             if x is not None and x.lands_at == x.synced_at + self.H])
+        self.runtime.waited([x.exchange for x in flights if x.lands_at == x.synced_at + self.H])
         if self.F > 1:
             if done.syncing:  # one fragment a step; F: all of them (the last step)
                 metrics["outer_fragment"] = self.F if final else done.syncing[0]
