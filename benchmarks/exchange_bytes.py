@@ -26,7 +26,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 # (name, --diloco_compress, values per scale or the top-k fraction)
 CODECS = [("fp32", "none", 0), ("bf16", "bf16", 0), ("int8", "int8", 1024), ("int4", "int4", 1024),
-          ("top-k 2 %", "topk", 0.02)]
+          ("top-k 2 %", "topk", 0.02), ("SparseLoCo 64 of 4096, 2-bit", "sparseloco", 64 / 4096)]
 
 
 def island(rank: int, n: int, port: int, values: int, fragments: list[int], out: str) -> None:
@@ -45,8 +45,9 @@ def island(rank: int, n: int, port: int, values: int, fragments: list[int], out:
         for f in fragments:
             group.barrier().wait()
             began = time.perf_counter()
-            block, topk = (0, setting) if compress == "topk" else (setting, 0.0)
-            piece = flat[: values // f]
+            sparse = compress in ("topk", "sparseloco")
+            block, topk = (0, setting) if sparse else (setting, 0.0)
+            piece = flat[: values // f].clone()  # fp32 and bf16 all-reduce in place
             x = Exchange(piece, group, n, codec_for(compress, block, topk), [piece.numel()],
                          measure_bytes=True)
             rows[name, f] = (x.bytes_sent, x.payload_bytes, time.perf_counter() - began,
