@@ -192,9 +192,8 @@ class DiLoCo:
         local = flatten(self.weights.tensors())
         for fragment in self._of(done.syncing):
             delta = fragment.delta(local)
-            then = None
-            if self.auto is not None and not final:
-                then = self.auto.poster(fragment.number, done.step)
+            then = (self.auto.poster(fragment.number, done.step)  # auto: when it is done
+                    if self.auto is not None and not final else None)
             done.deltas.append(delta)
             done.started.append(self.runtime.exchange(
                 delta.clone(), group, len(members), done.contributors, fragment.numels, then))
@@ -322,8 +321,6 @@ class DiLoCo:
     def theta_outer(self) -> torch.Tensor:
         """theta_outer as one vector over this rank's values."""
         return self._placed(lambda f: f.outer.detach())
-
-    # ----------------------------------------------------------- elastic islands
 
     def join(self) -> tuple[int, dict]:
         """--diloco_join: wait to be let into the live islands' next outer step, take
