@@ -12,6 +12,7 @@ from dragon.diloco.arguments import DiLoCoArguments
 from dragon.diloco.outer import DiLoCo
 from dragon.diloco.sparse import sparseloco_encode, sparseloco_sum, topk_encode, topk_sum
 from dragon.parallel.topology import Topology
+from diloco_islands import Weights
 from quantized_exchange import LENGTH, TOPK, pseudo_gradient
 
 
@@ -67,21 +68,6 @@ def test_sparseloco_keeps_back_exactly_what_it_did_not_send_decayed():
         assert torch.equal(outer.fragments[0].residual, residual)
         assert torch.equal(outer.theta_outer(), theta)
         assert torch.equal(weights[0], theta)
-
-
-class Weights:
-    """Plain fp32 tensors standing in for an engine's master weights."""
-
-    replicas, excluded = 1, []
-
-    def __init__(self, tensors):
-        self.ts = tensors
-
-    def tensors(self):
-        return self.ts
-
-    def publish(self):
-        pass
 
 
 def test_error_feedback_sends_every_pseudo_gradient_in_the_end():

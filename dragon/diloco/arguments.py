@@ -145,13 +145,11 @@ class DiLoCoArguments:
                              f"{self.diloco_compress}")
         if self.diloco_fragments != 1 or self.diloco_fragment_delay is not None:
             self._check_fragments()
-        if self.diloco_compress == "sparseloco" and self.diloco_mode == "delayed" and \
-                self.diloco_elastic:
-            raise ValueError("--diloco_compress sparseloco with --diloco_mode delayed and "
-                             "--diloco_elastic is not supported; use --diloco_mode sync")
-        if topk and self.diloco_mode == "delayed" and self.diloco_elastic:
-            raise ValueError(f"--diloco_topk {topk} with --diloco_mode delayed and "
-                             "--diloco_elastic is not supported; use --diloco_mode sync")
+        sparseloco = self.diloco_compress == "sparseloco"
+        if (topk or sparseloco) and self.diloco_mode == "delayed" and self.diloco_elastic:
+            what = "--diloco_compress sparseloco" if sparseloco else f"--diloco_topk {topk}"
+            raise ValueError(f"{what} with --diloco_mode delayed and --diloco_elastic is not "
+                             "supported; use --diloco_mode sync")
         if not self.diloco_outer_lr > 0:
             raise ValueError(f"--diloco_outer_lr {self.diloco_outer_lr}: must be > 0")
         if not 0 <= self.diloco_outer_momentum < 1:
@@ -169,6 +167,9 @@ class DiLoCoArguments:
             raise ValueError("--diloco_join needs --diloco_elastic")
         if self.diloco_elastic:
             self._check_elastic()
+        self._warn_delayed_momentum()
+
+    def _warn_delayed_momentum(self) -> None:
         eager = self.diloco_mode == "delayed" and self.diloco_fragments == 1
         if eager and self.diloco_outer_momentum > DELAYED_MOMENTUM:
             # benchmarks/README.md has the measurements behind the advice

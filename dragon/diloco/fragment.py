@@ -96,8 +96,8 @@ class Fragment:
         with torch.no_grad():
             self.outer.copy_(values)
         self.optimizer = self.make_optimizer([self.outer])
-        self.forget_own_share()
         self.in_flight = None
+        self.forget_own_share()
 
     def forget_own_share(self) -> None:
         """Nothing of this island's own is held back or in flight (a joiner, or a new island

@@ -100,7 +100,7 @@ def current(state: dict, shapes: dict) -> dict:
         ids = fragment_ids(state["segments"], shapes, state["numels"], state["fragments"],
                            state.get("cut", RUNS))
         fragments = [_streaming_fragment(state, f, ids == f) for f in range(state["fragments"])]
-    kept = ("outer_step", "mode", "numels", "fragments", "segments", "neuron_share", "peak_bytes")
+    kept = ("outer_step", "mode", "numels", "segments", "neuron_share")
     return dict({k: state.get(k) for k in kept}, version=STATE_VERSION, fragment=fragments,
                 cut=state.get("cut", RUNS), fragments=state.get("fragments", 1),
                 peak_bytes=state.get("peak_bytes", 0))
@@ -263,20 +263,25 @@ def laid_out_state(tag_dir: str, weights, numels: list[int], fragments: int
     moments = {k: moved(lambda f, k=k: optimizer_tensors(f).get(k)) for k in keys}
     flights = {k: moved(lambda f, k=k: _vector(f["in_flight"], k)) for k in ("average", "delta")}
     outer, residual = moved(lambda f: f["outer"]), moved(lambda f: f["residual"])
-    laid = []
-    for f, fragment in enumerate(first["fragment"]):
-        optimizer = dict(fragment["optimizer"])
-        if optimizer["state"]:
-            optimizer["state"] = {0: dict(optimizer["state"][0], **{
-                k: v[f] for k, v in moments.items() if v[f] is not None})}
-        flight = fragment["in_flight"]
-        if flight is not None:
-            flight = dict(flight, delta=flights["delta"][f], average=(
-                flight["average"] if isinstance(flight["average"], str)
-                else flights["average"][f]))
-        laid.append(dict(fragment, outer=outer[f], residual=residual[f], optimizer=optimizer,
-                         in_flight=flight))
+    vectors = {"outer": outer, "residual": residual, "moments": moments, "flights": flights}
+    laid = [_with_vectors(fragment, f, **vectors) for f, fragment in enumerate(first["fragment"])]
     return dict(first, numels=numels, segments=segments, neuron_share=share, fragment=laid)
+
+
+def _with_vectors(fragment: dict, f: int, outer: list, residual: list, moments: dict,
+                  flights: dict) -> dict:
+    """Fragment f's saved state (the first saved rank's) with the vectors laid out for this
+    rank in place of its own."""
+    optimizer = dict(fragment["optimizer"])
+    if optimizer["state"]:
+        optimizer["state"] = {0: dict(optimizer["state"][0], **{
+            k: v[f] for k, v in moments.items() if v[f] is not None})}
+    flight = fragment["in_flight"]
+    if flight is not None:
+        flight = dict(flight, delta=flights["delta"][f], average=(
+            flight["average"] if isinstance(flight["average"], str) else flights["average"][f]))
+    return dict(fragment, outer=outer[f], residual=residual[f], optimizer=optimizer,
+                in_flight=flight)
 
 
 def _vector(flight: Optional[dict], key: str) -> Optional[torch.Tensor]:

@@ -45,18 +45,29 @@ def _path(file) -> str:
     return str(getattr(file, "name", file))
 
 
-def _nan_forwards(steps: set[int]) -> None:
-    """Every engine deepspeed.initialize returns gets a forward hook on its module."""
+def _hook_every_engine(hook_for) -> None:
+    """Every engine deepspeed.initialize returns gets hook_for(engine) (None: no hook) as a
+    forward hook on its module."""
     import deepspeed
-    import torch
 
     initialize = deepspeed.initialize
 
     @functools.wraps(initialize)
-    def with_nan_hook(*args, **kwargs):
+    def hooked(*args, **kwargs):
         result = initialize(*args, **kwargs)
-        engine = result[0]
+        hook = hook_for(result[0])
+        if hook is not None:
+            result[0].module.register_forward_hook(hook)
+        return result
 
+    deepspeed.initialize = hooked
+
+
+def _nan_forwards(steps: set[int]) -> None:
+    """Rank DRAGON_FAULT_RANK's training forwards of `steps` return NaN."""
+    import torch
+
+    def poison_of(engine):
         def poison(module, inputs, output):
             if not module.training or engine.global_steps + 1 not in steps:
                 return output
@@ -65,11 +76,9 @@ def _nan_forwards(steps: set[int]) -> None:
             output["loss"] = output["loss"] * float("nan")  # a transformers ModelOutput
             return output
 
-        if _faulty_rank():
-            engine.module.register_forward_hook(poison)
-        return result
+        return poison if _faulty_rank() else None
 
-    deepspeed.initialize = with_nan_hook
+    _hook_every_engine(poison_of)
 
 
 def _failing_saves(steps: set[int]) -> None:
@@ -148,25 +157,14 @@ def _failing_join() -> None:
 
 
 def _slow_forwards(seconds: float) -> None:
-    """Every module forward of the engines deepspeed.initialize returns takes `seconds` at
-    least."""
-    import deepspeed
+    """Every training forward takes `seconds` at least."""
 
-    initialize = deepspeed.initialize
+    def wait(module, inputs, output):
+        if module.training:
+            time.sleep(seconds)
+        return output
 
-    @functools.wraps(initialize)
-    def slowed(*args, **kwargs):
-        result = initialize(*args, **kwargs)
-
-        def wait(module, inputs, output):
-            if module.training:
-                time.sleep(seconds)
-            return output
-
-        result[0].module.register_forward_hook(wait)
-        return result
-
-    deepspeed.initialize = slowed
+    _hook_every_engine(lambda engine: wait)
 
 
 def _killed_preparation(shards: set[int]) -> None:
