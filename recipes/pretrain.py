@@ -65,17 +65,20 @@ def train(engine, run, data, outer, checkpointer, args, profiler) -> None:
     """The loop: batch, forward, backward, step, outer step, logging, evaluation, save, profiler."""
     engine.train()
     while not run.done:
-        losses = []
-        caches = run.step_caches()  # with --carry_state each micro-batch's rows continue a state
-        for micro_step in range(run.accum):
-            batch = next(data.train).to(engine.device)
-            loss = engine(input_ids=batch, labels=batch, cache=caches[micro_step]).loss
-            engine.backward(loss)
-            measured = grad_norm_before_step(engine)  # ZeRO-0 in fp32: DeepSpeed records none
-            engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
-            losses.append(loss.item())
-        grad_norm = global_grad_norm(engine, measured)  # the step's, before clipping
-        step = run.end_step(all_reduce_mean([sum(losses) / len(losses)])[0])  # over every rank
+        if outer and not outer.trains(run.step + 1):  # --diloco_island_steps: a slower island
+            step, grad_norm = run.rest(), None  # rests through some steps of each window
+        else:
+            losses = []
+            caches = run.step_caches()  # with --carry_state each micro-batch's rows go on
+            for micro_step in range(run.accum):
+                batch = next(data.train).to(engine.device)
+                loss = engine(input_ids=batch, labels=batch, cache=caches[micro_step]).loss
+                engine.backward(loss)
+                measured = grad_norm_before_step(engine)  # ZeRO-0 in fp32: DeepSpeed has none
+                engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
+                losses.append(loss.item())
+            grad_norm = global_grad_norm(engine, measured)  # the step's, before clipping
+            step = run.end_step(all_reduce_mean([sum(losses) / len(losses)])[0])  # every rank's
         # A preemption signal or a non-finite step, as every rank sees it (the update of a
         # non-finite step is not applied).
         verdict = run.check(grad_norm)

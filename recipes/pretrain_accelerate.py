@@ -68,19 +68,22 @@ def train(accelerator, engine, run, data, outer, checkpointer, args, profiler) -
     """The loop: batch, forward, backward, step, outer step, logging, evaluation, save, profiler."""
     engine.train()
     while not run.done:
-        losses = []
-        caches = run.step_caches()  # with --carry_state each micro-batch's rows continue a state
-        for micro_step in range(run.accum):
-            batch = next(data.train).to(accelerator.device)
-            # accumulate(): the last micro-batch of the step is the boundary, where
-            # accelerator.backward runs engine.backward, then engine.step() (DeepSpeed's
-            # optimizer and the LR schedule); before it, engine.backward alone
-            with accelerator.accumulate(engine):
-                loss = engine(input_ids=batch, labels=batch, cache=caches[micro_step]).loss
-                accelerator.backward(loss)
-            losses.append(loss.item())
-        grad_norm = global_grad_norm(engine)  # None where DeepSpeed records none (ZeRO-0, fp32)
-        step = run.end_step(all_reduce_mean([sum(losses) / len(losses)])[0])  # over every rank
+        if outer and not outer.trains(run.step + 1):  # --diloco_island_steps: a slower island
+            step, grad_norm = run.rest(), None  # rests through some steps of each window
+        else:
+            losses = []
+            caches = run.step_caches()  # with --carry_state each micro-batch's rows go on
+            for micro_step in range(run.accum):
+                batch = next(data.train).to(accelerator.device)
+                # accumulate(): the last micro-batch of the step is the boundary, where
+                # accelerator.backward runs engine.backward, then engine.step() (DeepSpeed's
+                # optimizer and the LR schedule); before it, engine.backward alone
+                with accelerator.accumulate(engine):
+                    loss = engine(input_ids=batch, labels=batch, cache=caches[micro_step]).loss
+                    accelerator.backward(loss)
+                losses.append(loss.item())
+            grad_norm = global_grad_norm(engine)  # None where DeepSpeed has none (ZeRO-0, fp32)
+            step = run.end_step(all_reduce_mean([sum(losses) / len(losses)])[0])  # every rank's
         # A preemption signal or a non-finite step, as every rank sees it.
         verdict = run.check(grad_norm)
 

@@ -91,14 +91,17 @@ def train(engine, run, data, outer, checkpointer, args, profiler) -> None:
     pipe = engine.module  # the PipelineModule: this rank's stage
     train_data = pairs(data.train)
     while not run.done:
-        # With --carry_state micro-batch m's rows continue the state in run.step_caches()[m].
-        with carrying(pipe, run.step_caches()):
-            # DeepSpeed's 1F1B schedule: forward and backward of every micro-batch of the step,
-            # then the optimizer step (what engine.step() takes in the ZeRO recipe)
-            loss = engine.train_batch(train_data)
-        # The loss is averaged over the micro-batches and the data-parallel ranks already.
-        step = run.end_step(loss.item())
-        grad_norm = global_grad_norm(engine)  # the step's, before clipping
+        if outer and not outer.trains(run.step + 1):  # --diloco_island_steps: a slower island
+            step, grad_norm = run.rest(), None  # rests through some steps of each window
+        else:
+            # With --carry_state micro-batch m's rows continue the state in run.step_caches()[m].
+            with carrying(pipe, run.step_caches()):
+                # DeepSpeed's 1F1B schedule: forward and backward of every micro-batch of the
+                # step, then the optimizer step (what engine.step() takes in the ZeRO recipe)
+                loss = engine.train_batch(train_data)
+            # The loss is averaged over the micro-batches and the data-parallel ranks already.
+            step = run.end_step(loss.item())
+            grad_norm = global_grad_norm(engine)  # the step's, before clipping
         # A preemption signal or a non-finite step, as every rank sees it (the update of a
         # non-finite step is not applied).
         verdict = run.check(grad_norm)

@@ -232,12 +232,15 @@ def int8_error_bound(x: torch.Tensor, block: int, numels: list[int]) -> float:
     )
 
 
-def simulate(mode, compress, block=256, lr=0.7, mu=0.9, topk=0.0):
+def simulate(mode, compress, block=256, lr=0.7, mu=0.9, topk=0.0, island_steps=None):
     """Both islands and the outer loop in fp32 by hand: per outer step, each island's weights and
     theta_outer, and the compression error and average norm the loop should report. Delayed mode is
     Kale et al.'s eager update: each island steps its own Nesterov on the late average with its own
     share of it swapped for its fresh one (with top-k: what it sent; the rest waits in its
-    residual)."""
+    residual). `island_steps` ("3,1"): the inner steps each island trains per outer step, each
+    island's pseudo-gradient weighted by its share of them (sent as 2 k_i / sum k times itself)."""
+    steps_of = [int(k) for k in island_steps.split(",")] if island_steps else [toy.INNER_STEPS] * 2
+    scales = [2 * k / sum(steps_of) for k in steps_of]
     numels = [math.prod(s) for s in toy.SHAPES]
     theta = torch.cat([t.flatten() for t in toy.initial_weights()])
     centres = [torch.cat([t.flatten() for t in toy.centre(i)]) for i in (0, 1)]
@@ -250,9 +253,9 @@ def simulate(mode, compress, block=256, lr=0.7, mu=0.9, topk=0.0):
     for k in range(1, toy.OUTER_STEPS + 1):
         w = [x.clone() for x in thetas]
         for i in (0, 1):
-            for _ in range(toy.INNER_STEPS):
+            for _ in range(steps_of[i]):
                 w[i] = w[i] - toy.INNER_LR * (w[i] - centres[i])
-        deltas = [thetas[i] - w[i] for i in (0, 1)]
+        deltas = [scales[i] * (thetas[i] - w[i]) for i in (0, 1)]
         if topk:  # error feedback: the top entries of delta + residual, in bf16
             deltas = [d + r for d, r in zip(deltas, residuals)]
             sent = [topk_encode(d, topk)[1] for d in deltas]
@@ -346,6 +349,7 @@ def test_two_islands_equal_hand_simulation(two_islands, index):
         scenario.get("diloco_outer_lr", 0.7),
         scenario.get("diloco_outer_momentum", 0.9),
         topk,
+        scenario.get("diloco_island_steps"),
     )
     # top-k: an int32 index and a bf16 value per entry sent
     payload = 6 * math.ceil(topk * 1000) if topk else {"none": 4000, "bf16": 2000,
@@ -371,6 +375,10 @@ def test_two_islands_equal_hand_simulation(two_islands, index):
                 torch.testing.assert_close(weights, want["weights"][island], rtol=1e-5, atol=1e-6)
             m = got["metrics"]
             assert m["outer_step"] == k
+            if scenario.get("diloco_island_steps"):  # tokens: one a step in the toy
+                assert m["island_steps"] == m["island_tokens"] == (3, 1)[island]
+                assert m["outer_weight"] == (0.75, 0.25)[island]
+                assert m["diloco_plan"] == [3, 1]
             assert (
                 payload <= m["outer_payload_bytes"] <= payload * 1.06
             )  # + int8 scales and padding

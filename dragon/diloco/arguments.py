@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from dragon.diloco.landing import AUTO
+from dragon.diloco.pace import AUTO as PACE_AUTO
 from dragon.diloco.config import DiLoCoConfig
 
 
@@ -113,6 +114,13 @@ class DiLoCoArguments:
         default=False,
     )
     diloco_min_islands: int = _help("Elastic: fewer islands at an outer step end it.", default=1)
+    diloco_island_steps: Optional[str] = _help(
+        "Islands of unequal speed: the inner steps each island trains in every window of H, "
+        "spread over the window (it rests through the others, so that no island waits for a "
+        "slower one), e.g. 8,5; or auto: from each island's measured step time, the fastest "
+        "training all H. The outer average weights each island by the tokens it trained. "
+        "Default: every island trains every step.", default=None
+    )
 
     def __post_init__(self):
         n, h = self.diloco_islands, self.diloco_inner_steps
@@ -167,6 +175,8 @@ class DiLoCoArguments:
             raise ValueError("--diloco_join needs --diloco_elastic")
         if self.diloco_elastic:
             self._check_elastic()
+        if self.diloco_island_steps is not None:
+            self.island_steps()
         self._warn_delayed_momentum()
 
     def _warn_delayed_momentum(self) -> None:
@@ -216,6 +226,28 @@ class DiLoCoArguments:
             raise ValueError(f"--diloco_fragment_delay {delay!r}: valid are auto or inner steps "
                              "(an integer)") from None
 
+    def island_steps(self) -> Union[None, str, list[int]]:
+        """--diloco_island_steps as the outer loop takes it: None, "auto" or one count per
+        island, checked."""
+        given, n, h = self.diloco_island_steps, self.diloco_islands, self.diloco_inner_steps
+        if given is not None and h is None:
+            raise ValueError(f"--diloco_island_steps {given} needs --diloco_inner_steps H")
+        if given is None or given == PACE_AUTO:
+            plan = given
+        else:
+            try:
+                plan = [int(k) for k in given.split(",")]
+            except ValueError:
+                plan = []
+            if len(plan) != n or not all(1 <= k <= (h or 0) for k in plan):
+                raise ValueError(f"--diloco_island_steps {given!r}: valid are auto or {n} "
+                                 f"counts, one per island, each in [1, H = {h}] (e.g. "
+                                 f"{','.join([str(h)] * n)})")
+        if plan is not None and self.diloco_elastic:
+            raise ValueError(f"--diloco_island_steps {given} with --diloco_elastic is not "
+                             "supported yet: islands of unequal speed need a fixed group")
+        return plan
+
     def _check_elastic(self) -> None:
         if self.diloco_island_index is None:
             raise ValueError(
@@ -248,6 +280,10 @@ class DiLoCoArguments:
                 f"--save_steps {args.save_steps}: must be a multiple of --diloco_inner_steps {h} "
                 "(checkpoints are taken at outer steps only)"
             )
+        if self.diloco_island_steps is not None and args.carry_state:
+            raise ValueError(f"--diloco_island_steps {self.diloco_island_steps} with "
+                             "--carry_state: a resting step would break the carried streams; "
+                             "drop one of them")
 
     def local_islands(self) -> list[int]:
         """The islands this launch runs."""
@@ -308,5 +344,5 @@ class DiLoCoArguments:
             join=self.diloco_join, fragments=self.diloco_fragments,
             fragment_delay=self.fragment_delay() if self.diloco_mode == "delayed" else 0,
             fragment_alpha=self.diloco_fragment_alpha,
-            exchange_thread=self.diloco_exchange_thread,
+            exchange_thread=self.diloco_exchange_thread, island_steps=self.island_steps(),
         )

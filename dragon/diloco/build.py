@@ -9,8 +9,10 @@ from dragon.parallel.topology import Topology
 
 
 def outer_loop(engine, config: Optional[DiLoCoConfig], topology: Topology,
-               outer_optimizer=None) -> Optional[DiLoCo]:
-    """The outer loop for a DeepSpeed engine; None when DiLoCo is off (no config)."""
+               tokens_per_step: int = 1, outer_optimizer=None) -> Optional[DiLoCo]:
+    """The outer loop for a DeepSpeed engine (`tokens_per_step`: its island's); None when
+    DiLoCo is off (no config)."""
     if config is None:
         return None
-    return DiLoCo(MasterWeights(engine), config, topology, outer_optimizer)
+    return DiLoCo(MasterWeights(engine), config, topology, outer_optimizer,
+                  tokens_per_step=tokens_per_step)

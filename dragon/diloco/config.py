@@ -31,6 +31,8 @@ class DiLoCoConfig:
     fragment_delay: Union[int, str] = 0
     fragment_alpha: float = 0.5  # delayed, fragments: the local share kept when a fragment lands
     exchange_thread: bool = True  # delayed: the exchange's collectives off the training thread
+    # unequal islands (dragon.diloco.pace): the steps each island trains per window, or "auto"
+    island_steps: Union[None, str, list[int]] = None
 
     def outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         """torch SGD with the outer lr and momentum (Nesterov unless momentum is 0)."""

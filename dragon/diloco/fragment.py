@@ -64,10 +64,12 @@ class Fragment:
         else:
             flat[self.mask] = values
 
-    def delta(self, local: torch.Tensor) -> torch.Tensor:
-        """theta_outer - theta (`local`: this rank's values, flat), plus what top-k kept back
-        (SparseLoCo: decayed)."""
+    def delta(self, local: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """scale (theta_outer - theta) (`local`: this rank's values, flat; `scale`: unequal
+        islands' token weight), plus what top-k kept back (SparseLoCo: decayed)."""
         delta = self.outer.to("cpu", torch.float32) - self.of(local)
+        if scale != 1:
+            delta *= scale
         if self.residual is not None:
             delta += self.residual if self.decay == 1 else self.decay * self.residual
         return delta

@@ -39,6 +39,7 @@ from dragon.diloco.fragment import Fragment, InFlight, OptimizerFactory
 from dragon.diloco.fragment_cut import INTERLEAVED, fragment_ids
 from dragon.diloco.landing import AUTO, AutoLandings
 from dragon.diloco.membership import MissedRound
+from dragon.diloco.pace import AUTO as PACE_AUTO, Pace
 from dragon.diloco.runtime import OuterRuntime, resumable_state
 import dragon.diloco.state as saved_state
 
@@ -71,11 +72,12 @@ class DiLoCo:
     `weights` is a MasterWeights (or anything with tensors(), publish(), replicas, excluded and
     fingerprint(); with F > 1 also segments() and shapes()); `outer_optimizer(params)` builds any
     torch optimizer over a fragment's theta_outer; `ids`: the fragment of each of this rank's
-    values (default: BDH's cut, dragon.diloco.fragment_cut)."""
+    values (default: BDH's cut, dragon.diloco.fragment_cut); `tokens_per_step`: the island's
+    (unequal islands weight their pseudo-gradients by tokens, dragon.diloco.pace)."""
 
     def __init__(self, weights, config: "DiLoCoConfig", topology: "Topology",
                  outer_optimizer: Optional[OptimizerFactory] = None,
-                 ids: Optional[torch.Tensor] = None):
+                 ids: Optional[torch.Tensor] = None, tokens_per_step: int = 1):
         self.runtime = OuterRuntime(weights, config, topology)
         self.weights, self.config, self.topology = weights, config, topology
         self.H, self.mode, self.F = config.inner_steps, config.mode, config.fragments
@@ -99,6 +101,10 @@ class DiLoCo:
             self.fragments = [Fragment(f, ids, None, whole[ids == f], self.runtime.device, make,
                                        **kept) for f in range(self.F)]
         self.outer_step = self.joined_step = 0
+        self.pace, self.scale = None, 1.0  # unequal islands; the scale of this one's deltas
+        if config.island_steps is not None:
+            plan = None if config.island_steps == PACE_AUTO else config.island_steps
+            self.pace = Pace(plan, self.H, topology.islands, topology.island, tokens_per_step)
 
     # ----------------------------------------------------------- the schedule
 
@@ -125,12 +131,19 @@ class DiLoCo:
         return sorted(f for f, x in flying.items()
                       if final or (x.lands_at is not None and x.lands_at <= step))
 
+    def trains(self, step: int) -> bool:
+        """Whether this island trains inner step `step`, or rests through it (unequal islands:
+        dragon.diloco.pace)."""
+        return self.pace is None or self.pace.trains(step)
+
     def is_due(self, step: int, final: bool) -> bool:
         return bool(self.syncing(step, final) or self.landing(step, final))
 
     def maybe_outer_step(self, step: int, final: bool = False) -> dict:
         """After inner step `step` (1-based): the outer step when one is due, with its metrics;
         else {}. `final` makes the last step an outer step that lands and syncs everything."""
+        if self.pace is not None:
+            self.pace.ended()
         return self.runtime.run(step, final, self.is_due, self._outer_step)
 
     # ----------------------------------------------------------- an outer step
@@ -138,12 +151,14 @@ class DiLoCo:
     def _outer_step(self, step: int, final: bool, joining: Optional[tuple] = None) -> dict:
         """The rounds of inner step `step`: a fragment that lands and syncs again at once lands
         first, in a round of its own, so that it syncs from the weights its landing left."""
-        start, rounds = time.perf_counter(), []
+        start, rounds, paced = time.perf_counter(), [], {}
+        if self.pace is not None and self.syncing(step, final):  # the islands' token weights
+            self.scale, paced = self.pace.agree(self.runtime.group)
         if set(self.landing(step, final)) & set(self.syncing(step, final)):
             rounds.append(self._round(step, final, joining, sync=False))
             joining = None
         rounds.append(self._round(step, final, joining))
-        metrics = self._metrics(step, final, rounds)
+        metrics = dict(self._metrics(step, final, rounds), **paced)
         metrics["outer_seconds"] = time.perf_counter() - start
         return metrics
 
@@ -191,7 +206,7 @@ class DiLoCo:
             done.syncing = self.syncing(done.step, final)
         local = flatten(self.weights.tensors())
         for fragment in self._of(done.syncing):
-            delta = fragment.delta(local)
+            delta = fragment.delta(local, self.scale)
             then = (self.auto.poster(fragment.number, done.step)  # auto: when it is done
                     if self.auto is not None and not final else None)
             done.deltas.append(delta)
@@ -388,6 +403,8 @@ class DiLoCo:
         for fragment, saved in zip(self.fragments, state["fragment"]):
             saved_state.load_fragment(fragment, saved)
         self.outer_step = state["outer_step"]
+        if self.pace is not None:
+            self.pace.load_state_dict(state.get("pace"))  # absent: saved with equal islands
         self.runtime.report.peak_bytes = state["peak_bytes"]
 
     def restart(self) -> None:

@@ -38,6 +38,7 @@ def of_outer_loop(loop) -> dict:
         "neuron_share": getattr(weights, "neuron_share", lambda: (0, 1))(),
         "fragment": [_of_fragment(f) for f in loop.fragments],
         "peak_bytes": loop.runtime.report.peak_bytes,
+        "pace": None if loop.pace is None else loop.pace.state_dict(),  # unequal islands
     }
 
 
@@ -103,7 +104,7 @@ def current(state: dict, shapes: dict) -> dict:
     kept = ("outer_step", "mode", "numels", "segments", "neuron_share")
     return dict({k: state.get(k) for k in kept}, version=STATE_VERSION, fragment=fragments,
                 cut=state.get("cut", RUNS), fragments=state.get("fragments", 1),
-                peak_bytes=state.get("peak_bytes", 0))
+                peak_bytes=state.get("peak_bytes", 0), pace=None)
 
 
 def _plain_fragment(state: dict) -> dict:

@@ -20,7 +20,8 @@ from dragon.parallel.distributed import all_reduce_mean, all_reduce_values, rank
 from dragon.run.carry import state_bytes_per_row
 from dragon.run.faults import StepGuard, Verdict
 from dragon.run.memory import peak_bytes
-from dragon.run.metrics import MetricsLogger, Throughput, peak_tflops_per_device, source_tokens
+from dragon.run.metrics import (MetricsLogger, Throughput, peak_tflops_per_device, source_tokens,
+                                tokens_per_step)
 
 logger = logging.getLogger("dragon")
 
@@ -34,11 +35,10 @@ class TrainingRun:
                  diloco=None):
         args, block = inputs.train, inputs.data.block_size
         self.engine, self.args, self.data, self.diloco = engine, args, data, diloco
-        self.step, self.dp_world, self.losses = step, dp_world, []
+        self.step, self.dp_world, self.losses, self.rested = step, dp_world, [], False
         self.accum = engine.gradient_accumulation_steps()
-        # Each sample holds block+1 tokens and predicts block of them.
         micro = engine.train_micro_batch_size_per_gpu()
-        self.tokens_per_step = micro * self.accum * dp_world * block
+        self.tokens_per_step = tokens_per_step(engine, dp_world, block)
         self.run_tokens_per_step = self.tokens_per_step * topology.islands  # every island's
         self.save_dir = os.path.join(inputs.run_dir(topology.island), "checkpoints")
         profile = model_profile(config, block + 1)  # the FLOPs of the attention form at this length
@@ -116,6 +116,19 @@ class TrainingRun:
         self._throughput.add(self.tokens_per_step)
         self.data.tokens.count += self.run_tokens_per_step
         self._logger.advance()
+        self.rested = False
+        return self.step
+
+    def rest(self) -> int:
+        """Count a step this island rests through (unequal islands, dragon.diloco.pace): no batch
+        read, no optimizer step, no tokens; the LR schedule and DeepSpeed's step count move on
+        as every island's do. Returns the step."""
+        self.step += 1
+        if self.engine.lr_scheduler is not None:
+            self.engine.lr_scheduler.step()
+        set_global_steps(self.engine, self.step)
+        self._logger.advance()
+        self.rested = True
         return self.step
 
     def check(self, grad_norm: Optional[float]) -> Verdict:
@@ -123,7 +136,8 @@ class TrainingRun:
         every rank (with DiLoCo, preemption waits for the next outer step, where islands save
         together)."""
         boundary = self.diloco is None or self.diloco.is_boundary(self.step, self.done)
-        return self.guard.after_step(self.step, self.losses[-1], grad_norm, boundary)
+        loss = 0.0 if self.rested else self.losses[-1]
+        return self.guard.after_step(self.step, loss, grad_norm, boundary)
 
     def signalled(self) -> bool:
         """Whether a preemption signal reached any rank of this island (a collective): an
@@ -154,15 +168,16 @@ class TrainingRun:
         self.stop(Verdict(stop=True, exit_code=1, message=f"step {self.step}: {failure}"))
 
     def train_metrics(self, grad_norm: Optional[float]) -> dict:
-        """loss, lr, grad_norm and throughput since the last call."""
-        mean = sum(self.losses) / len(self.losses)
+        """loss, lr, grad_norm and throughput since the last call (no loss when this island
+        rested through every step since)."""
+        mean = sum(self.losses) / len(self.losses) if self.losses else None
         self.losses = []
         taken = {}
         if self.data.sources:  # every stage of a data rank reads the same blocks
             per_rank = all_reduce_mean(self.data.train.tokens_taken(len(self.data.sources)))
             taken = source_tokens(self.data.sources, [n * self.dp_world for n in per_rank])
         return {
-            "loss": mean,
+            **({} if mean is None else {"loss": mean}),
             "lr": self.engine.get_lr()[0],
             "tokens": self.data.tokens.count,  # trained: a resume may change the batch
             "grad_norm": None if grad_norm is None else float(grad_norm),

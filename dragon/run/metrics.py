@@ -19,6 +19,13 @@ from dragon.parallel.neurons import split_grad_norm
 logger = logging.getLogger(__name__)
 
 
+def tokens_per_step(engine, dp_world: int, block: int) -> int:
+    """The tokens an optimizer step trains on over the island's data-parallel ranks (each
+    sample holds block+1 tokens and predicts block of them)."""
+    micro = engine.train_micro_batch_size_per_gpu()
+    return micro * engine.gradient_accumulation_steps() * dp_world * block
+
+
 class _RankZero(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         import torch.distributed as dist

@@ -22,7 +22,7 @@ from dragon.parallel.topology import Topology, enter_island
 from dragon.run.checkpointing import keep_checkpoints, resumed_run, run_checkpointer
 from dragon.run.data import RunData, run_data
 from dragon.run.lock import check_every_rank_sees
-from dragon.run.metrics import setup_logging
+from dragon.run.metrics import setup_logging, tokens_per_step
 from dragon.run.preflight import preflight
 from dragon.run.profiler import StepProfiler
 
@@ -88,7 +88,8 @@ def set_up(build_engine: BuildEngine, pipeline: bool = False,
     built = build_engine(inputs, run_dir)
     engine, save_dir = built.engine, os.path.join(run_dir, "checkpoints")
     keep_checkpoints(engine, inputs, run_dir)  # retention around engine.save_checkpoint
-    outer = outer_loop(engine, inputs.diloco.config(), topology)  # None without DiLoCo
+    outer = outer_loop(engine, inputs.diloco.config(), topology,  # None without DiLoCo
+                       tokens_per_step(engine, built.dp_world, inputs.data.block_size))
     data_rank, data_world = topology.data_shard(built.dp_rank, built.dp_world)
     # this rank's data, and the attention states of its layers that --carry_state keeps
     data = run_data(inputs, data_rank, data_world, built.dp_rank, built.dp_world, engine,

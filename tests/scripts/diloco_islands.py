@@ -45,6 +45,10 @@ SCENARIOS = [
         diloco_outer_lr=1.0,
         diloco_outer_momentum=0.0,
     ),
+    # unequal islands: island 1 trains 1 step of every 3, and weighs a quarter in the average
+    dict(diloco_mode="sync", diloco_compress="none", diloco_island_steps="3,1"),
+    dict(diloco_mode="delayed", diloco_compress="int8", diloco_int8_block=256,
+         diloco_island_steps="3,1"),
 ]
 
 
@@ -185,9 +189,10 @@ def main():
         for k in range(1, OUTER_STEPS + 1):
             for _ in range(INNER_STEPS):
                 step += 1
-                with torch.no_grad():
-                    for w, ci in zip(weights.tensors(), c):
-                        w.sub_(INNER_LR * (w - ci))
+                if outer.trains(step):  # unequal islands: island 1 rests through some steps
+                    with torch.no_grad():
+                        for w, ci in zip(weights.tensors(), c):
+                            w.sub_(INNER_LR * (w - ci))
                 metrics = outer.maybe_outer_step(step, final=step == INNER_STEPS * OUTER_STEPS)
                 assert bool(metrics) == (step % INNER_STEPS == 0), (step, metrics)
             record.append(

@@ -1,0 +1,112 @@
+"""Islands of unequal speed (--diloco_island_steps): in each window of H inner steps an island
+trains only as many steps as its speed allows, spread evenly over the window, and rests through
+the others, so that every island reaches each outer step at about the same time and a fast
+island does not wait for a slow one.
+
+Every island still counts every step of the window: the step count, the LR schedule, the save
+points and the outer steps stay the same on every island; only the work differs. A resting step
+reads no batch and takes no optimizer step.
+
+The plan (the steps each island trains per window) is fixed by the user ("8,5") or, with
+"auto", set at every outer step from the seconds of a trained step that each island measured
+since its last one: island i trains k_i = clamp(round(H t_fastest / t_i), 1, H) steps, so the
+fastest trains every step. Every island reads every island's figures from one small all-reduce,
+so all hold the same plan.
+
+The outer average weights each island's pseudo-gradient by the tokens it trained since its last
+outer step (its trained steps x its tokens per step), as Decoupled DiLoCo (Douillard et al.,
+2026) weights its learners: an island sends n T_i / sum_j T_j times its pseudo-gradient, and
+the exchange's mean over the n islands is the token-weighted mean.
+"""
+
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from dragon.parallel.distributed import all_reduce_values
+
+AUTO = "auto"
+
+
+def trains_at(step: int, k: int, H: int) -> bool:
+    """Whether an island that trains k of every H steps trains inner step `step` (1-based): the
+    k steps spread evenly over the window, its last step always among them."""
+    p = (step - 1) % H
+    return (p + 1) * k // H > p * k // H
+
+
+class Pace:
+    """One island's side of unequal islands. `plan`: the steps each island trains per window
+    (None: auto, every island all H until the first outer step measures them);
+    `tokens_per_step`: this island's tokens in a trained step."""
+
+    def __init__(self, plan: Optional[list[int]], H: int, islands: int, island: int,
+                 tokens_per_step: int = 1):
+        self.auto = plan is None
+        self.plan = list(plan) if plan is not None else [H] * islands
+        self.H, self.islands, self.island = H, islands, island
+        self.tokens_per_step = tokens_per_step
+        self.trained = 0  # steps trained since the last outer step
+        self.seconds = 0.0  # their time
+        self.weight = 1.0 / islands  # of this island's pseudo-gradient in the last average
+        self._began: Optional[float] = None
+
+    def trains(self, step: int) -> bool:
+        """Whether this island trains inner step `step` (else it rests); starts its clock."""
+        if trains_at(step, self.plan[self.island], self.H):
+            self._began = time.perf_counter()
+            return True
+        return False
+
+    def ended(self) -> None:
+        """After an inner step, trained or rested (DiLoCo.maybe_outer_step)."""
+        if self._began is not None:
+            self.seconds += time.perf_counter() - self._began
+            self.trained += 1
+            self._began = None
+
+    def agree(self, group) -> tuple[float, dict]:
+        """At an outer step that syncs, among the islands of `group` (one rank each of every
+        island): every island's tokens and step seconds since its last one, in one all-reduce.
+        Returns the scale of this island's pseudo-gradient (n T_i / sum T) and the step's
+        metrics; with auto, the plan for the steps that follow."""
+        n = self.islands
+        # the island's slowest rank: every rank of an island must come to the same plan
+        seconds = all_reduce_values([self.seconds / max(self.trained, 1)], dist.ReduceOp.MAX)[0]
+        mine = torch.zeros(3 * n, dtype=torch.float64)
+        mine[self.island] = self.trained * self.tokens_per_step
+        mine[n + self.island] = seconds
+        mine[2 * n + self.island] = self.trained
+        waited = time.perf_counter()
+        if group is not None:
+            group.allreduce([mine], dist.ReduceOp.SUM).wait()
+        waited = time.perf_counter() - waited
+        tokens, seconds, steps = mine[:n], mine[n:2 * n], mine[2 * n:]
+        self.weight = float(tokens[self.island] / tokens.sum()) if tokens.sum() > 0 else 1 / n
+        metrics = {"island_steps": int(steps[self.island]),
+                   "island_tokens": int(tokens[self.island]), "outer_weight": self.weight,
+                   "island_step_seconds": float(seconds[self.island]),
+                   "outer_waited_seconds": waited, "diloco_plan": list(self.plan)}
+        if self.auto and bool((seconds > 0).all()):
+            fastest = float(seconds.min())
+            self.plan = [min(self.H, max(1, round(self.H * fastest / float(s))))
+                         for s in seconds]
+            metrics["diloco_plan"] = list(self.plan)
+        self.trained, self.seconds = 0, 0.0
+        return self.weight * n, metrics
+
+    def state_dict(self) -> dict:
+        return {"plan": list(self.plan), "trained": self.trained, "seconds": self.seconds,
+                "weight": self.weight}
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        """A saved pace (None: saved with equal islands; this one starts its window afresh). A
+        fixed plan given now stands over the saved one."""
+        if state is None:
+            return
+        if self.auto:
+            self.plan = list(state["plan"])
+        self.trained, self.seconds, self.weight = (state["trained"], state["seconds"],
+                                                   state["weight"])
