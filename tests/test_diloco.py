@@ -378,7 +378,7 @@ def test_two_islands_equal_hand_simulation(two_islands, index):
             if scenario.get("diloco_island_steps"):  # tokens: one a step in the toy
                 assert m["island_steps"] == m["island_tokens"] == (3, 1)[island]
                 assert m["outer_weight"] == (0.75, 0.25)[island]
-                assert m["diloco_plan"] == [3, 1]
+                assert m["island_plan"] == (3, 1)[island]
             assert (
                 payload <= m["outer_payload_bytes"] <= payload * 1.06
             )  # + int8 scales and padding

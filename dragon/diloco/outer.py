@@ -136,14 +136,17 @@ class DiLoCo:
         dragon.diloco.pace)."""
         return self.pace is None or self.pace.trains(step)
 
+    def trained(self) -> None:
+        """After a trained inner step (dragon.run.loop.TrainingRun.end_step): its time."""
+        if self.pace is not None:
+            self.pace.ended()
+
     def is_due(self, step: int, final: bool) -> bool:
         return bool(self.syncing(step, final) or self.landing(step, final))
 
     def maybe_outer_step(self, step: int, final: bool = False) -> dict:
         """After inner step `step` (1-based): the outer step when one is due, with its metrics;
         else {}. `final` makes the last step an outer step that lands and syncs everything."""
-        if self.pace is not None:
-            self.pace.ended()
         return self.runtime.run(step, final, self.is_due, self._outer_step)
 
     # ----------------------------------------------------------- an outer step

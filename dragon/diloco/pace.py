@@ -52,48 +52,50 @@ class Pace:
         self.seconds = 0.0  # their time
         self.weight = 1.0 / islands  # of this island's pseudo-gradient in the last average
         self._began: Optional[float] = None
+        self._last_end = time.perf_counter()  # of a trained step: what follows is waiting
 
     def trains(self, step: int) -> bool:
         """Whether this island trains inner step `step` (else it rests); starts its clock."""
         if trains_at(step, self.plan[self.island], self.H):
+            self.trained += 1
             self._began = time.perf_counter()
             return True
         return False
 
     def ended(self) -> None:
-        """After an inner step, trained or rested (DiLoCo.maybe_outer_step)."""
+        """After a trained step's optimizer step, before anything waits for other islands."""
         if self._began is not None:
-            self.seconds += time.perf_counter() - self._began
-            self.trained += 1
+            self._last_end = time.perf_counter()
+            self.seconds += self._last_end - self._began
             self._began = None
 
     def agree(self, group) -> tuple[float, dict]:
         """At an outer step that syncs, among the islands of `group` (one rank each of every
         island): every island's tokens and step seconds since its last one, in one all-reduce.
         Returns the scale of this island's pseudo-gradient (n T_i / sum T) and the step's
-        metrics; with auto, the plan for the steps that follow."""
+        metrics (its steps, tokens, weight, seconds a step, and the seconds since its last
+        trained step: its rest and its wait for the other islands); with auto, the plan for the
+        steps that follow."""
         n = self.islands
         # the island's slowest rank: every rank of an island must come to the same plan
         seconds = all_reduce_values([self.seconds / max(self.trained, 1)], dist.ReduceOp.MAX)[0]
-        mine = torch.zeros(3 * n, dtype=torch.float64)
+        mine = torch.zeros(2 * n, dtype=torch.float64)
         mine[self.island] = self.trained * self.tokens_per_step
         mine[n + self.island] = seconds
-        mine[2 * n + self.island] = self.trained
-        waited = time.perf_counter()
         if group is not None:
             group.allreduce([mine], dist.ReduceOp.SUM).wait()
-        waited = time.perf_counter() - waited
-        tokens, seconds, steps = mine[:n], mine[n:2 * n], mine[2 * n:]
+        waited = time.perf_counter() - self._last_end  # resting, then for the other islands
+        tokens, seconds = mine[:n], mine[n:]
         self.weight = float(tokens[self.island] / tokens.sum()) if tokens.sum() > 0 else 1 / n
-        metrics = {"island_steps": int(steps[self.island]),
+        metrics = {"island_steps": self.trained,
                    "island_tokens": int(tokens[self.island]), "outer_weight": self.weight,
                    "island_step_seconds": float(seconds[self.island]),
-                   "outer_waited_seconds": waited, "diloco_plan": list(self.plan)}
+                   "island_waited_seconds": waited}
         if self.auto and bool((seconds > 0).all()):
             fastest = float(seconds.min())
             self.plan = [min(self.H, max(1, round(self.H * fastest / float(s))))
                          for s in seconds]
-            metrics["diloco_plan"] = list(self.plan)
+        metrics["island_plan"] = self.plan[self.island]  # its steps per window from here on
         self.trained, self.seconds = 0, 0.0
         return self.weight * n, metrics
 

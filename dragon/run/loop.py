@@ -111,6 +111,8 @@ class TrainingRun:
         their graphs."""
         if self.data.carried:
             self.data.carried.end_step()
+        if self.diloco is not None:
+            self.diloco.trained()  # unequal islands time their trained steps
         self.step += 1
         self.losses.append(loss)
         self._throughput.add(self.tokens_per_step)
