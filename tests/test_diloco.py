@@ -798,6 +798,19 @@ ELASTIC_LAUNCH = [
             f"{flag} {value}: must be in {valid}",
         ) for flag, value, valid in (("--diloco_sparseloco_chunk", "70000", "[1, 65536]"),
                                      ("--diloco_sparseloco_decay", "1.5", "(0, 1]"))],
+        *[(
+            "recipes/pretrain.py",
+            ["--diloco_islands", "2", "--diloco_inner_steps", "4", *more],
+            {},
+            expected,
+        ) for more, expected in (
+            (["--diloco_island_steps", "4,5"], "--diloco_island_steps '4,5': valid are auto or "
+             "2 counts, one per island, each in [1, H = 4] (e.g. 4,4)"),
+            (["--diloco_island_steps", "fast"], "--diloco_island_steps 'fast': valid are auto"),
+            (["--diloco_island_steps", "auto", "--carry_state"], "--diloco_island_steps auto "
+             "with --carry_state: a resting step would break the carried streams"),
+            (["--diloco_island_steps", "4,2", *ELASTIC_LAUNCH[4:]], "--diloco_island_steps 4,2 "
+             "with --diloco_elastic is not supported yet"))],
     ],
 )
 def test_bad_input_stops_before_start(

@@ -1,0 +1,107 @@
+"""Islands of unequal speed: how much of its own speed the fast island keeps, with every island
+training every step (the default) and with --diloco_island_steps auto.
+
+    python benchmarks/unequal_islands.py [--steps 300] [--inner_steps 10] [--quota 0.5]
+        (as root, cgroup v1's cpu controller; CPU: ~6 minutes)
+
+Two islands of one rank each, each a launch of its own, the model and data of
+benchmarks/diloco.py. Island 0 runs on core 0; island 1 on core 1 in a cgroup whose
+cpu.cfs_quota_us holds it to --quota of that core (a slower site). The baseline is island 0 as
+a one-island DiLoCo on core 0 with nothing beside it. Prints, per run, island 0's seconds per
+step after the first window and their ratio to the baseline's (the speed it keeps), the steps
+island 1 trained per window, island 0's weight in the outer average, and the final validation
+loss (island 0's weights after the last outer step, the same on both islands).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from diloco import MODEL
+from recipe_runs import REPO
+
+ENV = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+CGROUP = Path("/sys/fs/cgroup/cpu")
+
+
+def records(out: Path, island: int, islands: int) -> list[dict]:
+    path = out / (f"island{island}" if islands > 1 else "") / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def launch(out: Path, island: int, islands: int, core: int, args: list[str],
+           group: Path = None) -> subprocess.Popen:
+    """One island on `core` (in cgroup `group`: the shell joins it before torchrun starts)."""
+    cmd = ["taskset", "-c", str(core), "torchrun", "--nproc_per_node", "1",
+           "--master_port", str(29810 + island), "recipes/pretrain.py", "--output_dir", str(out),
+           "--diloco_islands", str(islands), *args]
+    if islands > 1:
+        cmd += ["--diloco_island_index", str(island), "--diloco_store", "127.0.0.1:29800"]
+    if group is not None:
+        cmd = ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh", *cmd]
+    return subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def run(out: Path, args: list[str], islands: int, group: Path) -> list[list[dict]]:
+    procs = [launch(out, i, islands, i, args, group if i == 1 else None)
+             for i in range(islands)]
+    for proc in procs:
+        if proc.wait() != 0:
+            sys.exit(f"an island failed: {proc.stderr.read()[-2000:]}")
+    return [records(out, i, islands) for i in range(islands)]
+
+
+def seconds_per_step(metrics: list[dict], after: int) -> float:
+    """Wall seconds per step between the logged steps from `after` on."""
+    timed = [(m["step"], m["time"]) for m in metrics if "time" in m and m["step"] >= after]
+    (s0, t0), (s1, t1) = timed[0], timed[-1]
+    return (t1 - t0) / (s1 - s0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--inner_steps", type=int, default=10)
+    parser.add_argument("--quota", type=float, default=0.5)
+    cli = parser.parse_args()
+    h = cli.inner_steps
+    group = CGROUP / f"dragon_unequal_{os.getpid()}"
+    group.mkdir()
+    try:
+        (group / "cpu.cfs_period_us").write_text("100000")
+        (group / "cpu.cfs_quota_us").write_text(str(int(cli.quota * 100000)))
+        root = Path(tempfile.mkdtemp(prefix="unequal-"))
+        args = [*MODEL, "--max_steps", str(cli.steps), "--eval_steps", str(cli.steps),
+                "--save_steps", str(cli.steps), "--warmup_steps", str(cli.steps // 5),
+                "--diloco_inner_steps", str(h), "--logging_steps", str(h)]
+        alone = run(root / "alone", args, 1, group)[0]
+        rows = {"every island every step": run(root / "equal", [*args], 2, group),
+                "--diloco_island_steps auto": run(
+                    root / "auto", [*args, "--diloco_island_steps", "auto"], 2, group)}
+    finally:
+        group.rmdir()
+    base = seconds_per_step(alone, 2 * h)
+    print(f"{cli.steps} steps, H={h}, island 1 held to {cli.quota:.0%} of its core; island 0 "
+          f"alone: {base:.4f} s a step\n")
+    print("| run | island 0, s a step | speed it keeps | island 1's steps a window | "
+          "island 0's weight | val loss |")
+    print("|---|---|---|---|---|---|")
+    for name, (fast, slow) in rows.items():
+        per_step = seconds_per_step(fast, 2 * h)
+        windows = [m for m in slow if "outer_step" in m and m["step"] > h]
+        steps = statistics.mean(m.get("island_steps", h) for m in windows)
+        weights = [m["outer_weight"] for m in fast if "outer_weight" in m and m["step"] > h]
+        weight = f"{statistics.mean(weights):.2f}" if weights else "0.50"
+        loss = [m["eval_loss"] for m in fast if "eval_loss" in m][-1]
+        print(f"| {name} | {per_step:.4f} | {base / per_step:.2f} | {steps:.1f} | {weight} | "
+              f"{loss:.4f} |")
+
+
+if __name__ == "__main__":
+    main()
