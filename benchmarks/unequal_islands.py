@@ -10,7 +10,8 @@ cpu.cfs_quota_us holds it to --quota of that core (a slower site). The baseline 
 a one-island DiLoCo on core 0 with nothing beside it. Prints, per run, island 0's seconds per
 step after the first window and their ratio to the baseline's (the speed it keeps), the steps
 island 1 trained per window, island 0's weight in the outer average, and the final validation
-loss (island 0's weights after the last outer step, the same on both islands).
+loss (island 0's weights after the last outer step, the same on both islands), and island 0's
+wall seconds from the end of the second window to the last step.
 """
 
 import argparse
@@ -90,8 +91,8 @@ def main() -> None:
     print(f"{cli.steps} steps, H={h}, island 1 held to {cli.quota:.0%} of its core; island 0 "
           f"alone: {base:.4f} s a step\n")
     print("| run | island 0, s a step | speed it keeps | island 1's steps a window | "
-          "island 0's weight | val loss |")
-    print("|---|---|---|---|---|---|")
+          "island 0's weight | val loss | wall s (island 0, after the first window) |")
+    print("|---|---|---|---|---|---|---|")
     for name, (fast, slow) in rows.items():
         per_step = seconds_per_step(fast, 2 * h)
         windows = [m for m in slow if "outer_step" in m and m["step"] > h]
@@ -100,7 +101,7 @@ def main() -> None:
         weight = f"{statistics.mean(weights):.2f}" if weights else "0.50"
         loss = [m["eval_loss"] for m in fast if "eval_loss" in m][-1]
         print(f"| {name} | {per_step:.4f} | {base / per_step:.2f} | {steps:.1f} | {weight} | "
-              f"{loss:.4f} |")
+              f"{loss:.4f} | {per_step * (cli.steps - 2 * h):.1f} |")
 
 
 if __name__ == "__main__":

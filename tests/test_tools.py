@@ -53,7 +53,7 @@ def test_the_dry_run_prints_the_checked_plan(monkeypatch, capsys, tmp_path, text
 
     base = bad_input_base("pipeline_zero1.json", tmp_path / "b", text_file)
     extra = ["--pipeline_stages", "2", "--diloco_islands", "2", "--diloco_inner_steps", "4"]
-    extra += ["--gradient_accumulation_steps", "2"]
+    extra += ["--gradient_accumulation_steps", "2", "--diloco_island_steps", "4,3"]
     out = dry_run(monkeypatch, capsys, PIPE, [*base, *extra], 8)
     assert "layout: 2 island(s) x 2 pipeline stage(s) x 1 neuron share(s) x 2 data-parallel " \
         "rank(s), ZeRO-1" in out
@@ -62,6 +62,7 @@ def test_the_dry_run_prints_the_checked_plan(monkeypatch, capsys, tmp_path, text
     assert "  island 1: launch ranks 4-7" in out
     assert "    stage 1: ranks 2-3" in out and "    stage 1 data-parallel groups: [2, 3]" in out
     assert "DiLoCo: outer step every 4 steps" in out
+    assert "; unequal islands, steps per window of 4: 4, 3, averages weighted by tokens" in out
     assert "DiLoCo theta_outer and outer optimizer:" in out
 
 

@@ -11,6 +11,7 @@
 - exchange: the transport of one exchange among islands, and the interface every exchange has
 - background: the thread the exchanges of delayed mode run on, and the link watch
 - landing: when a fragment in flight lands (a fixed delay, or auto: agreed in the store)
+- pace: islands of unequal speed: which steps an island trains, and its weight by tokens
 - metrics: what an outer step reports
 - state: DiLoCo's state in a checkpoint, and its re-layout for another partition
 - island_store: `python -m dragon.diloco.island_store`, a store that outlives every island

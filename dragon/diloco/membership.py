@@ -30,6 +30,7 @@ the members that contributed to it: the late average is then the survivors' aver
 import json
 import logging
 import time
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
@@ -43,6 +44,22 @@ logger = logging.getLogger("dragon")
 _PREFIX = "dragon-diloco/elastic"
 # beyond the quorum timeout the deciding island waits, what a decision may take to reach the store
 DECISION_SLACK = 10.0
+
+
+@dataclass
+class Round:
+    """What one round among the islands settled; applied once it succeeded."""
+
+    landed: dict = field(default_factory=dict)  # fragment -> the average that lands
+    syncing: list = field(default_factory=list)
+    started: list = field(default_factory=list)  # their exchanges
+    deltas: list = field(default_factory=list)  # the pseudo-gradients they sent
+    synced: dict = field(default_factory=dict)  # blocking: fragment -> its average
+    gradient: Optional[torch.Tensor] = None  # eager: the outer gradient
+    contributors: int = 1
+    contributes: bool = True
+    step: int = 0  # the step, as the live islands have it (a joiner's)
+    flights: list = field(default_factory=list)  # the exchanges in flight that landed
 
 
 class MissedRound(Exception):

@@ -23,6 +23,12 @@ most of any rank of the island), outer_peak_bytes (the most of any such step so 
 step's sync of every fragment is not in it), and, as above, outer_payload_bytes,
 outer_compress_error, outer_grad_norm (of the averages that landed), outer_residual_norm,
 outer_quorum (elastic), outer_seconds and the checksums.
+
+Unequal islands (--diloco_island_steps, dragon.diloco.pace), at every outer step that syncs:
+island_steps and island_tokens (this island's trained steps and tokens since its last such step),
+outer_weight (its weight in the average), island_step_seconds (a trained step's seconds, its
+slowest rank's), island_waited_seconds (from its last trained step to the islands' agreement:
+its rest, then its wait for the others) and island_plan (its steps per window from then on).
 """
 
 import math

@@ -28,7 +28,6 @@ outer optimizers and the step from a live island, sends zeros, and applies what 
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -38,7 +37,7 @@ from dragon.diloco.exchange import Exchange, ExchangeSet, flatten
 from dragon.diloco.fragment import Fragment, InFlight, OptimizerFactory
 from dragon.diloco.fragment_cut import INTERLEAVED, fragment_ids
 from dragon.diloco.landing import AUTO, AutoLandings
-from dragon.diloco.membership import MissedRound
+from dragon.diloco.membership import MissedRound, Round
 from dragon.diloco.pace import AUTO as PACE_AUTO, Pace
 from dragon.diloco.runtime import OuterRuntime, resumable_state
 import dragon.diloco.state as saved_state
@@ -48,22 +47,6 @@ if TYPE_CHECKING:  # annotations only
     from dragon.parallel.topology import Topology
 
 logger = logging.getLogger("dragon")
-
-
-@dataclass
-class Round:
-    """What one round among the islands settled; applied once it succeeded."""
-
-    landed: dict = field(default_factory=dict)  # fragment -> the average that lands
-    syncing: list = field(default_factory=list)
-    started: list = field(default_factory=list)  # their exchanges
-    deltas: list = field(default_factory=list)  # the pseudo-gradients they sent
-    synced: dict = field(default_factory=dict)  # blocking: fragment -> its average
-    gradient: Optional[torch.Tensor] = None  # eager: the outer gradient
-    contributors: int = 1
-    contributes: bool = True
-    step: int = 0  # the step, as the live islands have it (a joiner's)
-    flights: list = field(default_factory=list)  # the exchanges in flight that landed
 
 
 class DiLoCo:

@@ -65,6 +65,8 @@ def plan_lines(inputs, config) -> list[str]:
             + (f", {diloco.diloco_fragments} fragments in turn" if diloco.diloco_fragments > 1
                else "")
             + (", elastic" if diloco.diloco_elastic else "")
+            + (f"; unequal islands, {_plan(diloco.island_steps(), diloco.diloco_inner_steps)}"
+               if diloco.diloco_island_steps else "")
         )
     lines.append("DeepSpeed config (resolved):")
     lines += ["  " + line for line in json.dumps(ds, indent=2, sort_keys=True).splitlines()]
@@ -129,3 +131,11 @@ def show_plan_or_begin(inputs, config) -> None:
         print("\n".join(plan_lines(inputs, config)))
         raise PlanShown("--dry_run: the plan above; nothing was trained")
     mark_baseline()
+
+
+def _plan(plan, h: int) -> str:
+    """--diloco_island_steps in words."""
+    if plan == "auto":
+        return (f"steps per window of {h} set at every outer step from each island's measured "
+                "step time, averages weighted by tokens")
+    return f"steps per window of {h}: {', '.join(map(str, plan))}, averages weighted by tokens"
