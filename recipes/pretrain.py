@@ -25,7 +25,7 @@ from dragon.run.evaluation import evaluation_metrics
 from dragon.run.exits import end_process, run_recipe
 from dragon.run.inputs import RecipeInputs, initial_model
 from dragon.run.metrics import global_grad_norm, grad_norm_before_step
-from dragon.run.optim import client_optimizer_and_scheduler
+from dragon.run.optim import client_optimizer_and_scheduler, parameter_groups
 from dragon.run.setup import Built, set_up, tear_down
 
 
@@ -36,14 +36,14 @@ def deepspeed_engine(inputs: RecipeInputs, run_dir: str) -> Built:
     # --neuron_parallel K: each rank keeps N/K neurons of every head; data parallel over the rest.
     # DeepSpeed reads the neuron groups as its model-parallel unit (mpu).
     neurons, dp_rank, dp_world = split_model(model, inputs.layout.neurons)
-    optimizer, lr_schedule = client_optimizer_and_scheduler(
-        model.parameters(), inputs.ds_config, inputs.train
-    )
+    # --lr_scales, and no weight decay for biases and norms
+    groups = parameter_groups(model, inputs.ds_config, inputs.train)
+    optimizer, lr_schedule = client_optimizer_and_scheduler(groups, inputs.ds_config, inputs.train)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
         lr_scheduler=lr_schedule,
-        model_parameters=model.parameters(),
+        model_parameters=groups,
         config=inputs.ds_config,
         mpu=neurons,
     )

@@ -29,7 +29,7 @@ from dragon.run.evaluation import evaluation_metrics
 from dragon.run.exits import end_process, run_recipe
 from dragon.run.inputs import RecipeInputs, initial_model
 from dragon.run.metrics import global_grad_norm
-from dragon.run.optim import planned_schedule
+from dragon.run.optim import parameter_groups, planned_schedule
 from dragon.run.setup import Built, set_up, tear_down
 
 
@@ -43,7 +43,8 @@ def accelerate_engine(inputs: RecipeInputs, run_dir: str) -> Built:
     neurons, dp_rank, dp_world = split_model(model, inputs.layout.neurons)
     # The JSON's optimizer (DeepSpeed builds it) and transformers' schedule, which DeepSpeed steps
     # at every applied update; a JSON's own "scheduler" wins.
-    optimizer = DummyOptim(model.parameters())
+    # --lr_scales, and no weight decay for biases and norms
+    optimizer = DummyOptim(parameter_groups(model, inputs.ds_config, inputs.train))
     lr_schedule = planned_schedule(inputs.ds_config, inputs.train)
     scheduler = DummyScheduler(optimizer, lr_scheduler_callable=lr_schedule)
     with model_parallel_groups(neurons):  # DeepSpeed averages gradients within a share's ranks

@@ -31,7 +31,7 @@ from dragon.parallel.pipeline import bdh_pipeline, carrying, stage_layer
 from dragon.run.exits import end_process, run_recipe
 from dragon.run.inputs import RecipeInputs, initial_model
 from dragon.run.metrics import global_grad_norm, sparsity_over_ranks
-from dragon.run.optim import client_optimizer_and_scheduler
+from dragon.run.optim import client_optimizer_and_scheduler, parameter_groups
 from dragon.run.setup import Built, set_up, tear_down
 
 
@@ -59,14 +59,14 @@ def pipeline_engine(inputs: RecipeInputs, run_dir: str) -> Built:
     # --neuron_parallel K: each stage's K adjacent ranks split its copy of the shared block
     pipe = bdh_pipeline(model, pipe_args.pipeline_stages, pipe_args.partition_method,
                         pipe_args.activation_checkpoint_interval, inputs.layout.neurons)
-    optimizer, lr_schedule = client_optimizer_and_scheduler(
-        pipe.parameters(), inputs.ds_config, inputs.train
-    )
+    # --lr_scales, and no weight decay for biases and norms
+    groups = parameter_groups(pipe, inputs.ds_config, inputs.train)
+    optimizer, lr_schedule = client_optimizer_and_scheduler(groups, inputs.ds_config, inputs.train)
     engine, _, _, _ = deepspeed.initialize(
         model=pipe,
         optimizer=optimizer,
         lr_scheduler=lr_schedule,
-        model_parameters=pipe.parameters(),
+        model_parameters=groups,
         config=inputs.ds_config,
     )
     skip_nonfinite_updates(engine)  # where DeepSpeed steps torch's optimizer as it is (ZeRO-0)

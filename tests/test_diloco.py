@@ -809,8 +809,8 @@ ELASTIC_LAUNCH = [
             (["--diloco_island_steps", "fast"], "--diloco_island_steps 'fast': valid are auto"),
             (["--diloco_island_steps", "auto", "--carry_state"], "--diloco_island_steps auto "
              "with --carry_state: a resting step would break the carried streams"),
-            (["--diloco_island_steps", "4,2", *ELASTIC_LAUNCH[4:]], "--diloco_island_steps 4,2 "
-             "with --diloco_elastic is not supported yet"))],
+            (["--diloco_island_steps", "4,2", "--diloco_mode", "delayed", *ELASTIC_LAUNCH[4:]],
+             "--diloco_island_steps 4,2 with --diloco_elastic needs --diloco_mode sync"))],
     ],
 )
 def test_bad_input_stops_before_start(

@@ -2,11 +2,13 @@
 slower island trains fewer steps of each window and rests through the others, the outer average
 weights the islands by the tokens they trained, and they stay identical and resume exactly."""
 
+import contextlib
 import subprocess
 
 import pytest
 from conftest import REPO, free_port, job_env, launch_command, losses, read_jsonl
 from test_checkpoints import recipe_args
+from test_elastic import island_store
 from test_diloco import (DILOCO, assert_islands_identical, island_metrics, islands_run,
                          resume_islands_at_step_4)
 
@@ -41,32 +43,38 @@ def test_a_fixed_plan_weights_islands_by_tokens_and_resumes_exactly(runs, tmp_pa
         assert [m.get("outer_sum") for m in resumed[i]] == [m.get("outer_sum") for m in full[i][4:]]
 
 
-def start_island(island: int, out, text_file, store: str, plan: str, env=None):
+def start_island(island: int, out, text_file, store: str, plan: str, env=None, extra=()):
     """Island `island` of 2 as a launch of its own (ZeRO-2, 1 rank), H 4, 16 steps."""
     script, args = recipe_args("zero2", out, text_file, 16, [
         "--diloco_islands", "2", "--diloco_inner_steps", "4", "--diloco_checksum",
         "--diloco_island_index", str(island), "--diloco_store", store,
-        "--diloco_island_steps", plan, "--save_steps", "8"])
+        "--diloco_island_steps", plan, "--save_steps", "8", *extra])
     return subprocess.Popen(launch_command("torchrun", 1, script, args), cwd=REPO,
                             env=job_env(**(env or {})), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("elastic", [False, True], ids=["fixed", "elastic"])
 def test_auto_a_slow_island_trains_fewer_steps_and_the_islands_stay_identical(tmp_path,
-                                                                              text_file):
+                                                                              text_file, elastic):
     """Two launches, island 1 slowed to at least 0.4 s a training forward (a test-only hook),
-    --diloco_island_steps auto: both train every step of the first window; from then on they
-    agree on a plan in which island 1 trains fewer steps than island 0, which trains all 4;
-    every outer step weights them by their logged tokens, and their weights are bit-identical
-    after every outer step."""
-    store = f"127.0.0.1:{free_port()}"
-    procs = [start_island(i, tmp_path, text_file, store, "auto",
-                          {"DRAGON_FAULT_STEP_SECONDS": "0.4"} if i == 1 else None)
-             for i in (0, 1)]
-    for proc in procs:
-        _, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, err[-3000:]
+    --diloco_island_steps auto, a fixed group or elastic islands (sync): both train every step
+    of the first window; from then on they agree on a plan in which island 1 trains fewer steps
+    than island 0, which trains all 4; every outer step weights them by their logged tokens,
+    and their weights are bit-identical after every outer step."""
+    with contextlib.ExitStack() as stack:
+        store, extra = f"127.0.0.1:{free_port()}", []
+        if elastic:
+            store = stack.enter_context(island_store())
+            extra = ["--diloco_elastic", "--diloco_store_external", "--diloco_quorum_timeout",
+                     "30"]
+        procs = [start_island(i, tmp_path, text_file, store, "auto",
+                              {"DRAGON_FAULT_STEP_SECONDS": "0.4"} if i == 1 else None, extra)
+                 for i in (0, 1)]
+        for proc in procs:
+            _, err = proc.communicate(timeout=600)
+            assert proc.returncode == 0, err[-3000:]
     outer = [outer_steps(read_jsonl(tmp_path / f"island{i}" / "metrics.jsonl")) for i in (0, 1)]
     assert [m["step"] for m in outer[0]] == [4, 8, 12, 16] == [m["step"] for m in outer[1]]
     assert [m["island_steps"] for m in outer[0]] == [4, 4, 4, 4]

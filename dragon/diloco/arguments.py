@@ -243,9 +243,10 @@ class DiLoCoArguments:
                 raise ValueError(f"--diloco_island_steps {given!r}: valid are auto or {n} "
                                  f"counts, one per island, each in [1, H = {h}] (e.g. "
                                  f"{','.join([str(h)] * n)})")
-        if plan is not None and self.diloco_elastic:
-            raise ValueError(f"--diloco_island_steps {given} with --diloco_elastic is not "
-                             "supported yet: islands of unequal speed need a fixed group")
+        if plan is not None and self.diloco_elastic and self.diloco_mode == "delayed":
+            raise ValueError(f"--diloco_island_steps {given} with --diloco_elastic needs "
+                             "--diloco_mode sync (delayed mode's redo among survivors would not "
+                             "keep the token weights)")
         return plan
 
     def _check_elastic(self) -> None:

@@ -58,6 +58,9 @@ class Round:
     gradient: Optional[torch.Tensor] = None  # eager: the outer gradient
     contributors: int = 1
     contributes: bool = True
+    scale: float = 1.0  # unequal islands: of this island's pseudo-gradients, by its tokens
+    paced: dict = field(default_factory=dict)  # unequal islands: their metrics
+    plan: Optional[list] = None  # unequal islands: the plan agreed
     step: int = 0  # the step, as the live islands have it (a joiner's)
     flights: list = field(default_factory=list)  # the exchanges in flight that landed
 

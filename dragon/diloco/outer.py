@@ -84,7 +84,7 @@ class DiLoCo:
             self.fragments = [Fragment(f, ids, None, whole[ids == f], self.runtime.device, make,
                                        **kept) for f in range(self.F)]
         self.outer_step = self.joined_step = 0
-        self.pace, self.scale = None, 1.0  # unequal islands; the scale of this one's deltas
+        self.pace = None  # unequal islands
         if config.island_steps is not None:
             plan = None if config.island_steps == PACE_AUTO else config.island_steps
             self.pace = Pace(plan, self.H, topology.islands, topology.island, tokens_per_step)
@@ -137,14 +137,14 @@ class DiLoCo:
     def _outer_step(self, step: int, final: bool, joining: Optional[tuple] = None) -> dict:
         """The rounds of inner step `step`: a fragment that lands and syncs again at once lands
         first, in a round of its own, so that it syncs from the weights its landing left."""
-        start, rounds, paced = time.perf_counter(), [], {}
-        if self.pace is not None and self.syncing(step, final):  # the islands' token weights
-            self.scale, paced = self.pace.agree(self.runtime.group)
+        start, rounds = time.perf_counter(), []
         if set(self.landing(step, final)) & set(self.syncing(step, final)):
             rounds.append(self._round(step, final, joining, sync=False))
             joining = None
         rounds.append(self._round(step, final, joining))
-        metrics = dict(self._metrics(step, final, rounds), **paced)
+        metrics = self._metrics(step, final, rounds)
+        for r in rounds:
+            metrics.update(r.paced)
         metrics["outer_seconds"] = time.perf_counter() - start
         return metrics
 
@@ -156,6 +156,8 @@ class DiLoCo:
             self.outer_step, lambda *group: self._attempt(step, final, sync, *group), joining,
             final)
         self.joined_step = done.step
+        if done.plan is not None:
+            self.pace.settle(done.plan)
         done.flights = [self.fragments[f].in_flight for f in done.landed
                         if self.fragments[f].in_flight is not None]  # a joiner has none
         for f in done.landed:
@@ -190,9 +192,12 @@ class DiLoCo:
         done.landed = self._averages(due, group, members, redo=bool(joiners) and not self.eager)
         if sync:
             done.syncing = self.syncing(done.step, final)
+        if self.pace is not None and done.syncing:  # unequal islands: weights by tokens
+            done.scale, done.paced, done.plan = self.pace.agree(group, members,
+                                                                 done.contributors)
         local = flatten(self.weights.tensors())
         for fragment in self._of(done.syncing):
-            delta = fragment.delta(local, self.scale)
+            delta = fragment.delta(local, done.scale)
             then = (self.auto.poster(fragment.number, done.step)  # auto: when it is done
                     if self.auto is not None and not final else None)
             done.deltas.append(delta)

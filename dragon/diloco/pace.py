@@ -50,7 +50,6 @@ class Pace:
         self.tokens_per_step = tokens_per_step
         self.trained = 0  # steps trained since the last outer step
         self.seconds = 0.0  # their time
-        self.weight = 1.0 / islands  # of this island's pseudo-gradient in the last average
         self._began: Optional[float] = None
         self._last_end = time.perf_counter()  # of a trained step: what follows is waiting
 
@@ -69,13 +68,15 @@ class Pace:
             self.seconds += self._last_end - self._began
             self._began = None
 
-    def agree(self, group) -> tuple[float, dict]:
-        """At an outer step that syncs, among the islands of `group` (one rank each of every
-        island): every island's tokens and step seconds since its last one, in one all-reduce.
-        Returns the scale of this island's pseudo-gradient (n T_i / sum T) and the step's
-        metrics (its steps, tokens, weight, seconds a step, and the seconds since its last
-        trained step: its rest and its wait for the other islands); with auto, the plan for the
-        steps that follow."""
+    def agree(self, group, members: list[int], contributors: int
+              ) -> tuple[float, dict, list[int]]:
+        """At an outer step that syncs, among the `members` meeting in `group` (rank r of each):
+        every member's tokens and step seconds since its last one, in one all-reduce. Returns
+        the scale of this island's pseudo-gradient (the `contributors`, whose average the
+        exchange takes, times T_i / sum T), the step's metrics (its steps, tokens, weight,
+        seconds a step, and the seconds since its last trained step: its rest and its wait for
+        the others) and the plan from here on (auto: from the members' seconds). Nothing changes
+        until settle(plan): an elastic round may be retried."""
         n = self.islands
         # the island's slowest rank: every rank of an island must come to the same plan
         seconds = all_reduce_values([self.seconds / max(self.trained, 1)], dist.ReduceOp.MAX)[0]
@@ -85,23 +86,25 @@ class Pace:
         if group is not None:
             group.allreduce([mine], dist.ReduceOp.SUM).wait()
         waited = time.perf_counter() - self._last_end  # resting, then for the other islands
-        tokens, seconds = mine[:n], mine[n:]
-        self.weight = float(tokens[self.island] / tokens.sum()) if tokens.sum() > 0 else 1 / n
-        metrics = {"island_steps": self.trained,
-                   "island_tokens": int(tokens[self.island]), "outer_weight": self.weight,
-                   "island_step_seconds": float(seconds[self.island]),
-                   "island_waited_seconds": waited}
-        if self.auto and bool((seconds > 0).all()):
-            fastest = float(seconds.min())
-            self.plan = [min(self.H, max(1, round(self.H * fastest / float(s))))
-                         for s in seconds]
-        metrics["island_plan"] = self.plan[self.island]  # its steps per window from here on
-        self.trained, self.seconds = 0, 0.0
-        return self.weight * n, metrics
+        tokens, seconds = mine[:n].tolist(), mine[n:].tolist()
+        total = sum(tokens)
+        weight = tokens[self.island] / total if total > 0 else 1 / len(members)
+        plan, timed = list(self.plan), [i for i in members if seconds[i] > 0]
+        if self.auto and timed:  # a joiner has trained no step yet: its entry stays
+            fastest = min(seconds[i] for i in timed)
+            for i in timed:
+                plan[i] = min(self.H, max(1, round(self.H * fastest / seconds[i])))
+        metrics = {"island_steps": self.trained, "island_tokens": int(tokens[self.island]),
+                   "outer_weight": weight, "island_step_seconds": seconds[self.island],
+                   "island_waited_seconds": waited, "island_plan": plan[self.island]}
+        return weight * contributors, metrics, plan
+
+    def settle(self, plan: list[int]) -> None:
+        """The round that agreed on `plan` succeeded: a new window of counts begins."""
+        self.plan, self.trained, self.seconds = plan, 0, 0.0
 
     def state_dict(self) -> dict:
-        return {"plan": list(self.plan), "trained": self.trained, "seconds": self.seconds,
-                "weight": self.weight}
+        return {"plan": list(self.plan), "trained": self.trained, "seconds": self.seconds}
 
     def load_state_dict(self, state: Optional[dict]) -> None:
         """A saved pace (None: saved with equal islands; this one starts its window afresh). A
@@ -110,5 +113,4 @@ class Pace:
             return
         if self.auto:
             self.plan = list(state["plan"])
-        self.trained, self.seconds, self.weight = (state["trained"], state["seconds"],
-                                                   state["weight"])
+        self.trained, self.seconds = state["trained"], state["seconds"]

@@ -99,6 +99,8 @@ def resolve_ds_config(cfg: dict, args, world: int) -> dict:
     _fill(cfg, "gradient_clipping", args.max_grad_norm)  # DeepSpeed would clip at 1.0 if missing
     if cfg.get("bf16", {}).get("enabled") == AUTO:
         cfg["bf16"]["enabled"] = args.bf16
+    if args.optimizer == "muon":
+        _muon(cfg, args)
     if "optimizer" in cfg:
         params = cfg["optimizer"].setdefault("params", {})
         _fill(params, "lr", args.learning_rate)
@@ -146,6 +148,26 @@ def resolve_ds_config(cfg: dict, args, world: int) -> dict:
             f"DeepSpeed config: no argument fills 'auto' at {', '.join(leftover)}; set a value"
         )
     return cfg
+
+
+def _muon(cfg: dict, args) -> None:
+    """--optimizer muon: DeepSpeed's Muon ("muon": its own tagging puts matrices that are not
+    embeddings or the head under Muon, the rest under its AdamW) in place of the JSON's Adam or
+    AdamW (ds_configs/ name AdamW for the flags to fill; its torch_adam carries over to Muon's
+    AdamW half). A JSON's Muon keeps its settings; any other optimizer is refused."""
+    named = str(cfg.get("optimizer", {}).get("type", "muon"))
+    if named.lower() not in ("muon", "adam", "adamw"):
+        raise ValueError(f"--optimizer muon: the DeepSpeed JSON names the optimizer {named!r}; "
+                         "drop its \"optimizer\" or --optimizer muon")
+    if named.lower() != "muon":
+        old = cfg.pop("optimizer").get("params", {})
+        cfg["optimizer"] = {"type": "muon", "params": {
+            k: v for k, v in old.items() if k in ("torch_adam", "weight_decay")}}
+    params = cfg.setdefault("optimizer", {"type": "muon"}).setdefault("params", {})
+    for key, value in (("lr", args.learning_rate), ("adam_lr", args.learning_rate),
+                       ("muon_lr", args.muon_learning_rate), ("momentum", args.muon_momentum),
+                       ("betas", [args.adam_beta1, args.adam_beta2]), ("eps", args.adam_epsilon)):
+        _fill(params, key, value)
 
 
 def wandb_run_id(args) -> str:

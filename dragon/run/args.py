@@ -41,6 +41,24 @@ def profile_window(text: str, max_steps: int) -> tuple[int, int]:
         )
     return first, last
 
+
+OPTIMIZERS = ("adamw", "muon")
+
+def lr_scales(given: Optional[str]) -> dict[str, float]:
+    """--lr_scales "embed=0.5,lm_head=0.5" as {pattern: scale}; ValueError in one line."""
+    scales = {}
+    for item in (given or "").split(","):
+        pattern, _, scale = item.partition("=")
+        try:
+            value = float(scale)
+        except ValueError:
+            value = 0.0
+        if not pattern.strip() or not value > 0:
+            raise ValueError(f"--lr_scales {given!r}: expected PATTERN=SCALE pairs with scales "
+                             "> 0, separated by commas (e.g. embed=0.5,lm_head=0.5)")
+        scales[pattern.strip()] = value
+    return scales
+
 @dataclass
 class ModelArguments:
     model_name_or_path: Optional[str] = _help(
@@ -111,10 +129,24 @@ class TrainingArguments:
     per_device_eval_batch_size: int = _help("Evaluation micro-batch per rank.", default=8)
     gradient_accumulation_steps: int = _help("Micro-batches per step (config's 'auto').", default=1)
     learning_rate: float = _help("Peak learning rate.", default=1e-3)
-    weight_decay: float = _help("AdamW weight decay.", default=0.1)
+    weight_decay: float = _help(
+        "AdamW weight decay (none for biases and norms, as HF's Trainer; embeddings decay).",
+        default=0.1)
+    lr_scales: Optional[str] = _help(
+        "Per-parameter learning rates: PATTERN=SCALE pairs, e.g. embed=0.5,lm_head=0.5; the "
+        "first pattern (a regular expression) found in a parameter's name scales its rate "
+        "(metrics.jsonl: lr/PATTERN). Default: every parameter at --learning_rate.",
+        default=None)
     adam_beta1: float = _help("AdamW beta1.", default=0.9)
     adam_beta2: float = _help("AdamW beta2.", default=0.999)
     adam_epsilon: float = _help("AdamW epsilon.", default=1e-8)
+    optimizer: str = _help(
+        "adamw (torch's), or muon: DeepSpeed's Muon for BDH's matrices (the encoders per head, "
+        "the decoder) at --muon_learning_rate, AdamW for the embedding and the head at "
+        "--learning_rate. A DeepSpeed JSON's own \"optimizer\" wins over adamw.", default="adamw")
+    muon_learning_rate: float = _help("--optimizer muon: the Muon matrices' peak rate.",
+                                      default=0.02)
+    muon_momentum: float = _help("--optimizer muon: Muon's momentum.", default=0.95)
     max_grad_norm: float = _help("Gradient clipping (0 disables).", default=1.0)
     lr_scheduler_type: str = _help(
         "A transformers schedule name: cosine_with_min_lr (warm-up, then cosine down to "
@@ -253,6 +285,13 @@ class TrainingArguments:
                 raise ValueError(f"--{name}={getattr(self, name)}: must be >= 1")
         if self.learning_rate <= 0:
             raise ValueError(f"--learning_rate={self.learning_rate}: must be > 0")
+        if self.lr_scales is not None:
+            lr_scales(self.lr_scales)
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer {self.optimizer!r}: valid are {', '.join(OPTIMIZERS)}")
+        if self.optimizer == "muon" and self.lr_scales:
+            raise ValueError(f"--lr_scales {self.lr_scales} with --optimizer muon is not "
+                             "supported yet; drop one of them")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"--min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
         if self.warmup_steps < 0 or self.max_grad_norm < 0:

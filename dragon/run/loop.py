@@ -180,7 +180,7 @@ class TrainingRun:
             taken = source_tokens(self.data.sources, [n * self.dp_world for n in per_rank])
         return {
             **({} if mean is None else {"loss": mean}),
-            "lr": self.engine.get_lr()[0],
+            **self._rates(),
             "tokens": self.data.tokens.count,  # trained: a resume may change the batch
             "grad_norm": None if grad_norm is None else float(grad_norm),
             # the most loaded rank's (a pipeline's stages differ)
@@ -189,6 +189,16 @@ class TrainingRun:
             **self._throughput.report(),
             **taken,
         }
+
+    def _rates(self) -> dict:
+        """`lr`, the rate of the parameters at --learning_rate, lr/PATTERN for each group of
+        --lr_scales (dragon.run.optim.parameter_groups) and lr/muon for Muon's matrices."""
+        rates = {}
+        for group in self.engine.optimizer.param_groups:
+            key = "lr/muon" if group.get("use_muon") else "lr/" + group.get("lr_group", "")
+            rates.setdefault(key.rstrip("/"), group["lr"])
+        rates.setdefault("lr", self.engine.get_lr()[0])
+        return rates
 
     def log(self, record: dict) -> None:
         """One metrics.jsonl line for this step (rank 0), when there is anything to log."""

@@ -1,15 +1,63 @@
-"""The optimizer and LR schedule a recipe hands to deepspeed.initialize when the JSON has none."""
+"""The optimizer and LR schedule a recipe hands to deepspeed.initialize when the JSON has none,
+and the parameter groups every optimizer is built over."""
 
 import logging
+import re
 from typing import Callable, Optional
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import get_scheduler
+from transformers.trainer_pt_utils import get_parameter_names
 
 from dragon.parallel.distributed import rank
+from dragon.run.args import lr_scales
 
 logger = logging.getLogger("dragon")
+
+# The names HF's Trainer leaves weight decay off for (Trainer.get_decay_parameter_names; its
+# module is too slow to import in every rank): biases and norms. Embeddings decay, as there.
+NO_DECAY = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
+
+
+def parameter_groups(model: torch.nn.Module, cfg: dict, args) -> list[dict]:
+    """The model's trainable parameters in the groups the optimizer steps: by learning-rate
+    scale (--lr_scales: the first pattern, a regular expression, found in a parameter's name
+    sets its scale; others 1) and by weight decay (off where HF's Trainer leaves it off). Each
+    group names its pattern ("lr_group", "" for the rest) and whether it decays; the first
+    group is the rest's, whose rate metrics.jsonl's `lr` shows."""
+    scales = lr_scales(args.lr_scales) if args.lr_scales else {}
+    peak_lr = cfg.get("optimizer", {}).get("params", {}).get("lr", args.learning_rate)
+    decayed = set(get_parameter_names(model, [torch.nn.LayerNorm], NO_DECAY))
+    groups: dict[tuple, dict] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        pattern = next((k for k in scales if re.search(k, name)), "")
+        decays = name in decayed
+        # a group at scale 1 takes the optimizer's own rate (Muon: each half its own)
+        rate = {"lr": peak_lr * scales[pattern]} if pattern else {}
+        group = groups.setdefault((pattern, not decays), {
+            "params": [], "lr_group": pattern, "decayed": decays, **rate,
+            "weight_decay": args.weight_decay if decays else 0.0})
+        group["params"].append(p)
+    check_lr_scales(args, cfg, [n for n, _ in model.named_parameters()])
+    return [groups[k] for k in sorted(groups)]
+
+
+def check_lr_scales(args, cfg: dict, names: list[str]) -> None:
+    """ValueError in one line where --lr_scales cannot apply: a pattern found in none of the
+    parameter `names`, or a DeepSpeed JSON whose own scheduler sets one rate for every group."""
+    if not args.lr_scales:
+        return
+    if "scheduler" in cfg:
+        raise ValueError(f"--lr_scales {args.lr_scales}: the DeepSpeed JSON's own \"scheduler\" "
+                         "sets one rate for every parameter; drop it (transformers' schedule "
+                         "keeps each group's scale) or drop --lr_scales")
+    for pattern in lr_scales(args.lr_scales):
+        if not any(re.search(pattern, name) for name in names):
+            raise ValueError(f"--lr_scales: {pattern!r} is found in no parameter's name; the "
+                             f"model's are {', '.join(names)}")
 
 
 class LRSchedule:
@@ -56,12 +104,17 @@ class LRSchedule:
         and the optimizer's settings of the flags, the rate at the resumed step."""
         scheduler, peak = self.scheduler, float(self.settings["lr"])
         factor = self._factor(min(scheduler.last_epoch, self.planned))
+        scales = lr_scales(self.args.lr_scales) if self.args.lr_scales else {}
         kept = {k: tuple(v) if k == "betas" else v for k, v in self.settings.items()
-                if k in ("weight_decay", "betas", "eps")}
+                if k in ("weight_decay", "betas", "eps", "momentum")}
         for group in scheduler.optimizer.param_groups:
-            group.update(initial_lr=peak, lr=peak * factor,
+            base = float(self.settings["muon_lr"]) if group.get("use_muon") else peak
+            rate = base * scales.get(group.get("lr_group", ""), 1.0)
+            group.update(initial_lr=rate, lr=rate * factor,
                          **{k: v for k, v in kept.items() if k in group})
-        scheduler.base_lrs = [peak] * len(scheduler.optimizer.param_groups)
+            if not group.get("decayed", True):
+                group["weight_decay"] = 0.0
+        scheduler.base_lrs = [g["initial_lr"] for g in scheduler.optimizer.param_groups]
         scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
 
     def state_dict(self) -> dict:

@@ -8,6 +8,9 @@ import sys
 import warnings
 from dataclasses import replace
 
+import torch
+from transformers import AutoModelForCausalLM
+
 from dragon.errors import InputRefused
 from dragon.model.baseline import is_bdh
 from dragon.parallel.ds_config import load_ds_config, resolve_ds_config, zero_stage
@@ -16,6 +19,7 @@ from dragon.parallel.neurons import check_split
 from dragon.run.args import parse_arguments
 from dragon.run.data import check_data_fits, check_epochs, load_data, planned_epochs
 from dragon.run.inputs import RecipeInputs, model_config
+from dragon.run.optim import check_lr_scales
 from dragon.run.plan import show_plan_or_begin
 from dragon.run.resume_checks import check_resume
 
@@ -50,6 +54,10 @@ def preflight(pipeline: bool = False) -> RecipeInputs:
         inputs = RecipeInputs(model_args, data_args, args, diloco, pipe_args, ds_config,
                               train_set, valid_set, tokenizer, resume={}, config=config,
                               layout=layout)
+        if args.lr_scales:
+            with torch.device("meta"):  # the parameters' names, nothing allocated
+                model = AutoModelForCausalLM.from_config(config)
+            check_lr_scales(args, ds_config, [n for n, _ in model.named_parameters()])
         check_data_fits(inputs, config, dp_world, islands)
         inputs.epochs = planned_epochs(inputs)  # once: a stream's size may ask the hub
         repeats = check_epochs(inputs)  # a run that would read its data over and over

@@ -9,6 +9,7 @@ import os
 from dragon.checkpoint.card import RUN_FILE
 from dragon.checkpoint.catalog import list_checkpoints, run_files_dir
 from dragon.checkpoint.reshape import saved_layout
+from dragon.run.args import lr_scales
 
 SCHEDULE = "the schedule takes it from there, over the steps it was planned for"
 SCHEDULE_FLAGS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "min_lr_ratio")
@@ -24,6 +25,9 @@ APPLIED = {
     "adam_beta2": OPTIMIZER,
     "adam_epsilon": OPTIMIZER,
     "max_grad_norm": "gradients are clipped at it from there",
+    "lr_scales": "each group's rate is the new scale of the schedule's from there",
+    "muon_learning_rate": "the kept schedule is rescaled to the new peak from there",
+    "muon_momentum": OPTIMIZER,
 }
 # the outer optimizer's saved state holds these, and H sets where the outer steps fall
 REFUSED = ("diloco_outer_lr", "diloco_outer_momentum", "diloco_nesterov", "diloco_inner_steps")
@@ -43,6 +47,15 @@ def resume_changes(inputs) -> list[str]:
                 raise ValueError(f"--{key} {ours[key]}: {os.path.join(load_dir, tag)} was trained "
                                  f"with {changed[key]}, which its outer optimizer's state keeps; "
                                  f"resume with --{key} {changed[key]}")
+        if "optimizer" in changed:
+            raise ValueError(f"--optimizer {ours['optimizer']}: {os.path.join(load_dir, tag)} "
+                             f"was trained with {changed['optimizer']}, whose state its "
+                             f"checkpoint holds; resume with --optimizer {changed['optimizer']}")
+        if "lr_scales" in changed and _groups(changed["lr_scales"]) != _groups(ours["lr_scales"]):
+            raise ValueError(f"--lr_scales {ours['lr_scales']}: {os.path.join(load_dir, tag)} "
+                             f"was trained with {changed['lr_scales']}, whose optimizer state "
+                             "holds other parameter groups; resume with the same patterns (their "
+                             "scales may change)")
         lines += [f"resume: --{key} {ours[key]} (the checkpoint's run: {changed[key]}): "
                   + (what.replace("from there", f"from {at}") if _in_effect(key, inputs) else
                      "the DeepSpeed JSON's own optimizer or scheduler sets it, and the resumed "
@@ -89,3 +102,8 @@ def _saved_arguments(save_dir: str) -> dict:
         return {}
     with open(path) as f:
         return json.load(f).get("arguments", {})
+
+
+def _groups(scales) -> set:
+    """The patterns of an --lr_scales value (None: none)."""
+    return set(lr_scales(scales)) if scales else set()

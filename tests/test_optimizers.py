@@ -1,0 +1,136 @@
+"""The optimizer: parameter groups (--lr_scales, a learning rate per name pattern, and no weight
+decay for the parameters HF's Trainer leaves it off for) and DeepSpeed's Muon (--optimizer muon),
+in the optimizer and in metrics.jsonl, through a resume."""
+
+import math
+import shutil
+from types import SimpleNamespace
+
+import pytest
+from conftest import TINY, bad_input_base, losses, run_recipe_in_process
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from dragon import BDHConfig, BDHForCausalLM
+from dragon.run.optim import parameter_groups
+
+SCALES = ["--lr_scales", "embed=0.5,lm_head=0.25"]
+
+
+def args_of(**kwargs):
+    return SimpleNamespace(**{"lr_scales": None, "learning_rate": 1e-3, "weight_decay": 0.1,
+                              **kwargs})
+
+
+def test_groups_scale_rates_by_pattern_and_leave_decay_off_for_biases_and_norms():
+    """BDH (no biases, no norm weights): one group a pattern, each at its scale of the peak (the
+    rest at the optimizer's own rate), all decayed; GPT-2: its biases and layer norms in groups
+    without decay, the rest with."""
+    bdh = BDHForCausalLM(BDHConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=256))
+    groups = parameter_groups(bdh, {}, args_of(lr_scales="embed=0.5,lm_head=0.25"))
+    named = {id(p): n for n, p in bdh.named_parameters()}
+    by_pattern = {g["lr_group"]: ([named[id(p)] for p in g["params"]], g.get("lr"))
+                  for g in groups}
+    assert by_pattern == {"": (["layer.encoder", "layer.encoder_v", "layer.decoder"], None),
+                          "embed": (["embed.weight"], 0.5e-3), "lm_head": (["lm_head"], 0.25e-3)}
+    assert all(g["decayed"] and g["weight_decay"] == 0.1 for g in groups)
+    assert groups[0]["lr_group"] == "" and groups[0]["decayed"]  # metrics.jsonl's `lr`
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=256))
+    groups = parameter_groups(gpt2, {"optimizer": {"params": {"lr": 2e-3}}}, args_of())
+    named = {id(p): n for n, p in gpt2.named_parameters()}
+    off = {named[id(p)] for g in groups if not g["decayed"] for p in g["params"]}
+    assert off == {n for n, _ in gpt2.named_parameters() if "bias" in n or ".ln_" in n}
+    assert all(g["weight_decay"] == (0.1 if g["decayed"] else 0.0) for g in groups)
+    assert all("lr" not in g for g in groups)  # the optimizer's own rate
+
+
+def resumed_at_step_4(runs, name: str, out, tmp_path, extra: list[str]) -> list[dict]:
+    """The run in `out` restarted from its step-4 checkpoint alone in a new directory: its
+    metrics."""
+    resumed_out = tmp_path / "resumed"
+    shutil.copytree(out / "checkpoints" / "step4", resumed_out / "checkpoints" / "step4")
+    (resumed_out / "checkpoints" / "latest").write_text("step4")
+    return runs(name, out=resumed_out, extra=[*extra, "--resume_from_checkpoint", "latest"])[1]
+
+
+def test_lr_scales_are_logged_at_every_step_and_resume_exactly(runs, tmp_path):
+    """ZeRO-2 on 2 ranks with --lr_scales embed=0.5,lm_head=0.25: every logged step has lr/embed
+    and lr/lm_head at those scales of `lr`; resumed at step 4, steps 5-8 repeat bit for bit; a
+    resume with other scales of the same patterns applies them, one with other patterns is
+    refused in one line (test_a_resume_with_other_patterns_is_refused)."""
+    out, full, _ = runs("lr_scales", extra=SCALES)
+    logged = [m for m in full if "lr" in m]
+    assert len(logged) == 8
+    for m in logged:
+        assert m["lr/embed"] == pytest.approx(0.5 * m["lr"], rel=1e-12)
+        assert m["lr/lm_head"] == pytest.approx(0.25 * m["lr"], rel=1e-12)
+    resumed = resumed_at_step_4(runs, "lr_scales_resumed", out, tmp_path, SCALES)
+    assert [m["step"] for m in resumed] == [5, 6, 7, 8]
+    assert losses(resumed) == losses(full)[4:]
+    assert [m["lr/embed"] for m in resumed] == [m["lr/embed"] for m in full[4:]]
+
+
+def test_a_resume_with_other_patterns_is_refused(monkeypatch, runs, tmp_path, text_file):
+    """The checkpoint's optimizer state holds the groups of its patterns: one line, before any
+    process group starts."""
+    out, _, _ = runs("lr_scales", extra=SCALES)
+    base = bad_input_base("zero2.json", out, text_file)
+    line = run_recipe_in_process(monkeypatch, "recipes/pretrain.py", [
+        *base, *TINY, "--lr_scales", "embed=0.5", "--resume_from_checkpoint", "latest"])
+    assert "--lr_scales embed=0.5: " in line and "whose optimizer state holds other " \
+        "parameter groups; resume with the same patterns" in line, line
+
+
+@pytest.mark.parametrize("given,expected", [
+    ("embed=0", "--lr_scales 'embed=0': expected PATTERN=SCALE pairs with scales > 0"),
+    ("embed", "--lr_scales 'embed': expected PATTERN=SCALE pairs"),
+    ("wte=0.5", "--lr_scales: 'wte' is found in no parameter's name; the model's are lm_head, "
+                "embed.weight"),
+])
+def test_bad_lr_scales_stop_before_start(monkeypatch, tmp_path, text_file, given, expected):
+    base = bad_input_base("zero2.json", tmp_path, text_file)
+    assert expected in run_recipe_in_process(monkeypatch, "recipes/pretrain.py",
+                                             [*base, "--lr_scales", given])
+
+
+def test_lr_scales_with_the_json_s_own_scheduler_is_refused(monkeypatch, tmp_path, text_file):
+    config = tmp_path / "ds.json"
+    config.write_text('{"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": '
+                      '"auto", "zero_optimization": {"stage": 2}, "scheduler": {"type": '
+                      '"WarmupLR", "params": {"warmup_num_steps": 2}}}')
+    base = bad_input_base("zero2.json", tmp_path / "out", text_file)
+    base[base.index("--deepspeed") + 1] = str(config)
+    line = run_recipe_in_process(monkeypatch, "recipes/pretrain.py",
+                                 [*base, "--lr_scales", "embed=0.5"])
+    assert "--lr_scales embed=0.5: the DeepSpeed JSON's own \"scheduler\" sets one rate" in line
+
+
+
+def test_muon_trains_zero2_on_2_ranks_and_resumes_exactly(runs, tmp_path):
+    """--optimizer muon, ZeRO-2 on 2 ranks: DeepSpeed's Muon steps BDH's encoders and decoder at
+    the Muon rate (lr/muon: 0.02 of the schedule's peak of 1), AdamW the embedding and the head
+    at --learning_rate (lr); the losses are finite and fall; resumed at step 4, steps 5-8
+    repeat bit for bit."""
+    muon = ["--optimizer", "muon"]
+    out, full, _ = runs("muon", extra=muon)
+    logged = [m for m in full if "lr" in m]
+    assert len(logged) == 8
+    for m in logged:
+        assert m["lr/muon"] == pytest.approx(0.02 / 3e-3 * m["lr"], rel=1e-9)
+    assert all(math.isfinite(x) for x in losses(full))
+    assert losses(full)[-1] < losses(full)[0] - 0.2
+    resumed = resumed_at_step_4(runs, "muon_resumed", out, tmp_path, muon)
+    assert [m["step"] for m in resumed] == [5, 6, 7, 8]
+    assert losses(resumed) == losses(full)[4:]
+
+
+def test_muon_with_another_optimizer_in_the_json_is_refused(monkeypatch, tmp_path, text_file):
+    config = tmp_path / "ds.json"
+    config.write_text('{"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": '
+                      '"auto", "zero_optimization": {"stage": 2}, "optimizer": {"type": "SGD", '
+                      '"params": {"lr": "auto"}}}')
+    base = bad_input_base("zero2.json", tmp_path / "out", text_file)
+    base[base.index("--deepspeed") + 1] = str(config)
+    line = run_recipe_in_process(monkeypatch, "recipes/pretrain.py",
+                                 [*base, "--optimizer", "muon"])
+    assert "--optimizer muon: the DeepSpeed JSON names the optimizer 'SGD'" in line
