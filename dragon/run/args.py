@@ -42,6 +42,22 @@ def profile_window(text: str, max_steps: int) -> tuple[int, int]:
     return first, last
 
 
+
+def check_lr_scales(args, cfg: dict, names: list[str]) -> None:
+    """ValueError in one line where --lr_scales cannot apply: a pattern found in none of the
+    parameter `names`, or a DeepSpeed JSON whose own scheduler sets one rate for every group."""
+    if not args.lr_scales:
+        return
+    if "scheduler" in cfg:
+        raise ValueError(f"--lr_scales {args.lr_scales}: the DeepSpeed JSON's own \"scheduler\" "
+                         "sets one rate for every parameter; drop it (transformers' schedule "
+                         "keeps each group's scale) or drop --lr_scales")
+    for pattern in lr_scales(args.lr_scales):
+        if not any(re.search(pattern, name) for name in names):
+            raise ValueError(f"--lr_scales: {pattern!r} is found in no parameter's name; the "
+                             f"model's are {', '.join(names)}")
+
+
 OPTIMIZERS = ("adamw", "muon")
 
 def lr_scales(given: Optional[str]) -> dict[str, float]:

@@ -11,7 +11,7 @@ from transformers import get_scheduler
 from transformers.trainer_pt_utils import get_parameter_names
 
 from dragon.parallel.distributed import rank
-from dragon.run.args import lr_scales
+from dragon.run.args import check_lr_scales, lr_scales
 
 logger = logging.getLogger("dragon")
 
@@ -43,21 +43,6 @@ def parameter_groups(model: torch.nn.Module, cfg: dict, args) -> list[dict]:
         group["params"].append(p)
     check_lr_scales(args, cfg, [n for n, _ in model.named_parameters()])
     return [groups[k] for k in sorted(groups)]
-
-
-def check_lr_scales(args, cfg: dict, names: list[str]) -> None:
-    """ValueError in one line where --lr_scales cannot apply: a pattern found in none of the
-    parameter `names`, or a DeepSpeed JSON whose own scheduler sets one rate for every group."""
-    if not args.lr_scales:
-        return
-    if "scheduler" in cfg:
-        raise ValueError(f"--lr_scales {args.lr_scales}: the DeepSpeed JSON's own \"scheduler\" "
-                         "sets one rate for every parameter; drop it (transformers' schedule "
-                         "keeps each group's scale) or drop --lr_scales")
-    for pattern in lr_scales(args.lr_scales):
-        if not any(re.search(pattern, name) for name in names):
-            raise ValueError(f"--lr_scales: {pattern!r} is found in no parameter's name; the "
-                             f"model's are {', '.join(names)}")
 
 
 class LRSchedule:
