@@ -21,7 +21,7 @@ from iso_compute import corpus_args
 from recipe_runs import run_recipe
 
 LRS = ("1e-3", "3e-3", "1e-2")
-MUON_LRS = ("0.01", "0.02", "0.05")
+MUON_LRS = ("0.01", "0.03", "0.1")
 DILOCO = ["--diloco_islands", "2", "--diloco_inner_steps", "50", "--diloco_mode", "delayed",
           "--diloco_compress", "int4", "--diloco_fragments", "4", "--diloco_outer_lr", "1",
           "--diloco_outer_momentum", "0.3"]
