@@ -43,6 +43,22 @@ def test_a_fixed_plan_weights_islands_by_tokens_and_resumes_exactly(runs, tmp_pa
         assert [m.get("outer_sum") for m in resumed[i]] == [m.get("outer_sum") for m in full[i][4:]]
 
 
+def test_fragments_with_a_plan_stay_identical(runs):
+    """Streaming DiLoCo (F 2 of H 4, sync) with island 1 training 2 of every 4 steps: each
+    fragment's sync weights the islands by the tokens they trained since the last sync, and
+    both islands hold a bit-identical theta_outer after every one (the weights of the fragments
+    not synced yet differ by design), and identical weights at the end."""
+    extra = ["--diloco_islands", "2", "--diloco_inner_steps", "4", "--diloco_fragments", "2",
+             "--diloco_checksum", "--diloco_island_steps", "4,2"]
+    out = islands_run(runs, "unequal_fragments", config="zero0.json", extra=extra)
+    assert_islands_identical(out, keys=("outer_sum", "outer_sumsq"))
+    outer = [outer_steps(island_metrics(out, i)) for i in (0, 1)]
+    assert outer[0][-1]["weights_sum"] == outer[1][-1]["weights_sum"]
+    assert [m["island_steps"] for m in outer[0]] == [2, 2, 2, 2]
+    assert [m["island_steps"] for m in outer[1]] == [1, 1, 1, 1]
+    assert all(m["outer_weight"] == pytest.approx(2 / 3) for m in outer[0])
+
+
 def start_island(island: int, out, text_file, store: str, plan: str, env=None, extra=()):
     """Island `island` of 2 as a launch of its own (ZeRO-2, 1 rank), H 4, 16 steps."""
     script, args = recipe_args("zero2", out, text_file, 16, [
