@@ -145,9 +145,7 @@ class TrainingArguments:
     per_device_eval_batch_size: int = _help("Evaluation micro-batch per rank.", default=8)
     gradient_accumulation_steps: int = _help("Micro-batches per step (config's 'auto').", default=1)
     learning_rate: float = _help("Peak learning rate.", default=1e-3)
-    weight_decay: float = _help(
-        "AdamW weight decay (none for biases and norms, as HF's Trainer; embeddings decay).",
-        default=0.1)
+    weight_decay: float = _help("AdamW weight decay.", default=0.1)
     lr_scales: Optional[str] = _help(
         "Per-parameter learning rates: PATTERN=SCALE pairs, e.g. embed=0.5,lm_head=0.5; the "
         "first pattern (a regular expression) found in a parameter's name scales its rate "

@@ -8,39 +8,29 @@ from typing import Callable, Optional
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import get_scheduler
-from transformers.trainer_pt_utils import get_parameter_names
 
 from dragon.parallel.distributed import rank
 from dragon.run.args import check_lr_scales, lr_scales
 
 logger = logging.getLogger("dragon")
 
-# The names HF's Trainer leaves weight decay off for (Trainer.get_decay_parameter_names; its
-# module is too slow to import in every rank): biases and norms. Embeddings decay, as there.
-NO_DECAY = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
 
 
 def parameter_groups(model: torch.nn.Module, cfg: dict, args) -> list[dict]:
-    """The model's trainable parameters in the groups the optimizer steps: by learning-rate
+    """The model's trainable parameters in the groups the optimizer steps, one per learning-rate
     scale (--lr_scales: the first pattern, a regular expression, found in a parameter's name
-    sets its scale; others 1) and by weight decay (off where HF's Trainer leaves it off). Each
-    group names its pattern ("lr_group", "" for the rest) and whether it decays; the first
-    group is the rest's, whose rate metrics.jsonl's `lr` shows."""
+    sets its scale). Each group names its pattern ("lr_group", "" for the rest, first: the rate
+    metrics.jsonl's `lr` shows); the rest's group sets no rate of its own, so the optimizer's
+    applies (Muon: each half its own)."""
     scales = lr_scales(args.lr_scales) if args.lr_scales else {}
     peak_lr = cfg.get("optimizer", {}).get("params", {}).get("lr", args.learning_rate)
-    decayed = set(get_parameter_names(model, [torch.nn.LayerNorm], NO_DECAY))
-    groups: dict[tuple, dict] = {}
+    groups: dict[str, dict] = {}
     for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        pattern = next((k for k in scales if re.search(k, name)), "")
-        decays = name in decayed
-        # a group at scale 1 takes the optimizer's own rate (Muon: each half its own)
-        rate = {"lr": peak_lr * scales[pattern]} if pattern else {}
-        group = groups.setdefault((pattern, not decays), {
-            "params": [], "lr_group": pattern, "decayed": decays, **rate,
-            "weight_decay": args.weight_decay if decays else 0.0})
-        group["params"].append(p)
+        if p.requires_grad:
+            pattern = next((k for k in scales if re.search(k, name)), "")
+            rate = {"lr": peak_lr * scales[pattern]} if pattern else {}
+            groups.setdefault(pattern, {"params": [], "lr_group": pattern, **rate})
+            groups[pattern]["params"].append(p)
     check_lr_scales(args, cfg, [n for n, _ in model.named_parameters()])
     return [groups[k] for k in sorted(groups)]
 
@@ -97,8 +87,6 @@ class LRSchedule:
             rate = base * scales.get(group.get("lr_group", ""), 1.0)
             group.update(initial_lr=rate, lr=rate * factor,
                          **{k: v for k, v in kept.items() if k in group})
-            if not group.get("decayed", True):
-                group["weight_decay"] = 0.0
         scheduler.base_lrs = [g["initial_lr"] for g in scheduler.optimizer.param_groups]
         scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
 

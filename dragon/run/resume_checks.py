@@ -84,8 +84,24 @@ def _with_checkpoints(root: str, island: int, launch_dir: str) -> Optional[str]:
     return None
 
 
+def _check_groups_reshape(args: TrainingArguments, stage: int) -> None:
+    """What a resume onto another layout cannot carry yet. DeepSpeed 0.19.8's ZeRO-3 load of a
+    universal checkpoint gives every parameter group the first group's settings
+    (stage3.py: load_hp_checkpoint_state_from_checkpoint_dir_stage3), and a resume of two groups
+    onto ZeRO-3 diverged from the run not stopped at its second step even with the settings put
+    back. Muon's state is untested through the universal form."""
+    if args.optimizer == "muon":
+        raise ValueError("--optimizer muon from a checkpoint of another layout is not supported "
+                         "yet; resume on the layout it was saved with")
+    if stage == 3 and args.lr_scales:
+        raise ValueError(f"--lr_scales {args.lr_scales} on ZeRO-3 from a checkpoint of another "
+                         "layout: DeepSpeed's ZeRO-3 universal load does not keep several "
+                         "parameter groups; resume on the layout it was saved with, or on ZeRO-1/2")
+
+
 def check_reshape(
-    resume: dict, ds_config: dict, layout: Layout, diloco: DiLoCoArguments
+    resume: dict, ds_config: dict, layout: Layout, diloco: DiLoCoArguments,
+    args: TrainingArguments,
 ) -> dict[int, str]:
     """island -> the line a resume on another layout prints (dragon.checkpoint.reshape; `layout`:
     this launch's); switches the engine to DeepSpeed's universal checkpoint loading when one
@@ -99,6 +115,7 @@ def check_reshape(
             if diloco.enabled:
                 check_diloco_state(os.path.join(load_dir, tag), saved.neurons)
             reshaped[island] = message
+            _check_groups_reshape(args, launch.zero_stage)
             if launch.zero_stage > 0 or (launch.pipeline and launch.bf16):  # ZeRO-0: its form
                 ds_config.setdefault("checkpoint", {})["load_universal"] = True
     return reshaped
@@ -188,6 +205,7 @@ def check_resume(inputs, config) -> None:
     check_output_dir(args, diloco)
     check_resume_sizes(config, inputs.resume)
     check_resume_fragments(inputs.resume, diloco)
-    inputs.reshaped = check_reshape(inputs.resume, inputs.ds_config, inputs.layout, diloco)
+    inputs.reshaped = check_reshape(inputs.resume, inputs.ds_config, inputs.layout, diloco,
+                                    args)
     inputs.resume_changes = resume_changes(inputs)  # settings that differ: applied, or refused
     take_locks(args, diloco)  # last: it creates the island directories
