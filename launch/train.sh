@@ -9,6 +9,9 @@ if [[ "$gpus" -gt 0 ]]; then
 else
   # DeepSpeed's CPU accelerator with gloo; one thread per rank on small machines.
   export DS_ACCELERATOR=cpu
+  # glibc's malloc on transparent huge pages: a large step faults far less and runs faster, a
+  # small one is unchanged (benchmarks/README.md); a value already set wins.
+  export GLIBC_TUNABLES="${GLIBC_TUNABLES:-glibc.malloc.hugetlb=1}"
   nproc=${NPROC:-2}
 fi
 exec torchrun --standalone --nproc_per_node "$nproc" "$@"
