@@ -128,6 +128,16 @@ def test_muon_trains_zero2_on_2_ranks_and_resumes_exactly(runs, tmp_path):
     assert losses(resumed) == losses(full)[4:]
 
 
+def test_muon_trains_under_zero3(runs):
+    """ZeRO-3 (DeepSpeed's Muon takes it without reduce-scatter, which dragon turns off): the
+    losses are finite and fall, lr/muon at its rate."""
+    _, metrics, _ = runs("muon_zero3", config="zero3.json", extra=["--optimizer", "muon"])
+    assert all(math.isfinite(x) for x in losses(metrics))
+    assert losses(metrics)[-1] < losses(metrics)[0] - 0.1
+    assert all(m["lr/muon"] == pytest.approx(0.02 / 3e-3 * m["lr"], rel=1e-9)
+               for m in metrics if "lr" in m)
+
+
 def test_muon_with_another_optimizer_in_the_json_is_refused(monkeypatch, tmp_path, text_file):
     config = tmp_path / "ds.json"
     config.write_text('{"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": '

@@ -163,6 +163,12 @@ def _muon(cfg: dict, args) -> None:
         old = cfg.pop("optimizer").get("params", {})
         cfg["optimizer"] = {"type": "muon", "params": {
             k: v for k, v in old.items() if k in ("torch_adam", "weight_decay")}}
+    zero = cfg.get("zero_optimization", {})
+    if zero.get("stage") == 3:  # DeepSpeed's Muon refuses ZeRO-3's reduce-scatter (its default)
+        if zero.get("reduce_scatter", False):
+            raise ValueError("--optimizer muon with ZeRO-3: DeepSpeed's Muon does not take the "
+                             "JSON's \"reduce_scatter\": true; drop it (dragon turns it off)")
+        zero["reduce_scatter"] = False
     params = cfg.setdefault("optimizer", {"type": "muon"}).setdefault("params", {})
     for key, value in (("lr", args.learning_rate), ("adam_lr", args.learning_rate),
                        ("muon_lr", args.muon_learning_rate), ("momentum", args.muon_momentum),
