@@ -15,7 +15,6 @@ from dragon.run.args import check_lr_scales, lr_scales
 logger = logging.getLogger("dragon")
 
 
-
 def parameter_groups(model: torch.nn.Module, cfg: dict, args) -> list[dict]:
     """The model's trainable parameters in the groups the optimizer steps, one per learning-rate
     scale (--lr_scales: the first pattern, a regular expression, found in a parameter's name
