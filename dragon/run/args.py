@@ -42,7 +42,6 @@ def profile_window(text: str, max_steps: int) -> tuple[int, int]:
     return first, last
 
 
-
 def check_lr_scales(args, cfg: dict, names: list[str]) -> None:
     """ValueError in one line where --lr_scales cannot apply: a pattern found in none of the
     parameter `names`, or a DeepSpeed JSON whose own scheduler sets one rate for every group."""
@@ -60,10 +59,12 @@ def check_lr_scales(args, cfg: dict, names: list[str]) -> None:
 
 OPTIMIZERS = ("adamw", "muon")
 
+
 def lr_scales(given: Optional[str]) -> dict[str, float]:
-    """--lr_scales "embed=0.5,lm_head=0.5" as {pattern: scale}; ValueError in one line."""
+    """--lr_scales "embed=0.5,lm_head=0.5" as {pattern: scale} (None: no scales); ValueError
+    in one line."""
     scales = {}
-    for item in (given or "").split(","):
+    for item in ([] if given is None else given.split(",")):
         pattern, _, scale = item.partition("=")
         try:
             value = float(scale)
@@ -74,6 +75,7 @@ def lr_scales(given: Optional[str]) -> dict[str, float]:
                              "> 0, separated by commas (e.g. embed=0.5,lm_head=0.5)")
         scales[pattern.strip()] = value
     return scales
+
 
 @dataclass
 class ModelArguments:
@@ -284,6 +286,14 @@ class TrainingArguments:
     disable_tqdm: bool = _help("No progress bar.", default=False)
     local_rank: int = _help("Set by the deepspeed launcher.", default=-1)
 
+    def _check_optimizer(self) -> None:
+        lr_scales(self.lr_scales)
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer {self.optimizer!r}: valid are {', '.join(OPTIMIZERS)}")
+        if self.optimizer == "muon" and self.lr_scales:
+            raise ValueError(f"--lr_scales {self.lr_scales} with --optimizer muon is not "
+                             "supported yet; drop one of them")
+
     def __post_init__(self):
         positive = (
             "max_steps",
@@ -299,13 +309,7 @@ class TrainingArguments:
                 raise ValueError(f"--{name}={getattr(self, name)}: must be >= 1")
         if self.learning_rate <= 0:
             raise ValueError(f"--learning_rate={self.learning_rate}: must be > 0")
-        if self.lr_scales is not None:
-            lr_scales(self.lr_scales)
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"--optimizer {self.optimizer!r}: valid are {', '.join(OPTIMIZERS)}")
-        if self.optimizer == "muon" and self.lr_scales:
-            raise ValueError(f"--lr_scales {self.lr_scales} with --optimizer muon is not "
-                             "supported yet; drop one of them")
+        self._check_optimizer()
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"--min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
         if self.warmup_steps < 0 or self.max_grad_norm < 0:

@@ -87,15 +87,20 @@ class TrainingRun:
         if not resumed:
             self.data.train.seek(step)
         self.data.tokens.count = step * self.run_tokens_per_step  # the run's, as the others count
+        self._move_to(step)
+        if rank() == 0:
+            logger.info(f"joined the run at step {step} (outer step {self.diloco.outer_step})")
+        self.log(metrics)
+
+    def _move_to(self, step: int) -> None:
+        """Count the steps up to `step` as taken without training them (a joiner's, a resting
+        island's): the LR schedule, the progress bar and DeepSpeed's count (its save tags)."""
         for _ in range(step - self.step):
             if self.engine.lr_scheduler is not None:
                 self.engine.lr_scheduler.step()
         self._logger.advance(step - self.step)
         self.step = step
-        set_global_steps(self.engine, step)  # DeepSpeed's count too (its save tags)
-        if rank() == 0:
-            logger.info(f"joined the run at step {step} (outer step {self.diloco.outer_step})")
-        self.log(metrics)
+        set_global_steps(self.engine, step)
 
     def step_caches(self) -> list:
         """Per micro-batch of the coming step, the cache its rows continue (zeroed when a reset is
@@ -125,11 +130,7 @@ class TrainingRun:
         """Count a step this island rests through (unequal islands, dragon.diloco.pace): no batch
         read, no optimizer step, no tokens; the LR schedule and DeepSpeed's step count move on
         as every island's do. Returns the step."""
-        self.step += 1
-        if self.engine.lr_scheduler is not None:
-            self.engine.lr_scheduler.step()
-        set_global_steps(self.engine, self.step)
-        self._logger.advance()
+        self._move_to(self.step + 1)
         self.rested = True
         return self.step
 

@@ -21,7 +21,7 @@ def parameter_groups(model: torch.nn.Module, cfg: dict, args) -> list[dict]:
     sets its scale). Each group names its pattern ("lr_group", "" for the rest, first: the rate
     metrics.jsonl's `lr` shows); the rest's group sets no rate of its own, so the optimizer's
     applies (Muon: each half its own)."""
-    scales = lr_scales(args.lr_scales) if args.lr_scales else {}
+    scales = lr_scales(args.lr_scales)
     peak_lr = cfg.get("optimizer", {}).get("params", {}).get("lr", args.learning_rate)
     groups: dict[str, dict] = {}
     for name, p in model.named_parameters():
@@ -78,7 +78,7 @@ class LRSchedule:
         and the optimizer's settings of the flags, the rate at the resumed step."""
         scheduler, peak = self.scheduler, float(self.settings["lr"])
         factor = self._factor(min(scheduler.last_epoch, self.planned))
-        scales = lr_scales(self.args.lr_scales) if self.args.lr_scales else {}
+        scales = lr_scales(self.args.lr_scales)
         kept = {k: tuple(v) if k == "betas" else v for k, v in self.settings.items()
                 if k in ("weight_decay", "betas", "eps", "momentum")}
         for group in scheduler.optimizer.param_groups:

@@ -51,7 +51,8 @@ def resume_changes(inputs) -> list[str]:
             raise ValueError(f"--optimizer {ours['optimizer']}: {os.path.join(load_dir, tag)} "
                              f"was trained with {changed['optimizer']}, whose state its "
                              f"checkpoint holds; resume with --optimizer {changed['optimizer']}")
-        if "lr_scales" in changed and _groups(changed["lr_scales"]) != _groups(ours["lr_scales"]):
+        if "lr_scales" in changed and set(lr_scales(changed["lr_scales"])) != set(
+                lr_scales(ours["lr_scales"])):
             raise ValueError(f"--lr_scales {ours['lr_scales']}: {os.path.join(load_dir, tag)} "
                              f"was trained with {changed['lr_scales']}, whose optimizer state "
                              "holds other parameter groups; resume with the same patterns (their "
@@ -103,7 +104,3 @@ def _saved_arguments(save_dir: str) -> dict:
     with open(path) as f:
         return json.load(f).get("arguments", {})
 
-
-def _groups(scales) -> set:
-    """The patterns of an --lr_scales value (None: none)."""
-    return set(lr_scales(scales)) if scales else set()
