@@ -38,7 +38,7 @@ from dragon.diloco.fragment import Fragment, InFlight, OptimizerFactory
 from dragon.diloco.fragment_cut import INTERLEAVED, fragment_ids
 from dragon.diloco.landing import AUTO, AutoLandings
 from dragon.diloco.membership import MissedRound, Round
-from dragon.diloco.pace import AUTO as PACE_AUTO, Pace
+from dragon.diloco.pace import pace_for
 from dragon.diloco.runtime import OuterRuntime, resumable_state
 import dragon.diloco.state as saved_state
 
@@ -56,7 +56,7 @@ class DiLoCo:
     fingerprint(); with F > 1 also segments() and shapes()); `outer_optimizer(params)` builds any
     torch optimizer over a fragment's theta_outer; `ids`: the fragment of each of this rank's
     values (default: BDH's cut, dragon.diloco.fragment_cut); `tokens_per_step`: the island's
-    (unequal islands weight their pseudo-gradients by tokens, dragon.diloco.pace)."""
+    (dragon.diloco.pace weighs unequal islands by tokens)."""
 
     def __init__(self, weights, config: "DiLoCoConfig", topology: "Topology",
                  outer_optimizer: Optional[OptimizerFactory] = None,
@@ -84,10 +84,7 @@ class DiLoCo:
             self.fragments = [Fragment(f, ids, None, whole[ids == f], self.runtime.device, make,
                                        **kept) for f in range(self.F)]
         self.outer_step = self.joined_step = 0
-        self.pace = None  # unequal islands
-        if config.island_steps is not None:
-            plan = None if config.island_steps == PACE_AUTO else config.island_steps
-            self.pace = Pace(plan, self.H, topology.islands, topology.island, tokens_per_step)
+        self.pace = pace_for(config, topology, tokens_per_step)  # unequal islands, else None
 
     # ----------------------------------------------------------- the schedule
 
@@ -115,8 +112,7 @@ class DiLoCo:
                       if final or (x.lands_at is not None and x.lands_at <= step))
 
     def trains(self, step: int) -> bool:
-        """Whether this island trains inner step `step`, or rests through it (unequal islands:
-        dragon.diloco.pace)."""
+        """Whether this island trains inner step `step` (else it rests: dragon.diloco.pace)."""
         return self.pace is None or self.pace.trains(step)
 
     def trained(self) -> None:
@@ -143,8 +139,6 @@ class DiLoCo:
             joining = None
         rounds.append(self._round(step, final, joining))
         metrics = self._metrics(step, final, rounds)
-        for r in rounds:
-            metrics.update(r.paced)
         metrics["outer_seconds"] = time.perf_counter() - start
         return metrics
 
@@ -297,6 +291,7 @@ class DiLoCo:
             flights += r.flights
             applied += [x.exchange for x in r.flights]
             applied += r.started if r.synced else []
+            metrics.update(r.paced)  # unequal islands
         self.runtime.waited([x.exchange for x in flights if x.lands_at == x.synced_at + self.H])
         if self.F > 1:
             if done.syncing:  # one fragment a step; F: all of them (the last step)

@@ -20,12 +20,16 @@ the exchange's mean over the n islands is the token-weighted mean.
 """
 
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
 
 from dragon.parallel.distributed import all_reduce_values
+
+if TYPE_CHECKING:  # annotations only
+    from dragon.diloco.config import DiLoCoConfig
+    from dragon.parallel.topology import Topology
 
 AUTO = "auto"
 
@@ -79,10 +83,11 @@ class Pace:
         until settle(plan): an elastic round may be retried."""
         n = self.islands
         # the island's slowest rank: every rank of an island must come to the same plan
-        seconds = all_reduce_values([self.seconds / max(self.trained, 1)], dist.ReduceOp.MAX)[0]
+        step_seconds = all_reduce_values([self.seconds / max(self.trained, 1)],
+                                         dist.ReduceOp.MAX)[0]
         mine = torch.zeros(2 * n, dtype=torch.float64)
         mine[self.island] = self.trained * self.tokens_per_step
-        mine[n + self.island] = seconds
+        mine[n + self.island] = step_seconds
         if group is not None:
             group.allreduce([mine], dist.ReduceOp.SUM).wait()
         waited = time.perf_counter() - self._last_end  # resting, then for the other islands
@@ -114,3 +119,12 @@ class Pace:
         if self.auto:
             self.plan = list(state["plan"])
         self.trained, self.seconds = state["trained"], state["seconds"]
+
+
+def pace_for(config: "DiLoCoConfig", topology: "Topology", tokens_per_step: int
+             ) -> Optional[Pace]:
+    """This island's Pace for --diloco_island_steps; None when every island trains every step."""
+    if config.island_steps is None:
+        return None
+    plan = None if config.island_steps == AUTO else config.island_steps
+    return Pace(plan, config.inner_steps, topology.islands, topology.island, tokens_per_step)
