@@ -1,6 +1,7 @@
 """The optimizer: parameter groups (--lr_scales, a learning rate per name pattern) and DeepSpeed's
 Muon (--optimizer muon), in the optimizer and in metrics.jsonl, through a resume."""
 
+import json
 import math
 import shutil
 from types import SimpleNamespace
@@ -97,15 +98,21 @@ def test_bad_lr_scales_stop_before_start(monkeypatch, tmp_path, text_file, given
                                              [*base, "--lr_scales", given])
 
 
-def test_lr_scales_with_the_json_s_own_scheduler_is_refused(monkeypatch, tmp_path, text_file):
+def refusal_with_json(monkeypatch, tmp_path, text_file, section: dict, argv: list[str]) -> str:
+    """The one line a ZeRO-2 run refuses with: a DeepSpeed JSON of its own with `section`
+    added, and `argv`."""
     config = tmp_path / "ds.json"
-    config.write_text('{"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": '
-                      '"auto", "zero_optimization": {"stage": 2}, "scheduler": {"type": '
-                      '"WarmupLR", "params": {"warmup_num_steps": 2}}}')
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto",
+                                  "gradient_accumulation_steps": "auto",
+                                  "zero_optimization": {"stage": 2}, **section}))
     base = bad_input_base("zero2.json", tmp_path / "out", text_file)
     base[base.index("--deepspeed") + 1] = str(config)
-    line = run_recipe_in_process(monkeypatch, "recipes/pretrain.py",
-                                 [*base, "--lr_scales", "embed=0.5"])
+    return run_recipe_in_process(monkeypatch, "recipes/pretrain.py", [*base, *argv])
+
+
+def test_lr_scales_with_the_json_s_own_scheduler_is_refused(monkeypatch, tmp_path, text_file):
+    line = refusal_with_json(monkeypatch, tmp_path, text_file, {"scheduler": {
+        "type": "WarmupLR", "params": {"warmup_num_steps": 2}}}, ["--lr_scales", "embed=0.5"])
     assert "--lr_scales embed=0.5: the DeepSpeed JSON's own \"scheduler\" sets one rate" in line
 
 
@@ -139,12 +146,6 @@ def test_muon_trains_under_zero3(runs):
 
 
 def test_muon_with_another_optimizer_in_the_json_is_refused(monkeypatch, tmp_path, text_file):
-    config = tmp_path / "ds.json"
-    config.write_text('{"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": '
-                      '"auto", "zero_optimization": {"stage": 2}, "optimizer": {"type": "SGD", '
-                      '"params": {"lr": "auto"}}}')
-    base = bad_input_base("zero2.json", tmp_path / "out", text_file)
-    base[base.index("--deepspeed") + 1] = str(config)
-    line = run_recipe_in_process(monkeypatch, "recipes/pretrain.py",
-                                 [*base, "--optimizer", "muon"])
+    line = refusal_with_json(monkeypatch, tmp_path, text_file, {"optimizer": {
+        "type": "SGD", "params": {"lr": "auto"}}}, ["--optimizer", "muon"])
     assert "--optimizer muon: the DeepSpeed JSON names the optimizer 'SGD'" in line
