@@ -20,6 +20,8 @@ from conftest import REPO, free_port, job_env, launch_command, read_jsonl
 from test_checkpoints import logged_steps, recipe_args
 from test_faults import ranks_of, signal_after
 
+from test_diloco import nesterov, toy
+
 from dragon.checkpoint.catalog import is_complete
 from dragon.diloco.membership import step_key
 
@@ -104,6 +106,65 @@ def test_a_survivor_trains_on_as_a_one_island_diloco_would(tmp_path, store):
                 assert torch.equal(got, want), (mode, k, key, (got - want).abs().max())
             norm = r["alone"]["metrics"]["outer_grad_norm"]
             assert r["metrics"]["outer_grad_norm"] == norm, (mode, k)
+
+
+def toy_islands(tmp_path, store, part: str) -> list:
+    """tests/scripts/diloco_islands.py's `part` as islands 0 and 1: each one's record."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(REPO / "tests/scripts/diloco_islands.py"), str(i), store,
+             str(tmp_path / f"island{i}.json"), part],
+            cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for i in (0, 1)
+    ]
+    stderr = [proc.communicate(timeout=300)[1] for proc in procs]
+    for proc, err in zip(procs, stderr):
+        assert proc.returncode == 0, err[-3000:]
+    return [json.loads((tmp_path / f"island{i}.json").read_text()) for i in (0, 1)], stderr
+
+
+def test_a_late_island_lands_in_the_next_outer_step_weighted_by_staleness(tmp_path, store):
+    """Toy weights, elastic islands in sync mode, quorum timeout 1 s: island 1 reaches outer
+    step 2 three seconds late. Island 0 takes it alone (quorum 1) and does not wait; island 1
+    lands its window-2 pseudo-gradient in outer step 3, weighted 1/2 against island 0's fresh
+    one, and takes theta_outer. Both islands' weights and theta_outer equal the hand
+    simulation after every outer step they took (the late delta counted once), and end
+    identical (==)."""
+    (zero, one), stderr = toy_islands(tmp_path, store, "late")
+    assert "outer step 2 went on without this island (islands [0])" in stderr[1]
+    assert "outer step 3: island 1 lands 1 outer step(s) late, weighted 0.5," in stderr[0]
+    assert [r["metrics"]["outer_quorum"] for r in zero] == [2, 1, 2, 2]
+    assert [r["step"] for r in one] == [3, 9, 12]  # it did not train window 3
+    assert one[1]["metrics"]["landed_late_by"] == 1 and zero[2]["metrics"]["outer_late"] == 1
+
+    theta = torch.cat([t.flatten() for t in toy.initial_weights()])
+    centres = [torch.cat([t.flatten() for t in toy.centre(i)]) for i in (0, 1)]
+
+    def delta(theta, i):  # theta_outer - theta after an island's window from theta
+        w = theta.clone()
+        for _ in range(toy.INNER_STEPS):
+            w = w - toy.INNER_LR * (w - centres[i])
+        return theta - w
+
+    step = lambda theta, buf, g: nesterov(theta, buf, g, mu=0.3)  # noqa: E731
+    thetas, buf, kept = [], None, None
+    for k in (1, 2, 3, 4):
+        if k == 3:  # island 0 fresh, island 1's window 2 at weight 1/2
+            g = (delta(theta, 0) + 0.5 * kept) / 1.5
+        elif k == 2:  # island 0 alone; island 1 keeps its pseudo-gradient
+            g, kept = delta(theta, 0), delta(theta, 1)
+        else:
+            g = (delta(theta, 0) + delta(theta, 1)) / 2
+        theta, buf = step(theta, buf, g)
+        thetas.append(theta)
+    for island, record, outer_steps in ((0, zero, (1, 2, 3, 4)), (1, one, (1, 3, 4))):
+        for r, k in zip(record, outer_steps):
+            for key in ("weights", "outer"):
+                got = torch.tensor(sum(r[key], []))
+                assert torch.allclose(got, thetas[k - 1], rtol=1e-5, atol=1e-6), (
+                    island, k, key, (got - thetas[k - 1]).abs().max())
+    assert zero[-1]["weights"] == one[-1]["weights"] and zero[-1]["outer"] == one[-1]["outer"]
 
 
 # mode -> (the outer step island 2 dies in, flags, ranks per island). Delayed fragments: F = 2

@@ -64,10 +64,13 @@ class Fragment:
         else:
             flat[self.mask] = values
 
-    def delta(self, local: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-        """scale (theta_outer - theta) (`local`: this rank's values, flat; `scale`: unequal
-        islands' token weight), plus what top-k kept back (SparseLoCo: decayed)."""
-        delta = self.outer.to("cpu", torch.float32) - self.of(local)
+    def delta(self, local: torch.Tensor, scale: float = 1.0,
+              kept: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """scale (theta_outer - theta) (`local`: this rank's values, flat; `scale`: a weight by
+        tokens or staleness; `kept`: theta_outer - theta as an island landing late kept it),
+        plus what top-k kept back (SparseLoCo: decayed)."""
+        delta = self.outer.to("cpu", torch.float32) - self.of(local) if kept is None else (
+            kept.clone())
         if scale != 1:
             delta *= scale
         if self.residual is not None:

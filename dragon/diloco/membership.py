@@ -22,6 +22,14 @@ and the step from the first other member, and applies the outer gradient that me
 weights. Its data stream continues from its own checkpoint, or (a fresh island) from where an
 island that trained all along would read at that step: islands read disjoint samples.
 
+An island that reaches an outer step after its quorum formed without it (past the quorum
+timeout: the grace) lands late, in sync mode with one fragment: the others do not wait for it. It
+keeps its pseudo-gradient, joins the live islands' next outer step as a joiner does (announced
+"late N": N outer steps late), and sends that pseudo-gradient, weighted by staleness_weight(N);
+it then takes the live islands' theta_outer, as every member does, so it counts once and every
+island ends the step identical. Elsewhere (delayed mode, fragments, the last outer step) it is
+out of the run, as an island that died.
+
 Delayed mode: an average in flight that failed on any member (an island died during it) is
 redone at the next outer step among its members, from the pseudo-gradients each kept, divided by
 the members that contributed to it: the late average is then the survivors' average.
@@ -62,7 +70,17 @@ class Round:
     paced: dict = field(default_factory=dict)  # unequal islands: their metrics
     plan: Optional[list] = None  # unequal islands: the plan agreed
     step: int = 0  # the step, as the live islands have it (a joiner's)
+    late: dict = field(default_factory=dict)  # islands landing late -> outer steps late
     flights: list = field(default_factory=list)  # the exchanges in flight that landed
+
+
+class LateForQuorum(Exception):
+    """This island reached outer step `outer_step` after its quorum had formed without it: it
+    lands late (DiLoCo._land_late)."""
+
+    def __init__(self, outer_step: int, members: list[int]):
+        super().__init__(outer_step, members)
+        self.outer_step, self.members = outer_step, members
 
 
 class MissedRound(Exception):
@@ -70,9 +88,17 @@ class MissedRound(Exception):
     without it): it joins a later one."""
 
 
+def staleness_weight(outer_steps_late: int) -> float:
+    """The weight of a pseudo-gradient that lands `outer_steps_late` outer steps late, against 1
+    for a fresh one: 1 / (1 + late), the staleness-dependent learning rate of Zhang et al. (2016,
+    "Staleness-aware Async-SGD"), which divides a gradient's step by its staleness."""
+    return 1.0 / (1 + outer_steps_late)
+
+
 def step_key(outer_step: int, attempt: int = 0) -> str:
     """The store prefix of one attempt of one outer step: `/arrived/<island>`,
-    `/joining/<island>` (an island announced with --diloco_join) and `/members` (the decision)."""
+    `/joining/<island>` (an island announced with --diloco_join: "join"; one landing late: "late
+N") and `/members` (the decision)."""
     return f"{_PREFIX}/{outer_step}/{attempt}"
 
 
@@ -88,9 +114,9 @@ class FixedGroup:
         """The group the islands that start together meet in at the first weights."""
         return self.group
 
-    def run_round(self, outer_step: int, attempt: Callable[[list[int], Any, list[int]], Any],
+    def run_round(self, outer_step: int, attempt: Callable[..., Any],
                   joining: Optional[tuple] = None, final: bool = False) -> Any:
-        return attempt(self.members, self.group, [])
+        return attempt(self.members, self.group, [], {})
 
     def failed(self, outer_step: int, what: str, exchanges: list, contributed: bool, group,
                redo: bool = False) -> Optional[int]:
@@ -111,11 +137,11 @@ class FixedGroup:
 class ElasticIslands:
     """One island's view of the quorums; `members` is the last quorum (at first: every island)."""
 
-    def __init__(
-        self, topology: Topology, quorum_timeout: float, min_islands: int, timeout_s: float
-    ):
+    def __init__(self, topology: Topology, quorum_timeout: float, min_islands: int,
+                 timeout_s: float, late_landing: bool = False):
         self.topology, self.store = topology, topology.store
         self.quorum_timeout, self.min_islands = quorum_timeout, min_islands
+        self.late_landing = late_landing  # sync, one fragment: a late island lands in the next
         self.timeout = timedelta(seconds=timeout_s)
         self.members = list(range(topology.islands))
 
@@ -151,29 +177,32 @@ class ElasticIslands:
         if ended_at is not None:
             self.end(ended_at)
 
-    def quorum(
-        self, outer_step: int, attempt: int, joining: bool = False, final: bool = False
-    ) -> Optional[tuple[list[int], Optional[Any], list[int]]]:
+    def quorum(self, outer_step: int, attempt: int, joining: bool = False, final: bool = False,
+               late: int = 0) -> Optional[tuple[list[int], Optional[Any], list[int], dict]]:
         """(members, their gloo group for this rank or None when this island is alone, the
-        members that are joining) of attempt `attempt` of outer step `outer_step`. Exits with one
-        line when this island is not a member (None instead when joining) or the quorum is below
-        --diloco_min_islands. The run's `final` outer step lets no joiner in: it would end there
-        without training."""
+        members that are joining, those of them landing late: island -> outer steps late) of
+        attempt `attempt` of outer step `outer_step`; `late`: this joiner's. When this island is
+        not a member: a joiner gets None, a late member lands late (LateForQuorum) where it can,
+        else it exits with one line, as it does when the quorum is below --diloco_min_islands.
+        The run's `final` outer step lets no new joiner in: it would end there without
+        training."""
         t, key = self.topology, step_key(outer_step, attempt)
         if t.island_rank == 0:
             if joining:
-                self.store.set(f"{key}/joining/{t.island}", "1")
+                self.store.set(f"{key}/joining/{t.island}", f"late {late}" if late else "join")
             self.store.set(f"{key}/arrived/{t.island}", "1")
             if not joining and self.store.add(f"{key}/arrivals", 1) == 1:  # the first decides
                 arrived = self._arrived(key)
                 if final:
-                    arrived = [i for i in arrived if not self.store.check([f"{key}/joining/{i}"])]
+                    arrived = [i for i in arrived if self._joining(key, i) in (None, "late")]
                 self.store.set(f"{key}/members", ",".join(map(str, arrived)))
         self._wait_for_decision(f"{key}/members", joining, outer_step, attempt)
         members = [int(i) for i in self.store.get(f"{key}/members").decode().split(",")]
         if t.island not in members:
             if joining:  # it arrived late: it tries a later outer step
                 return None
+            if self.late_landing and not final:
+                raise LateForQuorum(outer_step, members)
             raise IslandLost(
                 f"island {t.island} reached outer step {outer_step} after its quorum "
                 f"(islands {members}) had formed; it is out of the run"
@@ -183,47 +212,61 @@ class ElasticIslands:
                 f"outer step {outer_step}: {len(members)} island(s) {members} reached it, "
                 f"fewer than --diloco_min_islands {self.min_islands}"
             )
-        joiners = [i for i in members if self.store.check([f"{key}/joining/{i}"])]
-        self._report(outer_step, members, joiners)
+        kinds = {i: self.store.get(f"{key}/joining/{i}").decode().split() for i in members
+                 if self._joining(key, i)}
+        joiners, late = list(kinds), {i: int(k[1]) for i, k in kinds.items() if k[0] == "late"}
+        self._report(outer_step, members, joiners, late)
         self.members = members
         if len(members) == 1:
-            return members, None, joiners
+            return members, None, joiners, late
         store = dist.PrefixStore(f"{key}/rank{t.island_rank}", self.store)
         group = dist.ProcessGroupGloo(store, members.index(t.island), len(members), self.timeout)
-        return members, group, joiners
+        return members, group, joiners, late
 
-    def run_round(self, outer_step: int, attempt: Callable[[list[int], Any, list[int]], Any],
+    def _joining(self, key: str, island: int) -> Optional[str]:
+        """How `island` announced itself for `key`: "join", "late" or None (a member)."""
+        if not self.store.check([f"{key}/joining/{island}"]):
+            return None
+        return self.store.get(f"{key}/joining/{island}").decode().split()[0]
+
+    def run_round(self, outer_step: int, attempt: Callable[..., Any],
                   joining: Optional[tuple] = None, final: bool = False) -> Any:
-        """attempt(members, their gloo group, the joining members) among the quorum of
-        `outer_step` (`joining`: the quorum a joiner was let into). When an island is lost
-        during it, the step's quorum forms again without it and the whole attempt is retried
-        (nothing is applied before one succeeds)."""
+        """attempt(members, their gloo group, the joining members, those landing late) among the
+        quorum of `outer_step` (`joining`: the quorum a joiner was let into). When an island is
+        lost during it, the step's quorum forms again without it and the whole attempt is
+        retried (nothing is applied before one succeeds)."""
+        late = 0 if joining is None else joining[3].get(self.topology.island, 0)
         for retry in range(self.topology.islands):
             if joining is not None and retry == 0:
-                members, group, joiners = joining
+                quorum = joining
             else:
-                quorum = self.quorum(outer_step, retry, joining is not None, final)
+                quorum = self.quorum(outer_step, retry, joining is not None, final, late)
                 if quorum is None:
                     raise MissedRound()
-                members, group, joiners = quorum
             try:
-                return attempt(members, group, joiners)
+                return attempt(*quorum)
             except RuntimeError as e:  # gloo: a member's connection closed, or the timeout
                 logger.warning(
-                    f"outer step {outer_step}: the exchange among islands {members} failed "
+                    f"outer step {outer_step}: the exchange among islands {quorum[0]} failed "
                     f"({str(e).splitlines()[0][:160]}); retrying without the lost island"
                 )
         raise RuntimeError(f"outer step {outer_step}: no exchange succeeded")
 
-    def _report(self, outer_step: int, members: list[int], joiners: list[int]) -> None:
+    def _report(self, outer_step: int, members: list[int], joiners: list[int], late: dict
+                ) -> None:
         if self.topology.island_rank != 0:
             return
         left = sorted(set(self.members) - set(members))
         if left:
             logger.warning(f"outer step {outer_step}: island {left} did not arrive; training on "
                            f"with islands {members}")
-        if joiners:
-            logger.info(f"outer step {outer_step}: island {joiners} joins islands {members}")
+        for i in joiners:
+            if i in late:
+                logger.warning(f"outer step {outer_step}: island {i} lands {late[i]} outer "
+                               f"step(s) late, weighted {staleness_weight(late[i]):g}, with "
+                               f"islands {members}")
+            else:
+                logger.info(f"outer step {outer_step}: island {i} joins islands {members}")
 
     def _arrived(self, key: str) -> list[int]:
         """The islands that announced themselves for `key`, once all of the last quorum did or
@@ -278,12 +321,13 @@ class ElasticIslands:
         if self.topology.island_rank == 0:
             self.store.set(f"{_PREFIX}/progress", json.dumps([outer_step, step, shape]))
 
-    def admit(self, shape: dict) -> tuple[int, tuple]:
-        """--diloco_join: (the outer step, its quorum) of the live islands' next outer step that
-        lets this island in."""
+    def admit(self, shape: dict, late_since: Optional[int] = None) -> tuple[int, tuple]:
+        """--diloco_join, or an island landing late that missed outer step `late_since`: (the
+        outer step, its quorum) of the live islands' next outer step that lets this island in."""
         while True:
             target = self.progress(shape) + 1
-            quorum = self.quorum(target, 0, joining=True)
+            late = 0 if late_since is None else target - late_since
+            quorum = self.quorum(target, 0, joining=True, late=late)
             if quorum is not None:
                 return target, quorum
 

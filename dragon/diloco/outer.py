@@ -23,7 +23,9 @@ fixed group, or elastic islands that die and join. A round lands what is due, th
 syncs; it is retried without an island lost during it, and nothing is applied before it succeeds.
 An exchange in flight that failed (an island died during it) is redone by the survivors from
 their kept pseudo-gradients, divided by those that contributed. A joiner takes theta_outer, the
-outer optimizers and the step from a live island, sends zeros, and applies what it applies.
+outer optimizers and the step from a live island, sends zeros, and applies what it applies. An
+island that reaches a sync after its quorum formed without it lands late: it joins the next outer
+step as a joiner does, but sends the pseudo-gradient it kept, weighted by its staleness.
 """
 
 import logging
@@ -37,7 +39,7 @@ from dragon.diloco.exchange import Exchange, ExchangeSet, flatten
 from dragon.diloco.fragment import Fragment, InFlight, OptimizerFactory
 from dragon.diloco.fragment_cut import INTERLEAVED, fragment_ids
 from dragon.diloco.landing import AUTO, AutoLandings
-from dragon.diloco.membership import MissedRound, Round
+from dragon.diloco.membership import LateForQuorum, MissedRound, Round, staleness_weight
 from dragon.diloco.pace import pace_for
 from dragon.diloco.runtime import OuterRuntime, resumable_state
 import dragon.diloco.state as saved_state
@@ -84,6 +86,7 @@ class DiLoCo:
             self.fragments = [Fragment(f, ids, None, whole[ids == f], self.runtime.device, make,
                                        **kept) for f in range(self.F)]
         self.outer_step = self.joined_step = 0
+        self.late_deltas: Optional[list[torch.Tensor]] = None  # landing late: what it trained
         self.pace = pace_for(config, topology, tokens_per_step)  # unequal islands, else None
 
     # ----------------------------------------------------------- the schedule
@@ -134,10 +137,13 @@ class DiLoCo:
         """The rounds of inner step `step`: a fragment that lands and syncs again at once lands
         first, in a round of its own, so that it syncs from the weights its landing left."""
         start, rounds = time.perf_counter(), []
-        if set(self.landing(step, final)) & set(self.syncing(step, final)):
-            rounds.append(self._round(step, final, joining, sync=False))
-            joining = None
-        rounds.append(self._round(step, final, joining))
+        try:
+            if set(self.landing(step, final)) & set(self.syncing(step, final)):
+                rounds.append(self._round(step, final, joining, sync=False))
+                joining = None
+            rounds.append(self._round(step, final, joining))
+        except LateForQuorum as late:  # the others went on without this island
+            return self._land_late(late)
         metrics = self._metrics(step, final, rounds)
         metrics["outer_seconds"] = time.perf_counter() - start
         return metrics
@@ -169,29 +175,35 @@ class DiLoCo:
         return done
 
     def _attempt(self, step: int, final: bool, sync: bool, members: list[int], group,
-                 joiners: list[int]) -> Round:
+                 joiners: list[int], late: dict) -> Round:
         """One attempt at a round among `members` (retried by an elastic membership without an
-        island lost during it): joiners take the live islands' state, what is due lands, what
-        syncs starts (blocking: and completes). Nothing is applied here."""
-        done = Round(step=step, contributors=len(members) - len(joiners),
-                     contributes=self.topology.island not in joiners)
+        island lost during it): joiners (and islands landing `late`) take the live islands'
+        state, what is due lands, what syncs starts (blocking: and completes). Nothing is
+        applied here."""
+        island = self.topology.island
+        weight = {i: staleness_weight(late.get(i, 0)) for i in members
+                  if i not in joiners or i in late}  # those that contribute
+        done = Round(step=step, contributors=len(weight), contributes=island in weight,
+                     late=late)
         due = self.landing(step, final)
         if sync and self.eager:  # its one fragment lands as it syncs (none in flight: nothing)
             due = [0]
         if joiners:
             done.step, due = self.runtime.share_outer_state(group, members, joiners, step,
                                                             self.fragments, due)
-            if not done.contributes:  # a joiner's weights are theta_outer: it sends zeros
+            if island in joiners:  # its weights are theta_outer (a joiner sends zeros)
                 self._land(dict.fromkeys(range(self.F)), 0.0)
         done.landed = self._averages(due, group, members, redo=bool(joiners) and not self.eager)
         if sync:
             done.syncing = self.syncing(done.step, final)
         if self.pace is not None and done.syncing:  # unequal islands: weights by tokens
-            done.scale, done.paced, done.plan = self.pace.agree(group, members,
-                                                                 done.contributors)
+            done.scale, done.paced, done.plan = self.pace.agree(group, members, weight)
+        elif late and done.syncing:  # the mean weighted by staleness
+            done.scale = len(weight) * weight.get(island, 0.0) / sum(weight.values())
         local = flatten(self.weights.tensors())
         for fragment in self._of(done.syncing):
-            delta = fragment.delta(local, done.scale)
+            kept = None if self.late_deltas is None else self.late_deltas[fragment.number]
+            delta = fragment.delta(local, done.scale, kept)
             then = (self.auto.poster(fragment.number, done.step)  # auto: when it is done
                     if self.auto is not None and not final else None)
             done.deltas.append(delta)
@@ -292,6 +304,10 @@ class DiLoCo:
             applied += [x.exchange for x in r.flights]
             applied += r.started if r.synced else []
             metrics.update(r.paced)  # unequal islands
+            if r.late:  # islands landing late, and by how many outer steps this one is
+                metrics["outer_late"] = len(r.late)
+                if self.topology.island in r.late:
+                    metrics["landed_late_by"] = r.late[self.topology.island]
         self.runtime.waited([x.exchange for x in flights if x.lands_at == x.synced_at + self.H])
         if self.F > 1:
             if done.syncing:  # one fragment a step; F: all of them (the last step)
@@ -327,15 +343,35 @@ class DiLoCo:
         """--diloco_join: wait to be let into the live islands' next outer step, take
         theta_outer, the outer optimizers' state and the step from them, and take that outer
         step with them, ending it on their weights. Returns the step and its metrics."""
+        for fragment in self.fragments:  # what this island's checkpoint had is theirs now
+            fragment.in_flight = None
+            fragment.forget_own_share()
+        metrics = self._join_live_islands()
+        return self.joined_step, metrics
+
+    def _land_late(self, late: LateForQuorum) -> dict:
+        """This island reached outer step `late.outer_step` after its quorum formed without it:
+        it keeps its pseudo-gradient (against the theta_outer it trained from), joins the live
+        islands' next outer step, sends it there weighted by its staleness, and ends that step
+        on their weights. Its step is then theirs (joined_step)."""
+        if self.topology.island_rank == 0:
+            logger.warning(f"outer step {late.outer_step} went on without this island (islands "
+                           f"{late.members}); its pseudo-gradient lands in the next one")
+        local = flatten(self.weights.tensors())
+        self.late_deltas = [f.outer.to("cpu", torch.float32) - f.of(local)
+                            for f in self.fragments]
+        try:
+            return self._join_live_islands(late_since=late.outer_step)
+        finally:
+            self.late_deltas = None
+
+    def _join_live_islands(self, late_since: Optional[int] = None) -> dict:
+        """The live islands' next outer step that lets this island in, taken with them."""
         while True:
-            target, quorum = self.membership.admit(self.runtime.shape())
+            target, quorum = self.membership.admit(self.runtime.shape(), late_since)
             self.outer_step = target - 1
-            for fragment in self.fragments:  # what this island's checkpoint had is theirs now
-                fragment.in_flight = None
-                fragment.forget_own_share()
             try:
-                metrics = self._outer_step(0, False, joining=quorum)
-                return self.joined_step, metrics
+                return self._outer_step(0, False, joining=quorum)
             except MissedRound:  # the live islands went on without this island: a later step
                 logger.warning(f"outer step {target} went on without this island; it joins a "
                                "later one")

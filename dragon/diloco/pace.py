@@ -72,15 +72,16 @@ class Pace:
             self.seconds += self._last_end - self._began
             self._began = None
 
-    def agree(self, group, members: list[int], contributors: int
+    def agree(self, group, members: list[int], weight: dict
               ) -> tuple[float, dict, list[int]]:
         """At an outer step that syncs, among the `members` meeting in `group` (rank r of each):
         every member's tokens and step seconds since its last one, in one all-reduce. Returns
-        the scale of this island's pseudo-gradient (the `contributors`, whose average the
-        exchange takes, times T_i / sum T), the step's metrics (its steps, tokens, weight,
-        seconds a step, and the seconds since its last trained step: its rest and its wait for
-        the others) and the plan from here on (auto: from the members' seconds). Nothing changes
-        until settle(plan): an elastic round may be retried."""
+        the scale of this island's pseudo-gradient (the contributors, whose average the
+        exchange takes, times w_i T_i / sum w T; `weight`: each contributor's w, by staleness
+        dragon.diloco.membership.staleness_weight; a joiner has none), the step's metrics (its
+        steps, tokens, weight, seconds a step, and the seconds since its last trained step: its
+        rest and its wait for the others) and the plan from here on (auto: from the members'
+        seconds). Nothing changes until settle(plan): an elastic round may be retried."""
         n = self.islands
         # the island's slowest rank: every rank of an island must come to the same plan
         step_seconds = all_reduce_values([self.seconds / max(self.trained, 1)],
@@ -92,17 +93,18 @@ class Pace:
             group.allreduce([mine], dist.ReduceOp.SUM).wait()
         waited = time.perf_counter() - self._last_end  # resting, then for the other islands
         tokens, seconds = mine[:n].tolist(), mine[n:].tolist()
-        total = sum(tokens)
-        weight = tokens[self.island] / total if total > 0 else 1 / len(members)
+        weighed = [tokens[i] * weight.get(i, 0.0) for i in range(n)]
+        total, own = sum(weighed), weight.get(self.island, 0.0)
+        share = weighed[self.island] / total if total > 0 else own / sum(weight.values())
         plan, timed = list(self.plan), [i for i in members if seconds[i] > 0]
         if self.auto and timed:  # a joiner has trained no step yet: its entry stays
             fastest = min(seconds[i] for i in timed)
             for i in timed:
                 plan[i] = min(self.H, max(1, round(self.H * fastest / seconds[i])))
         metrics = {"island_steps": self.trained, "island_tokens": int(tokens[self.island]),
-                   "outer_weight": weight, "island_step_seconds": seconds[self.island],
+                   "outer_weight": share, "island_step_seconds": seconds[self.island],
                    "island_waited_seconds": waited, "island_plan": plan[self.island]}
-        return weight * contributors, metrics, plan
+        return share * len(weight), metrics, plan
 
     def settle(self, plan: list[int]) -> None:
         """The round that agreed on `plan` succeeded: a new window of counts begins."""

@@ -144,7 +144,9 @@ def membership_for(config: DiLoCoConfig, topology: Topology) -> Union[FixedGroup
     """Elastic islands with --diloco_elastic, else every island in every outer step."""
     if not config.elastic:
         return FixedGroup(topology)
-    return ElasticIslands(topology, config.quorum_timeout, config.min_islands, topology.timeout_s)
+    late_landing = config.mode == "sync" and config.fragments == 1
+    return ElasticIslands(topology, config.quorum_timeout, config.min_islands, topology.timeout_s,
+                          late_landing)
 
 
 def resumable_state(saved, own_file: str, laid_out: Callable[[str], Optional[dict]]

@@ -86,11 +86,18 @@ class TrainingRun:
         reads where an island that trained all along would read)."""
         if not resumed:
             self.data.train.seek(step)
-        self.data.tokens.count = step * self.run_tokens_per_step  # the run's, as the others count
-        self._move_to(step)
+        self.catch_up(step)
         if rank() == 0:
             logger.info(f"joined the run at step {step} (outer step {self.diloco.outer_step})")
         self.log(metrics)
+
+    def catch_up(self, step: int) -> int:
+        """Move on to the live islands' `step` (a joiner's, or an island's that landed late:
+        DiLoCo.joined_step): the run's tokens as they count them, the LR schedule and the step
+        count; its data stream goes on where it is. Returns the step."""
+        self.data.tokens.count = step * self.run_tokens_per_step
+        self._move_to(step)
+        return step
 
     def _move_to(self, step: int) -> None:
         """Count the steps up to `step` as taken without training them (a joiner's, a resting

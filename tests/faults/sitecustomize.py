@@ -146,8 +146,8 @@ def _failing_join() -> None:
 
     attempt, failed = DiLoCo._attempt, []
 
-    def failing(self, step, final, sync, members, group, joiners):
-        done = attempt(self, step, final, sync, members, group, joiners)
+    def failing(self, step, final, sync, members, group, joiners, late):
+        done = attempt(self, step, final, sync, members, group, joiners, late)
         if self.topology.island in joiners and not failed:
             failed.append(True)
             raise RuntimeError("Connection closed by peer (DRAGON_FAULT_JOIN_FAILS)")

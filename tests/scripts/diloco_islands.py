@@ -1,6 +1,6 @@
 """One island of a two-island DiLoCo run on toy weights, for tests/test_diloco.py.
 
-    python diloco_islands.py ISLAND HOST:PORT OUT_JSON [elastic]
+    python diloco_islands.py ISLAND HOST:PORT OUT_JSON [elastic|late]
 
 Two processes (islands 0 and 1, one rank each) meet through a real ProcessGroupGloo built by
 dragon.parallel.topology.enter_island (one launch per island). The "inner optimizer" is a gradient
@@ -14,11 +14,16 @@ mode; in each, island 1 leaves after outer step 1 (its exchange done), and islan
 beside a one-island DiLoCo started from its state at that point (theta_outer, outer optimizer,
 what was in flight) on the same inner steps; it records both. Then island 1 tries to join the
 ended delayed run.
+
+`late` (a standalone store): elastic islands in sync mode, quorum timeout 1 s; island 1 reaches
+outer step 2 three seconds late and lands there in outer step 3, for which island 0 trains slowly
+(4 s). Each records every outer step it took, with its step.
 """
 
 import copy
 import json
 import sys
+import time
 from types import SimpleNamespace
 
 import torch
@@ -154,11 +159,30 @@ def elastic_runs(island: int, store: str) -> dict:
     return records
 
 
+def late(island: int, store: str) -> list[dict]:
+    options = elastic_options(island, store)
+    topology = enter_island(SimpleNamespace(**options), 60)
+    args = DiLoCoArguments(diloco_inner_steps=INNER_STEPS, diloco_outer_momentum=0.3,
+                           diloco_quorum_timeout=1, **options)
+    weights, c, record, step = Weights(initial_weights()), centre(island), [], 0
+    outer, last = DiLoCo(weights, args.config(), topology), OUTER_STEPS * INNER_STEPS
+    while step < last:
+        if (island, step) in ((1, INNER_STEPS), (0, 2 * INNER_STEPS)):
+            time.sleep(3 + island)  # island 1 is late for outer step 2; 0 slow for step 3
+        inner_steps(weights, c)
+        step += INNER_STEPS
+        metrics = outer.maybe_outer_step(step, final=step == last)
+        step = max(step, outer.joined_step)  # landed late: on at the live islands' step
+        record.append({**record_of(weights, outer, metrics), "step": step})
+    outer.close(ended_at=last)
+    return record
+
+
 def main():
     island, store, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    if sys.argv[4:5] == ["elastic"]:
+    if sys.argv[4:5] in (["elastic"], ["late"]):
         with open(out, "w") as f:
-            json.dump(elastic_runs(island, store), f)
+            json.dump((elastic_runs if sys.argv[4] == "elastic" else late)(island, store), f)
         return
     topology = enter_island(
         SimpleNamespace(
