@@ -108,7 +108,7 @@ def train(engine, run, data, outer, checkpointer, args, profiler) -> None:
 
         record = outer.maybe_outer_step(step, final=run.done) if outer else {}
         if outer and outer.joined_step > step:  # it landed late, in the live islands' next one
-            step = run.catch_up(outer.joined_step)
+            step, grad_norm = run.catch_up(outer.joined_step, grad_norm), None
         if run.due(args.logging_steps):
             record.update(run.train_metrics(grad_norm))
         if run.due(args.eval_steps) and not verdict.stop:  # a stop saves at once

@@ -167,6 +167,34 @@ def test_a_late_island_lands_in_the_next_outer_step_weighted_by_staleness(tmp_pa
     assert zero[-1]["weights"] == one[-1]["weights"] and zero[-1]["outer"] == one[-1]["outer"]
 
 
+def test_a_late_island_of_the_recipe_lands_late_and_the_islands_end_identical(
+    tmp_path, text_file, store
+):
+    """Two elastic ZeRO-2 islands (quorum timeout 5 s): island 1 reaches outer step 2 (step 8)
+    eight seconds late, island 0 outer step 3 six seconds late. Island 0 takes outer step 2
+    alone; island 1 lands in outer step 3 (step 12) without training steps 9-12, logs each step
+    it trained once, saves at step 12 with island 0, and both end on identical weights and
+    theta_outer (checksums ==) after outer steps 3 and 4."""
+    out = tmp_path / "run"
+    env = {"DRAGON_FAULT_LATE": "1:2:8,0:3:6"}
+    procs = [start(i, 2, out, text_file, store, env) for i in (0, 1)]
+    ends = [proc.communicate(timeout=600) for proc in procs]
+    for proc, (_, stderr) in zip(procs, ends):
+        assert proc.returncode == 0, stderr[-3000:]
+    assert "outer step 2 went on without this island (islands [0])" in ends[1][1]
+    zero, one = outer(out, 0), outer(out, 1)
+    assert [m["outer_quorum"] for m in zero] == [2, 1, 2, 2]
+    assert [m["step"] for m in one] == [4, 12, 16]
+    assert one[1]["landed_late_by"] == 1 and zero[2]["outer_late"] == 1
+    rows = read_jsonl(out / "island1" / "metrics.jsonl")
+    assert [r["step"] for r in rows if "loss" in r] == [*range(1, 9), *range(13, 17)]
+    assert is_complete(out / "island1" / "checkpoints" / "step12")
+    keys = ("weights_sum", "weights_sumsq", "outer_sum", "outer_sumsq")
+    for a, b in zip(zero[2:], one[1:]):
+        for key in keys:
+            assert a[key] == b[key], (a["step"], key)
+
+
 # mode -> (the outer step island 2 dies in, flags, ranks per island). Delayed fragments: F = 2
 # of H 4, each landing a step after its sync; outer step 3 is fragment 0's sync at step 4 (1:
 # fragment 1's at step 2, 2: its landing at step 3). Neurons: delayed islands of K=2 shares (the

@@ -91,10 +91,13 @@ class TrainingRun:
             logger.info(f"joined the run at step {step} (outer step {self.diloco.outer_step})")
         self.log(metrics)
 
-    def catch_up(self, step: int) -> int:
+    def catch_up(self, step: int, grad_norm: Optional[float] = None) -> int:
         """Move on to the live islands' `step` (a joiner's, or an island's that landed late:
         DiLoCo.joined_step): the run's tokens as they count them, the LR schedule and the step
-        count; its data stream goes on where it is. Returns the step."""
+        count; its data stream goes on where it is. The losses not yet logged are logged first,
+        at the step they were trained (with `grad_norm`, the last one's). Returns the step."""
+        if self.losses:
+            self.log(self.train_metrics(grad_norm))
         self.data.tokens.count = step * self.run_tokens_per_step
         self._move_to(step)
         return step

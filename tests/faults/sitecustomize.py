@@ -14,6 +14,8 @@ job_env adds it when a test sets a DRAGON_FAULT_* variable); dragon itself carri
   (os._exit) in elastic outer step 2, after its quorum formed and before the exchange.
 - DRAGON_FAULT_JOIN_FAILS=1: a joiner's first join round completes everywhere, then fails on the
   joiner alone (as an exchange whose last message was lost to it), so the live islands go on.
+- DRAGON_FAULT_LATE=1:2:8,0:3:6: island 1 reaches elastic outer step 2 eight seconds late,
+  island 0 outer step 3 six seconds late (each sleeps before its round).
 - DRAGON_FAULT_STEP_SECONDS=0.2: every training forward of this job takes at least so long (a
   slow island).
 - DRAGON_FAULT_KILL_PREPARE_SHARD=2: recipes/prepare_data.py is killed (SIGKILL) as it starts
@@ -156,6 +158,23 @@ def _failing_join() -> None:
     DiLoCo._attempt = failing
 
 
+def _late_islands(entries: str) -> None:
+    """Island i sleeps s seconds before its own round of outer step k, for each i:k:s."""
+    from dragon.diloco.membership import ElasticIslands
+
+    run_round, late = ElasticIslands.run_round, {}
+    for entry in entries.split(","):
+        island, outer_step, seconds = entry.split(":")
+        late[int(island), int(outer_step)] = float(seconds)
+
+    def late_round(self, outer_step, attempt, joining=None, final=False):
+        if joining is None:
+            time.sleep(late.get((self.topology.island, outer_step), 0.0))
+        return run_round(self, outer_step, attempt, joining, final)
+
+    ElasticIslands.run_round = late_round
+
+
 def _slow_forwards(seconds: float) -> None:
     """Every training forward takes `seconds` at least."""
 
@@ -195,6 +214,8 @@ if _steps("EXIT_OUTER_STEP"):
     _dying_island(_steps("EXIT_OUTER_STEP"))
 if os.environ.get("DRAGON_FAULT_JOIN_FAILS"):
     _failing_join()
+if os.environ.get("DRAGON_FAULT_LATE"):
+    _late_islands(os.environ["DRAGON_FAULT_LATE"])
 if os.environ.get("DRAGON_FAULT_STEP_SECONDS"):
     _slow_forwards(float(os.environ["DRAGON_FAULT_STEP_SECONDS"]))
 if _steps("KILL_PREPARE_SHARD"):
