@@ -193,6 +193,17 @@ class Runs:
             return self.done[name]
         self.keys[name] = key
         out = out or self.root / name
+        proc = launch(launcher, nproc, script, self.arguments(out, launcher, config, micro, extra))
+        assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        metrics = out / "metrics.jsonl"
+        if not metrics.exists():  # DiLoCo islands: <out>/island<i>/metrics.jsonl
+            metrics = out / "island0" / "metrics.jsonl"
+        self.done[name] = (out, read_jsonl(metrics), proc)
+        return self.done[name]
+
+
+    def arguments(self, out, launcher="torchrun", config="zero2.json", micro=4, extra=()):
+        """The recipe's arguments of a run into `out`."""
         cfg = (
             [config]
             if launcher == "accelerate"
@@ -200,26 +211,9 @@ class Runs:
         )
         if config.startswith("/"):
             cfg = ["--deepspeed", config]
-        args = [
-            *cfg,
-            "--output_dir",
-            str(out),
-            "--train_file",
-            str(self.text_file),
-            "--max_steps",
-            str(STEPS),
-            "--per_device_train_batch_size",
-            str(micro),
-            *TINY,
-            *extra,
-        ]
-        proc = launch(launcher, nproc, script, args)
-        assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-        metrics = out / "metrics.jsonl"
-        if not metrics.exists():  # DiLoCo islands: <out>/island<i>/metrics.jsonl
-            metrics = out / "island0" / "metrics.jsonl"
-        self.done[name] = (out, read_jsonl(metrics), proc)
-        return self.done[name]
+        return [*cfg, "--output_dir", str(out), "--train_file", str(self.text_file),
+                "--max_steps", str(STEPS), "--per_device_train_batch_size", str(micro), *TINY,
+                *extra]
 
 
 @pytest.fixture(scope="session")

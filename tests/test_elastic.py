@@ -429,6 +429,45 @@ def test_a_joiner_whose_round_failed_on_it_alone_joins_a_later_one(tmp_path, tex
             assert m[key] == mine[m["step"]][key], (m["step"], key)
 
 
+@pytest.mark.slow
+def test_an_island_killed_while_another_joins_leaves_the_joiner_with_the_survivors(
+    tmp_path, text_file, store
+):
+    """Islands 0 and 1 of 3 train (sync, H 4, quorum timeout 5 s, 0.2 s a step); island 2 joins
+    them and is held at its first exchange (a test-only hook) while island 1 is SIGKILLed. The
+    round fails on every member, and islands 0 and 2 retry it without island 1: the joiner
+    takes the live state there and trains on. Both exit 0, with identical weights and
+    theta_outer after every outer step from the join on (quorum 2)."""
+    out, release = tmp_path / "run", tmp_path / "release"
+    steps = ["--max_steps", "40", "--eval_steps", "40", "--save_steps", "40"]
+    slow = {"DRAGON_FAULT_STEP_SECONDS": "0.2"}
+    live = [start(i, 3, out, text_file, store, env=slow, extra=steps) for i in (0, 1)]
+    joiner = start(2, 3, out, text_file, store, env={"DRAGON_FAULT_HOLD_JOIN": str(release)},
+                   extra=[*steps, "--diloco_join"])
+    while not (tmp_path / "release.held").exists():
+        for proc in (*live, joiner):
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+        time.sleep(0.05)
+    for pid in ranks_of(live[1].pid):
+        os.kill(pid, signal.SIGKILL)
+    live[1].wait(timeout=60)
+    release.touch()
+    said = ""
+    for proc in (live[0], joiner):
+        stdout, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, stderr[-3000:]
+        said += stdout + stderr
+    assert "retrying without the lost island" in said
+    assert "joined the run at step" in said
+    mine = {m["step"]: m for m in outer(out, 0)}
+    theirs = outer(out, 2)
+    assert len(theirs) >= 2 and theirs[-1]["step"] == 40
+    for m in theirs:
+        assert m["outer_quorum"] == mine[m["step"]]["outer_quorum"] == 2
+        for key in ("weights_sum", "weights_sumsq", "outer_sum", "outer_sumsq"):
+            assert m[key] == mine[m["step"]][key], (m["step"], key)
+
+
 def test_a_joiner_of_another_model_size_or_h_is_refused(tmp_path, text_file, store):
     """A joiner whose model size or H differs from the live island's exits 1 with one line
     naming both values; the live island trains on, unaware."""

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 from conftest import REPO, free_port, job_env, launch_command, losses, read_jsonl
-from test_checkpoints import recipe_args
+from test_checkpoints import finish, kill_when, logged_steps, recipe_args
 from test_elastic import island_store
 from test_diloco import (DILOCO, assert_islands_identical, island_metrics, islands_run,
                          resume_islands_at_step_4)
@@ -21,7 +21,8 @@ def test_a_fixed_plan_weights_islands_by_tokens_and_resumes_exactly(runs, tmp_pa
     """2 islands (ZeRO-0, H 2, sync), island 1 training 1 step of every 2 (--diloco_island_steps
     2,1): island 1 trains and logs a loss at steps 2, 4, 6, 8 only, every outer step weights the
     islands 2/3 and 1/3 as their logged tokens say, both hold bit-identical weights after every
-    outer step, and, resumed at step 4, steps 5-8 repeat bit for bit."""
+    outer step, the run's tokens count both islands' trained steps exactly, and, resumed at
+    step 4, steps 5-8 repeat bit for bit."""
     extra = [*DILOCO, "--diloco_island_steps", "2,1"]
     full_out = islands_run(runs, "unequal_islands", config="zero0.json", extra=extra)
     assert_islands_identical(full_out)
@@ -36,11 +37,41 @@ def test_a_fixed_plan_weights_islands_by_tokens_and_resumes_exactly(runs, tmp_pa
             pytest.approx(1 / 3))
         assert (a["island_plan"], b["island_plan"]) == (2, 1)
     assert losses(full[1])[-1] < losses(full[1])[0]
+    per_step = outer[0][0]["island_tokens"] // 2  # the run's tokens: both islands' trained steps
+    for metrics in full:
+        counted = {m["step"]: m["tokens"] for m in metrics if "tokens" in m}
+        assert counted == {s: per_step * (s + s // 2) for s in range(1, 9)}, counted
     resumed = resume_islands_at_step_4(runs, "unequal_islands_resumed", full_out, tmp_path,
                                        "zero0.json", extra)
     for i in (0, 1):
         assert losses(resumed[i]) == losses(full[i])[len(losses(full[i])) // 2:]
         assert [m.get("outer_sum") for m in resumed[i]] == [m.get("outer_sum") for m in full[i][4:]]
+
+
+@pytest.mark.slow
+def test_a_killed_pair_with_a_plan_resumes_exactly_with_the_same_command(runs, tmp_path):
+    """The run of the test above as one command with --resume_from_checkpoint auto, SIGKILLed
+    between its step-4 and step-8 saves, then started again with the same command: each
+    island's losses and outer checksums are those of the uninterrupted run, bit for bit."""
+    extra = [*DILOCO, "--diloco_island_steps", "2,1"]
+    full_out = islands_run(runs, "unequal_islands", config="zero0.json", extra=extra)
+    out = tmp_path / "killed"
+    args = runs.arguments(out, config="zero0.json",
+                          extra=[*extra, "--resume_from_checkpoint", "auto"])
+
+    def start():
+        return subprocess.Popen(launch_command("torchrun", 2, "recipes/pretrain.py", args),
+                                cwd=REPO, env=job_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    proc = start()
+    kill_when(proc, lambda: max(logged_steps(out / "island0" / "metrics.jsonl"), default=0) >= 5)
+    assert max(logged_steps(out / "island0" / "metrics.jsonl")) < 8, "killed too late"
+    finish(start())
+    for i in (0, 1):
+        full, resumed = island_metrics(full_out, i), island_metrics(out, i)
+        assert losses(resumed) == losses(full)
+        assert [m.get("outer_sum") for m in resumed] == [m.get("outer_sum") for m in full]
 
 
 def test_fragments_with_a_plan_stay_identical(runs):

@@ -106,7 +106,9 @@ class DiLoCoArguments:
         default=False,
     )
     diloco_quorum_timeout: float = _help(
-        "Elastic: seconds an outer step waits for the islands of the last one.", default=60.0
+        "Elastic: seconds an outer step waits for the islands of the last one (the grace: in "
+        "sync mode with one fragment an island later than that lands its pseudo-gradient in the "
+        "next outer step, weighted 1/2).", default=60.0
     )
     diloco_join: bool = _help(
         "With --diloco_elastic, join the live islands at their next outer step (theta_outer, outer "

@@ -118,6 +118,10 @@ class DiLoCo:
         """Whether this island trains inner step `step` (else it rests: dragon.diloco.pace)."""
         return self.pace is None or self.pace.trains(step)
 
+    def islands_training(self, step: int) -> int:
+        """How many islands train inner step `step` (unequal islands: those whose plan has it)."""
+        return self.topology.islands if self.pace is None else self.pace.islands_training(step)
+
     def trained(self) -> None:
         """After a trained inner step (dragon.run.loop.TrainingRun.end_step): its time."""
         if self.pace is not None:

@@ -65,6 +65,10 @@ class Pace:
             return True
         return False
 
+    def islands_training(self, step: int) -> int:
+        """How many islands train inner step `step` under the plan (each of them its tokens)."""
+        return sum(trains_at(step, k, self.H) for k in self.plan)
+
     def ended(self) -> None:
         """After a trained step's optimizer step, before anything waits for other islands."""
         if self._began is not None:

@@ -128,21 +128,28 @@ class TrainingRun:
             self.data.carried.end_step()
         if self.diloco is not None:
             self.diloco.trained()  # unequal islands time their trained steps
+        self._count_run_tokens(self.step + 1)
         self.step += 1
         self.losses.append(loss)
         self._throughput.add(self.tokens_per_step)
-        self.data.tokens.count += self.run_tokens_per_step
         self._logger.advance()
         self.rested = False
         return self.step
 
     def rest(self) -> int:
         """Count a step this island rests through (unequal islands, dragon.diloco.pace): no batch
-        read, no optimizer step, no tokens; the LR schedule and DeepSpeed's step count move on
-        as every island's do. Returns the step."""
+        read, no optimizer step, no tokens of its own (the run's count has the others'); the LR
+        schedule and DeepSpeed's step count move on as every island's do. Returns the step."""
+        self._count_run_tokens(self.step + 1)
         self._move_to(self.step + 1)
         self.rested = True
         return self.step
+
+    def _count_run_tokens(self, step: int) -> None:
+        """The run's tokens after `step`: every island's that trains it (unequal islands: those
+        whose plan has it, as every island holds the same plan)."""
+        islands = 1 if self.diloco is None else self.diloco.islands_training(step)
+        self.data.tokens.count += islands * self.tokens_per_step
 
     def check(self, grad_norm: Optional[float]) -> Verdict:
         """After end_step: a preemption to act on, or a non-finite loss or gradient norm, agreed by

@@ -16,6 +16,9 @@ job_env adds it when a test sets a DRAGON_FAULT_* variable); dragon itself carri
   joiner alone (as an exchange whose last message was lost to it), so the live islands go on.
 - DRAGON_FAULT_LATE=1:2:8,0:3:6: island 1 reaches elastic outer step 2 eight seconds late,
   island 0 outer step 3 six seconds late (each sleeps before its round).
+- DRAGON_FAULT_HOLD_JOIN=<path>: a joiner's first round, its quorum formed, writes <path>.held
+  and waits until <path> exists before its first exchange (so that a test can kill an island
+  while it joins).
 - DRAGON_FAULT_STEP_SECONDS=0.2: every training forward of this job takes at least so long (a
   slow island).
 - DRAGON_FAULT_KILL_PREPARE_SHARD=2: recipes/prepare_data.py is killed (SIGKILL) as it starts
@@ -175,6 +178,23 @@ def _late_islands(entries: str) -> None:
     ElasticIslands.run_round = late_round
 
 
+def _held_join(release: str) -> None:
+    """The joiner's first share of the live islands' state waits for `release`."""
+    from dragon.diloco.runtime import OuterRuntime
+
+    share, held = OuterRuntime.share_outer_state, []
+
+    def holding(self, group, members, joiners, *args, **kwargs):
+        if self.topology.island in joiners and not held:
+            held.append(True)
+            open(f"{release}.held", "w").close()
+            while not os.path.exists(release):
+                time.sleep(0.05)
+        return share(self, group, members, joiners, *args, **kwargs)
+
+    OuterRuntime.share_outer_state = holding
+
+
 def _slow_forwards(seconds: float) -> None:
     """Every training forward takes `seconds` at least."""
 
@@ -216,6 +236,8 @@ if os.environ.get("DRAGON_FAULT_JOIN_FAILS"):
     _failing_join()
 if os.environ.get("DRAGON_FAULT_LATE"):
     _late_islands(os.environ["DRAGON_FAULT_LATE"])
+if os.environ.get("DRAGON_FAULT_HOLD_JOIN"):
+    _held_join(os.environ["DRAGON_FAULT_HOLD_JOIN"])
 if os.environ.get("DRAGON_FAULT_STEP_SECONDS"):
     _slow_forwards(float(os.environ["DRAGON_FAULT_STEP_SECONDS"]))
 if _steps("KILL_PREPARE_SHARD"):
