@@ -35,6 +35,7 @@ redone at the next outer step among its members, from the pseudo-gradients each 
 the members that contributed to it: the late average is then the survivors' average.
 """
 
+import gc
 import json
 import logging
 import time
@@ -250,6 +251,11 @@ class ElasticIslands:
                     f"outer step {outer_step}: the exchange among islands {quorum[0]} failed "
                     f"({str(e).splitlines()[0][:160]}); retrying without the lost island"
                 )
+            # The failed group's connections close, so that a member still waiting in it (one
+            # held up, a joiner) fails at once and reaches the retry in time; its exchanges may
+            # hold it in reference cycles.
+            quorum = None
+            gc.collect()
         raise RuntimeError(f"outer step {outer_step}: no exchange succeeded")
 
     def _report(self, outer_step: int, members: list[int], joiners: list[int], late: dict
@@ -321,11 +327,13 @@ class ElasticIslands:
         if self.topology.island_rank == 0:
             self.store.set(f"{_PREFIX}/progress", json.dumps([outer_step, step, shape]))
 
-    def admit(self, shape: dict, late_since: Optional[int] = None) -> tuple[int, tuple]:
+    def admit(self, shape: dict, late_since: Optional[int] = None, after: int = 0
+              ) -> tuple[int, tuple]:
         """--diloco_join, or an island landing late that missed outer step `late_since`: (the
-        outer step, its quorum) of the live islands' next outer step that lets this island in."""
+        outer step, its quorum) of the live islands' next outer step that lets this island in,
+        later than outer step `after` (one that went on without it: its attempts are over)."""
         while True:
-            target = self.progress(shape) + 1
+            target = max(self.progress(shape), after) + 1
             late = 0 if late_since is None else target - late_since
             quorum = self.quorum(target, 0, joining=True, late=late)
             if quorum is not None:

@@ -371,14 +371,16 @@ class DiLoCo:
 
     def _join_live_islands(self, late_since: Optional[int] = None) -> dict:
         """The live islands' next outer step that lets this island in, taken with them."""
+        missed = 0
         while True:
-            target, quorum = self.membership.admit(self.runtime.shape(), late_since)
+            target, quorum = self.membership.admit(self.runtime.shape(), late_since, missed)
             self.outer_step = target - 1
             try:
                 return self._outer_step(0, False, joining=quorum)
             except MissedRound:  # the live islands went on without this island: a later step
                 logger.warning(f"outer step {target} went on without this island; it joins a "
                                "later one")
+                missed = target
 
     def close(self, ended_at: Optional[int] = None) -> None:
         """After the last outer step (dragon.diloco.runtime.OuterRuntime.close)."""
