@@ -7,11 +7,15 @@ training every step (the default) and with --diloco_island_steps auto.
 Two islands of one rank each, each a launch of its own, the model and data of
 benchmarks/diloco.py. Island 0 runs on core 0; island 1 on core 1 in a cgroup whose
 cpu.cfs_quota_us holds it to --quota of that core (a slower site). The baseline is island 0 as
-a one-island DiLoCo on core 0 with nothing beside it. Prints, per run, island 0's seconds per
-step after the first window and their ratio to the baseline's (the speed it keeps), the steps
-island 1 trained per window, island 0's weight in the outer average, and the final validation
-loss (island 0's weights after the last outer step, the same on both islands), and island 0's
-wall seconds from the end of the second window to the last step.
+a one-island DiLoCo on core 0 with nothing beside it, and island 1 alone the same way in its
+cgroup. Prints, per run, island 0's seconds per step after the first window and their ratio to
+the baseline's (the speed it keeps), the steps island 1 trained per window, the global rate (the
+steps both islands trained a second) against the sum of the two islands' rates alone, island 0's
+weight in the outer average, the final validation loss (island 0's weights after the last outer
+step, the same on both islands), and island 0's wall seconds from the end of the second window
+to the last step. A last row runs `auto` for as many steps as train the default's tokens (its
+quality at equal tokens; the default is equal islands' arithmetic, which the throttle does not
+change).
 """
 
 import argparse
@@ -49,8 +53,10 @@ def launch(out: Path, island: int, islands: int, core: int, args: list[str],
                             stderr=subprocess.PIPE, text=True)
 
 
-def run(out: Path, args: list[str], islands: int, group: Path) -> list[list[dict]]:
-    procs = [launch(out, i, islands, i, args, group if i == 1 else None)
+def run(out: Path, args: list[str], islands: int, group: Path, core: int = 0
+        ) -> list[list[dict]]:
+    """The islands (one: on `core`, in `group` when that is core 1)."""
+    procs = [launch(out, i, islands, i + core, args, group if i + core == 1 else None)
              for i in range(islands)]
     for proc in procs:
         if proc.wait() != 0:
@@ -82,26 +88,41 @@ def main() -> None:
                 "--save_steps", str(cli.steps), "--warmup_steps", str(cli.steps // 5),
                 "--diloco_inner_steps", str(h), "--logging_steps", str(h)]
         alone = run(root / "alone", args, 1, group)[0]
+        slow_alone = run(root / "slow_alone", args, 1, group, core=1)[0]
+        auto = [*args, "--diloco_island_steps", "auto"]
         rows = {"every island every step": run(root / "equal", [*args], 2, group),
-                "--diloco_island_steps auto": run(
-                    root / "auto", [*args, "--diloco_island_steps", "auto"], 2, group)}
+                "--diloco_island_steps auto": run(root / "auto", auto, 2, group)}
+        share = island_steps(rows["--diloco_island_steps auto"][1], h) / h
+        longer = round(2 * cli.steps / (1 + share) / h) * h  # the default's tokens
+        for i, a in enumerate(auto):
+            if a in ("--max_steps", "--eval_steps", "--save_steps"):
+                auto[i + 1] = str(longer)
+        rows[f"auto, {longer} steps (equal tokens)"] = run(root / "auto_long", auto, 2, group)
     finally:
         group.rmdir()
-    base = seconds_per_step(alone, 2 * h)
-    print(f"{cli.steps} steps, H={h}, island 1 held to {cli.quota:.0%} of its core; island 0 "
-          f"alone: {base:.4f} s a step\n")
-    print("| run | island 0, s a step | speed it keeps | island 1's steps a window | "
-          "island 0's weight | val loss | wall s (island 0, after the first window) |")
-    print("|---|---|---|---|---|---|---|")
+    base, slow_base = seconds_per_step(alone, 2 * h), seconds_per_step(slow_alone, 2 * h)
+    print(f"{cli.steps} steps, H={h}, island 1 held to {cli.quota:.0%} of its core; alone, "
+          f"island 0: {base:.4f} s a step, island 1: {slow_base:.4f}\n")
+    print("| run | island 0, s a step | speed it keeps | island 1's steps a window | global "
+          "rate / sum alone | island 0's weight | val loss | wall s (island 0, after the first "
+          "window) |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, (fast, slow) in rows.items():
         per_step = seconds_per_step(fast, 2 * h)
-        windows = [m for m in slow if "outer_step" in m and m["step"] > h]
-        steps = statistics.mean(m.get("island_steps", h) for m in windows)
+        steps = island_steps(slow, h)
+        both = (1 + steps / h) / per_step / (1 / base + 1 / slow_base)
         weights = [m["outer_weight"] for m in fast if "outer_weight" in m and m["step"] > h]
         weight = f"{statistics.mean(weights):.2f}" if weights else "0.50"
         loss = [m["eval_loss"] for m in fast if "eval_loss" in m][-1]
-        print(f"| {name} | {per_step:.4f} | {base / per_step:.2f} | {steps:.1f} | {weight} | "
-              f"{loss:.4f} | {per_step * (cli.steps - 2 * h):.1f} |")
+        ends = [m["step"] for m in fast if "time" in m][-1]
+        print(f"| {name} | {per_step:.4f} | {base / per_step:.2f} | {steps:.1f} | {both:.2f} | "
+              f"{weight} | {loss:.4f} | {per_step * (ends - 2 * h):.1f} |")
+
+
+def island_steps(metrics: list[dict], h: int) -> float:
+    """The mean steps an island trained per window after the first."""
+    windows = [m for m in metrics if "outer_step" in m and m["step"] > h]
+    return statistics.mean(m.get("island_steps", h) for m in windows)
 
 
 if __name__ == "__main__":

@@ -202,11 +202,14 @@ class ElasticIslands:
         if t.island not in members:
             if joining:  # it arrived late: it tries a later outer step
                 return None
-            if self.late_landing and not final:
+            # a late island lands in the next outer step (at the start it has nothing to land)
+            if self.late_landing and not final and outer_step > 0:
                 raise LateForQuorum(outer_step, members)
             raise IslandLost(
                 f"island {t.island} reached outer step {outer_step} after its quorum "
-                f"(islands {members}) had formed; it is out of the run"
+                f"(islands {members}) had formed; it is out of the run (a late island lands in "
+                "the next outer step only in sync mode with one fragment, before the last "
+                "one); start it again with --diloco_join --resume_from_checkpoint auto"
             )
         if len(members) < self.min_islands:
             raise IslandLost(
