@@ -9,9 +9,10 @@ reads no batch and takes no optimizer step.
 
 The plan (the steps each island trains per window) is fixed by the user ("8,5") or, with
 "auto", set at every outer step from the seconds of a trained step that each island measured
-since its last one: island i trains k_i = clamp(round(H t_fastest / t_i), 1, H) steps, so the
-fastest trains every step. Every island reads every island's figures from one small all-reduce,
-so all hold the same plan.
+since its last one: island i trains k_i = clamp(floor(H t_fastest / t_i + SLACK), 1, H) steps,
+the most that fit in the fastest island's window (so that the fastest, which trains every step,
+does not wait; SLACK keeps timing noise from costing an equal island a step). Every island reads
+every island's figures from one small all-reduce, so all hold the same plan.
 
 The outer average weights each island's pseudo-gradient by the tokens it trained since its last
 outer step (its trained steps x its tokens per step), as Decoupled DiLoCo (Douillard et al.,
@@ -32,6 +33,7 @@ if TYPE_CHECKING:  # annotations only
     from dragon.parallel.topology import Topology
 
 AUTO = "auto"
+SLACK = 0.1  # of a step: an island this close to fitting one more step in the window trains it
 
 
 def trains_at(step: int, k: int, H: int) -> bool:
@@ -104,7 +106,7 @@ class Pace:
         if self.auto and timed:  # a joiner has trained no step yet: its entry stays
             fastest = min(seconds[i] for i in timed)
             for i in timed:
-                plan[i] = min(self.H, max(1, round(self.H * fastest / seconds[i])))
+                plan[i] = min(self.H, max(1, int(self.H * fastest / seconds[i] + SLACK)))
         metrics = {"island_steps": self.trained, "island_tokens": int(tokens[self.island]),
                    "outer_weight": share, "island_step_seconds": seconds[self.island],
                    "island_waited_seconds": waited, "island_plan": plan[self.island]}
