@@ -115,8 +115,8 @@ class FixedGroup:
         """The group the islands that start together meet in at the first weights."""
         return self.group
 
-    def run_round(self, outer_step: int, attempt: Callable[..., Any],
-                  joining: Optional[tuple] = None, final: bool = False) -> Any:
+    def run_round(self, outer_step: int, attempt: Callable[..., Any], joining: bool = False,
+                  final: bool = False) -> Any:
         return attempt(self.members, self.group, [], {})
 
     def failed(self, outer_step: int, what: str, exchanges: list, contributed: bool, group,
@@ -145,6 +145,7 @@ class ElasticIslands:
         self.late_landing = late_landing  # sync, one fragment: a late island lands in the next
         self.timeout = timedelta(seconds=timeout_s)
         self.members = list(range(topology.islands))
+        self.admitted: Optional[tuple] = None  # the quorum admit() let this island into
 
     def first_group(self, joining: bool) -> Optional[Any]:
         """The islands that start together meet at outer step 0 (a joiner meets them later)."""
@@ -185,8 +186,8 @@ class ElasticIslands:
         attempt `attempt` of outer step `outer_step`; `late`: this joiner's. When this island is
         not a member: a joiner gets None, a late member lands late (LateForQuorum) where it can,
         else it exits with one line, as it does when the quorum is below --diloco_min_islands.
-        The run's `final` outer step lets no new joiner in: it would end there without
-        training."""
+        The run's `final` outer step lets no joiner in (a late one neither: it would not know
+        the step is the last)."""
         t, key = self.topology, step_key(outer_step, attempt)
         if t.island_rank == 0:
             if joining:
@@ -195,7 +196,7 @@ class ElasticIslands:
             if not joining and self.store.add(f"{key}/arrivals", 1) == 1:  # the first decides
                 arrived = self._arrived(key)
                 if final:
-                    arrived = [i for i in arrived if self._joining(key, i) in (None, "late")]
+                    arrived = [i for i in arrived if self._joining(key, i) is None]
                 self.store.set(f"{key}/members", ",".join(map(str, arrived)))
         self._wait_for_decision(f"{key}/members", joining, outer_step, attempt)
         members = [int(i) for i in self.store.get(f"{key}/members").decode().split(",")]
@@ -209,7 +210,7 @@ class ElasticIslands:
                 f"island {t.island} reached outer step {outer_step} after its quorum "
                 f"(islands {members}) had formed; it is out of the run (a late island lands in "
                 "the next outer step only in sync mode with one fragment, before the last "
-                "one); start it again with --diloco_join --resume_from_checkpoint auto"
+                "two); start it again with --diloco_join --resume_from_checkpoint auto"
             )
         if len(members) < self.min_islands:
             raise IslandLost(
@@ -233,18 +234,19 @@ class ElasticIslands:
             return None
         return self.store.get(f"{key}/joining/{island}").decode().split()[0]
 
-    def run_round(self, outer_step: int, attempt: Callable[..., Any],
-                  joining: Optional[tuple] = None, final: bool = False) -> Any:
+    def run_round(self, outer_step: int, attempt: Callable[..., Any], joining: bool = False,
+                  final: bool = False) -> Any:
         """attempt(members, their gloo group, the joining members, those landing late) among the
-        quorum of `outer_step` (`joining`: the quorum a joiner was let into). When an island is
-        lost during it, the step's quorum forms again without it and the whole attempt is
-        retried (nothing is applied before one succeeds)."""
-        late = 0 if joining is None else joining[3].get(self.topology.island, 0)
+        quorum of `outer_step` (`joining`: this island's, first the one admit() let it into).
+        When an island is lost during it, the step's quorum forms again without it and the
+        whole attempt is retried (nothing is applied before one succeeds)."""
+        late = 0
         for retry in range(self.topology.islands):
-            if joining is not None and retry == 0:
-                quorum = joining
+            if joining and retry == 0:  # held here only, so that a failure closes its group
+                quorum, self.admitted = self.admitted, None
+                late = quorum[3].get(self.topology.island, 0)
             else:
-                quorum = self.quorum(outer_step, retry, joining is not None, final, late)
+                quorum = self.quorum(outer_step, retry, joining, final, late)
                 if quorum is None:
                     raise MissedRound()
             try:
@@ -330,17 +332,17 @@ class ElasticIslands:
         if self.topology.island_rank == 0:
             self.store.set(f"{_PREFIX}/progress", json.dumps([outer_step, step, shape]))
 
-    def admit(self, shape: dict, late_since: Optional[int] = None, after: int = 0
-              ) -> tuple[int, tuple]:
-        """--diloco_join, or an island landing late that missed outer step `late_since`: (the
-        outer step, its quorum) of the live islands' next outer step that lets this island in,
-        later than outer step `after` (one that went on without it: its attempts are over)."""
+    def admit(self, shape: dict, late_since: Optional[int] = None, after: int = 0) -> int:
+        """--diloco_join, or an island landing late that missed outer step `late_since`: the
+        live islands' next outer step that lets this island in, later than outer step `after`
+        (one that went on without it: its attempts are over); its quorum is `admitted`."""
         while True:
             target = max(self.progress(shape), after) + 1
             late = 0 if late_since is None else target - late_since
-            quorum = self.quorum(target, 0, joining=True, late=late)
-            if quorum is not None:
-                return target, quorum
+            self.admitted = self.quorum(target, 0, joining=True, late=late)
+            if self.admitted is not None:
+                return target
+            after = target
 
     def progress(self, shape: dict) -> int:
         """The last outer step the live islands published (waits for one); exits with one line

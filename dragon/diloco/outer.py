@@ -137,14 +137,14 @@ class DiLoCo:
 
     # ----------------------------------------------------------- an outer step
 
-    def _outer_step(self, step: int, final: bool, joining: Optional[tuple] = None) -> dict:
+    def _outer_step(self, step: int, final: bool, joining: bool = False) -> dict:
         """The rounds of inner step `step`: a fragment that lands and syncs again at once lands
         first, in a round of its own, so that it syncs from the weights its landing left."""
         start, rounds = time.perf_counter(), []
         try:
             if set(self.landing(step, final)) & set(self.syncing(step, final)):
                 rounds.append(self._round(step, final, joining, sync=False))
-                joining = None
+                joining = False
             rounds.append(self._round(step, final, joining))
         except LateForQuorum as late:  # the others went on without this island
             return self._land_late(late)
@@ -152,7 +152,7 @@ class DiLoCo:
         metrics["outer_seconds"] = time.perf_counter() - start
         return metrics
 
-    def _round(self, step: int, final: bool, joining: Optional[tuple], sync: bool = True
+    def _round(self, step: int, final: bool, joining: bool, sync: bool = True
                ) -> Round:
         """One round among the islands that reach it, then what it settled, applied."""
         self.outer_step += 1
@@ -371,12 +371,12 @@ class DiLoCo:
 
     def _join_live_islands(self, late_since: Optional[int] = None) -> dict:
         """The live islands' next outer step that lets this island in, taken with them."""
-        missed = 0
+        missed = late_since or 0  # a late island joins a later outer step than the one it missed
         while True:
-            target, quorum = self.membership.admit(self.runtime.shape(), late_since, missed)
+            target = self.membership.admit(self.runtime.shape(), late_since, missed)
             self.outer_step = target - 1
             try:
-                return self._outer_step(0, False, joining=quorum)
+                return self._outer_step(0, False, joining=True)
             except MissedRound:  # the live islands went on without this island: a later step
                 logger.warning(f"outer step {target} went on without this island; it joins a "
                                "later one")

@@ -170,8 +170,8 @@ def _late_islands(entries: str) -> None:
         island, outer_step, seconds = entry.split(":")
         late[int(island), int(outer_step)] = float(seconds)
 
-    def late_round(self, outer_step, attempt, joining=None, final=False):
-        if joining is None:
+    def late_round(self, outer_step, attempt, joining=False, final=False):
+        if not joining:
             time.sleep(late.get((self.topology.island, outer_step), 0.0))
         return run_round(self, outer_step, attempt, joining, final)
 
