@@ -9,20 +9,19 @@ import pytest
 from conftest import REPO, free_port, job_env, launch_command, losses, read_jsonl
 from test_checkpoints import finish, kill_when, logged_steps, recipe_args
 from test_elastic import island_store
-from test_diloco import (DILOCO, assert_islands_identical, island_metrics, islands_run,
-                         resume_islands_at_step_4)
+from test_diloco import DILOCO, assert_islands_identical, island_metrics, islands_run
 
 
 def outer_steps(metrics: list[dict]) -> list[dict]:
     return [m for m in metrics if "outer_step" in m]
 
 
-def test_a_fixed_plan_weights_islands_by_tokens_and_resumes_exactly(runs, tmp_path):
+def test_a_fixed_plan_weights_islands_by_tokens(runs):
     """2 islands (ZeRO-0, H 2, sync), island 1 training 1 step of every 2 (--diloco_island_steps
     2,1): island 1 trains and logs a loss at steps 2, 4, 6, 8 only, every outer step weights the
     islands 2/3 and 1/3 as their logged tokens say, both hold bit-identical weights after every
-    outer step, the run's tokens count both islands' trained steps exactly, and, resumed at
-    step 4, steps 5-8 repeat bit for bit."""
+    outer step, and the run's tokens count both islands' trained steps exactly (its resume: the
+    next test)."""
     extra = [*DILOCO, "--diloco_island_steps", "2,1"]
     full_out = islands_run(runs, "unequal_islands", config="zero0.json", extra=extra)
     assert_islands_identical(full_out)
@@ -41,11 +40,6 @@ def test_a_fixed_plan_weights_islands_by_tokens_and_resumes_exactly(runs, tmp_pa
     for metrics in full:
         counted = {m["step"]: m["tokens"] for m in metrics if "tokens" in m}
         assert counted == {s: per_step * (s + s // 2) for s in range(1, 9)}, counted
-    resumed = resume_islands_at_step_4(runs, "unequal_islands_resumed", full_out, tmp_path,
-                                       "zero0.json", extra)
-    for i in (0, 1):
-        assert losses(resumed[i]) == losses(full[i])[len(losses(full[i])) // 2:]
-        assert [m.get("outer_sum") for m in resumed[i]] == [m.get("outer_sum") for m in full[i][4:]]
 
 
 @pytest.mark.slow
