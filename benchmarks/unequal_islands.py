@@ -84,20 +84,20 @@ def main() -> None:
         (group / "cpu.cfs_period_us").write_text("100000")
         (group / "cpu.cfs_quota_us").write_text(str(int(cli.quota * 100000)))
         root = Path(tempfile.mkdtemp(prefix="unequal-"))
-        args = [*MODEL, "--max_steps", str(cli.steps), "--eval_steps", str(cli.steps),
-                "--save_steps", str(cli.steps), "--warmup_steps", str(cli.steps // 5),
-                "--diloco_inner_steps", str(h), "--logging_steps", str(h)]
+        def arguments(steps: int) -> list[str]:  # the warm-up stays that of --steps
+            return [*MODEL, "--max_steps", str(steps), "--eval_steps", str(steps),
+                    "--save_steps", str(steps), "--warmup_steps", str(cli.steps // 5),
+                    "--diloco_inner_steps", str(h), "--logging_steps", str(h)]
+
+        args, auto = arguments(cli.steps), ["--diloco_island_steps", "auto"]
         alone = run(root / "alone", args, 1, group)[0]
         slow_alone = run(root / "slow_alone", args, 1, group, core=1)[0]
-        auto = [*args, "--diloco_island_steps", "auto"]
-        rows = {"every island every step": run(root / "equal", [*args], 2, group),
-                "--diloco_island_steps auto": run(root / "auto", auto, 2, group)}
+        rows = {"every island every step": run(root / "equal", args, 2, group),
+                "--diloco_island_steps auto": run(root / "auto", [*args, *auto], 2, group)}
         share = island_steps(rows["--diloco_island_steps auto"][1], h) / h
         longer = round(2 * cli.steps / (1 + share) / h) * h  # the default's tokens
-        for i, a in enumerate(auto):
-            if a in ("--max_steps", "--eval_steps", "--save_steps"):
-                auto[i + 1] = str(longer)
-        rows[f"auto, {longer} steps (equal tokens)"] = run(root / "auto_long", auto, 2, group)
+        rows[f"auto, {longer} steps (equal tokens)"] = run(
+            root / "auto_long", [*arguments(longer), *auto], 2, group)
     finally:
         group.rmdir()
     base, slow_base = seconds_per_step(alone, 2 * h), seconds_per_step(slow_alone, 2 * h)

@@ -76,40 +76,9 @@ def outer(out, island) -> list[dict]:
     return [m for m in read_jsonl(out / f"island{island}" / "metrics.jsonl") if "outer_step" in m]
 
 
-def test_a_survivor_trains_on_as_a_one_island_diloco_would(tmp_path, store):
-    """Toy weights (tests/scripts/diloco_islands.py), two elastic islands, sync then delayed
-    mode; island 1 leaves after outer step 1. Island 0's outer steps 2-4 (quorum 1) give bit for
-    bit the weights and theta_outer of a one-island DiLoCo started from island 0's state after
-    outer step 1 (theta_outer, outer momentum, and in delayed mode the two-island average in
-    flight) on the same inner steps. Island 1, joining after the run ended, is told so in one
-    line."""
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(REPO / "tests/scripts/diloco_islands.py"), str(i), store,
-             str(tmp_path / f"island{i}.json"), "elastic"],
-            cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        for i in (0, 1)
-    ]
-    stderr = [proc.communicate(timeout=300)[1] for proc in procs]
-    for proc, err in zip(procs, stderr):
-        assert proc.returncode == 0, err[-3000:]
-    assert "island [1] did not arrive; training on with islands [0]" in stderr[0]
-    told = json.loads((tmp_path / "island1.json").read_text())["join"]
-    assert told.startswith("error: --diloco_join: the live islands ended the run at step 12; "
-                           "no outer step is left to join"), told
-    for mode, record in json.loads((tmp_path / "island0.json").read_text()).items():
-        assert [r["metrics"]["outer_quorum"] for r in record] == [2, 1, 1, 1]
-        for k, r in enumerate(record[1:], 2):
-            for key in ("weights", "outer"):
-                got, want = (torch.tensor(sum(x[key], [])) for x in (r, r["alone"]))
-                assert torch.equal(got, want), (mode, k, key, (got - want).abs().max())
-            norm = r["alone"]["metrics"]["outer_grad_norm"]
-            assert r["metrics"]["outer_grad_norm"] == norm, (mode, k)
-
-
-def toy_islands(tmp_path, store, part: str) -> list:
-    """tests/scripts/diloco_islands.py's `part` as islands 0 and 1: each one's record."""
+def toy_islands(tmp_path, store, part: str) -> tuple[list, list[str]]:
+    """tests/scripts/diloco_islands.py's `part` as islands 0 and 1: each one's record, and what
+    each wrote to stderr."""
     procs = [
         subprocess.Popen(
             [sys.executable, str(REPO / "tests/scripts/diloco_islands.py"), str(i), store,
@@ -122,6 +91,27 @@ def toy_islands(tmp_path, store, part: str) -> list:
     for proc, err in zip(procs, stderr):
         assert proc.returncode == 0, err[-3000:]
     return [json.loads((tmp_path / f"island{i}.json").read_text()) for i in (0, 1)], stderr
+
+
+def test_a_survivor_trains_on_as_a_one_island_diloco_would(tmp_path, store):
+    """Toy weights (tests/scripts/diloco_islands.py), two elastic islands, sync then delayed
+    mode; island 1 leaves after outer step 1. Island 0's outer steps 2-4 (quorum 1) give bit for
+    bit the weights and theta_outer of a one-island DiLoCo started from island 0's state after
+    outer step 1 (theta_outer, outer momentum, and in delayed mode the two-island average in
+    flight) on the same inner steps. Island 1, joining after the run ended, is told so in one
+    line."""
+    (zero, one), stderr = toy_islands(tmp_path, store, "elastic")
+    assert "island [1] did not arrive; training on with islands [0]" in stderr[0]
+    assert one["join"].startswith("error: --diloco_join: the live islands ended the run at step "
+                                  "12; no outer step is left to join"), one["join"]
+    for mode, record in zero.items():
+        assert [r["metrics"]["outer_quorum"] for r in record] == [2, 1, 1, 1]
+        for k, r in enumerate(record[1:], 2):
+            for key in ("weights", "outer"):
+                got, want = (torch.tensor(sum(x[key], [])) for x in (r, r["alone"]))
+                assert torch.equal(got, want), (mode, k, key, (got - want).abs().max())
+            norm = r["alone"]["metrics"]["outer_grad_norm"]
+            assert r["metrics"]["outer_grad_norm"] == norm, (mode, k)
 
 
 def test_a_late_island_lands_in_the_next_outer_step_weighted_by_staleness(tmp_path, store):
@@ -412,21 +402,29 @@ def test_a_joiner_whose_round_failed_on_it_alone_joins_a_later_one(tmp_path, tex
                  extra=steps)
     joiner = start(1, 2, out, text_file, store, env={"DRAGON_FAULT_JOIN_FAILS": "1"},
                    extra=[*steps, "--diloco_join"])
+    said = joined_after_a_failed_round(live, joiner, out, 1, 200)
+    assert re.search(r"outer step \d+ went on without this island; it joins a later one", said)
+
+
+def joined_after_a_failed_round(live, joiner, out, island: int, last: int) -> str:
+    """Island 0 (`live`) and the joiner, island `island`, both end well after a round that
+    failed and was retried, and the joiner took its outer steps to `last` with island 0, the
+    two of them, on the same weights and theta_outer (==). Returns what they printed."""
     said = ""
     for proc in (live, joiner):
         stdout, stderr = proc.communicate(timeout=600)
         assert proc.returncode == 0, stderr[-3000:]
         said += stdout + stderr
     assert "retrying without the lost island" in said
-    assert re.search(r"outer step \d+ went on without this island; it joins a later one", said)
     assert "joined the run at step" in said
     mine = {m["step"]: m for m in outer(out, 0)}
-    theirs = outer(out, 1)
-    assert len(theirs) >= 2 and theirs[-1]["step"] == 200
+    theirs = outer(out, island)
+    assert len(theirs) >= 2 and theirs[-1]["step"] == last
     for m in theirs:
         assert m["outer_quorum"] == mine[m["step"]]["outer_quorum"] == 2
         for key in ("weights_sum", "weights_sumsq", "outer_sum", "outer_sumsq"):
             assert m[key] == mine[m["step"]][key], (m["step"], key)
+    return said
 
 
 @pytest.mark.slow
@@ -452,20 +450,7 @@ def test_an_island_killed_while_another_joins_leaves_the_joiner_with_the_survivo
         os.kill(pid, signal.SIGKILL)
     live[1].wait(timeout=60)
     release.touch()
-    said = ""
-    for proc in (live[0], joiner):
-        stdout, stderr = proc.communicate(timeout=600)
-        assert proc.returncode == 0, stderr[-3000:]
-        said += stdout + stderr
-    assert "retrying without the lost island" in said
-    assert "joined the run at step" in said
-    mine = {m["step"]: m for m in outer(out, 0)}
-    theirs = outer(out, 2)
-    assert len(theirs) >= 2 and theirs[-1]["step"] == 40
-    for m in theirs:
-        assert m["outer_quorum"] == mine[m["step"]]["outer_quorum"] == 2
-        for key in ("weights_sum", "weights_sumsq", "outer_sum", "outer_sumsq"):
-            assert m[key] == mine[m["step"]][key], (m["step"], key)
+    joined_after_a_failed_round(live[0], joiner, out, 2, 40)
 
 
 def test_a_joiner_of_another_model_size_or_h_is_refused(tmp_path, text_file, store):

@@ -69,13 +69,16 @@ class Fragment:
         """scale (theta_outer - theta) (`local`: this rank's values, flat; `scale`: a weight by
         tokens or staleness; `kept`: theta_outer - theta as an island landing late kept it),
         plus what top-k kept back (SparseLoCo: decayed)."""
-        delta = self.outer.to("cpu", torch.float32) - self.of(local) if kept is None else (
-            kept.clone())
+        delta = self.pseudo_gradient(local) if kept is None else kept.clone()
         if scale != 1:
             delta *= scale
         if self.residual is not None:
             delta += self.residual if self.decay == 1 else self.decay * self.residual
         return delta
+
+    def pseudo_gradient(self, local: torch.Tensor) -> torch.Tensor:
+        """theta_outer - theta, in fp32 on the CPU (`local`: this rank's values, flat)."""
+        return self.outer.to("cpu", torch.float32) - self.of(local)
 
     def step(self, gradient: torch.Tensor) -> None:
         """One step of the outer optimizer on theta_outer with `gradient`."""

@@ -98,8 +98,8 @@ def staleness_weight(outer_steps_late: int) -> float:
 
 def step_key(outer_step: int, attempt: int = 0) -> str:
     """The store prefix of one attempt of one outer step: `/arrived/<island>`,
-    `/joining/<island>` (an island announced with --diloco_join: "join"; one landing late: "late
-N") and `/members` (the decision)."""
+    `/joining/<island>` ("join": an island started with --diloco_join; "late N": one landing N
+    outer steps late) and `/members` (the decision)."""
     return f"{_PREFIX}/{outer_step}/{attempt}"
 
 
@@ -142,7 +142,7 @@ class ElasticIslands:
                  timeout_s: float, late_landing: bool = False):
         self.topology, self.store = topology, topology.store
         self.quorum_timeout, self.min_islands = quorum_timeout, min_islands
-        self.late_landing = late_landing  # sync, one fragment: a late island lands in the next
+        self.late_landing = late_landing  # a late island lands in the next outer step
         self.timeout = timedelta(seconds=timeout_s)
         self.members = list(range(topology.islands))
         self.admitted: Optional[tuple] = None  # the quorum admit() let this island into
@@ -196,7 +196,7 @@ class ElasticIslands:
             if not joining and self.store.add(f"{key}/arrivals", 1) == 1:  # the first decides
                 arrived = self._arrived(key)
                 if final:
-                    arrived = [i for i in arrived if self._joining(key, i) is None]
+                    arrived = [i for i in arrived if self._announced(key, i) is None]
                 self.store.set(f"{key}/members", ",".join(map(str, arrived)))
         self._wait_for_decision(f"{key}/members", joining, outer_step, attempt)
         members = [int(i) for i in self.store.get(f"{key}/members").decode().split(",")]
@@ -217,9 +217,9 @@ class ElasticIslands:
                 f"outer step {outer_step}: {len(members)} island(s) {members} reached it, "
                 f"fewer than --diloco_min_islands {self.min_islands}"
             )
-        kinds = {i: self.store.get(f"{key}/joining/{i}").decode().split() for i in members
-                 if self._joining(key, i)}
-        joiners, late = list(kinds), {i: int(k[1]) for i, k in kinds.items() if k[0] == "late"}
+        kinds = {i: self._announced(key, i) for i in members}
+        joiners = [i for i in members if kinds[i] is not None]
+        late = {i: int(kinds[i][1]) for i in joiners if kinds[i][0] == "late"}
         self._report(outer_step, members, joiners, late)
         self.members = members
         if len(members) == 1:
@@ -228,11 +228,11 @@ class ElasticIslands:
         group = dist.ProcessGroupGloo(store, members.index(t.island), len(members), self.timeout)
         return members, group, joiners, late
 
-    def _joining(self, key: str, island: int) -> Optional[str]:
-        """How `island` announced itself for `key`: "join", "late" or None (a member)."""
+    def _announced(self, key: str, island: int) -> Optional[list[str]]:
+        """How `island` announced itself for `key`: ["join"], ["late", N] or None (a member)."""
         if not self.store.check([f"{key}/joining/{island}"]):
             return None
-        return self.store.get(f"{key}/joining/{island}").decode().split()[0]
+        return self.store.get(f"{key}/joining/{island}").decode().split()
 
     def run_round(self, outer_step: int, attempt: Callable[..., Any], joining: bool = False,
                   final: bool = False) -> Any:

@@ -362,8 +362,7 @@ class DiLoCo:
             logger.warning(f"outer step {late.outer_step} went on without this island (islands "
                            f"{late.members}); its pseudo-gradient lands in the next one")
         local = flatten(self.weights.tensors())
-        self.late_deltas = [f.outer.to("cpu", torch.float32) - f.of(local)
-                            for f in self.fragments]
+        self.late_deltas = [f.pseudo_gradient(local) for f in self.fragments]
         try:
             return self._join_live_islands(late_since=late.outer_step)
         finally:
