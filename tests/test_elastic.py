@@ -157,6 +157,21 @@ def test_a_late_island_lands_in_the_next_outer_step_weighted_by_staleness(tmp_pa
     assert zero[-1]["weights"] == one[-1]["weights"] and zero[-1]["outer"] == one[-1]["outer"]
 
 
+def test_a_late_island_is_not_let_into_the_last_outer_step(tmp_path, store):
+    """Toy weights, as above, but island 1 is late for outer step 3 and announces itself for
+    step 4, the run's last, before it forms: the last step lets no island in late (it would not
+    know it is the last), so island 0 ends alone, and island 1 stops with one line saying that
+    its window did not land."""
+    (zero, one), stderr = toy_islands(tmp_path, store, "late_final")
+    assert [r["metrics"]["outer_quorum"] for r in zero] == [2, 2, 1, 1]
+    assert "late, weighted" not in stderr[0] and "outer_late" not in zero[-1]["metrics"]
+    assert [r["step"] for r in one] == [3, 6, 9]
+    assert one[-1]["stopped"] == ("error: island 1 missed outer step 3 and could not land late: "
+                                  "the live islands ended the run at step 12; no outer step is "
+                                  "left to join (to train on, resume every island with a larger "
+                                  "--max_steps)"), one[-1]
+
+
 def test_a_late_island_of_the_recipe_lands_late_and_the_islands_end_identical(
     tmp_path, text_file, store
 ):

@@ -339,7 +339,14 @@ class ElasticIslands:
         while True:
             target = max(self.progress(shape), after) + 1
             late = 0 if late_since is None else target - late_since
-            self.admitted = self.quorum(target, 0, joining=True, late=late)
+            try:
+                self.admitted = self.quorum(target, 0, joining=True, late=late)
+            except JoinRefused as refused:
+                if late_since is None:
+                    raise
+                raise IslandLost(f"island {self.topology.island} missed outer step {late_since} "
+                                 "and could not land late: "
+                                 f"{str(refused).removeprefix('--diloco_join: ')}") from None
             if self.admitted is not None:
                 return target
             after = target

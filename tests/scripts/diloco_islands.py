@@ -1,6 +1,6 @@
 """One island of a two-island DiLoCo run on toy weights, for tests/test_diloco.py.
 
-    python diloco_islands.py ISLAND HOST:PORT OUT_JSON [elastic|late]
+    python diloco_islands.py ISLAND HOST:PORT OUT_JSON [elastic|late|late_final]
 
 Two processes (islands 0 and 1, one rank each) meet through a real ProcessGroupGloo built by
 dragon.parallel.topology.enter_island (one launch per island). The "inner optimizer" is a gradient
@@ -18,6 +18,10 @@ ended delayed run.
 `late` (a standalone store): elastic islands in sync mode, quorum timeout 1 s; island 1 reaches
 outer step 2 three seconds late and lands there in outer step 3, for which island 0 trains slowly
 (4 s). Each records every outer step it took, with its step.
+
+`late_final`: as `late`, but island 1 is late for outer step 3, and the next one is the run's
+last, which lets no joiner in: island 0 trains slowly (5 s) for it, so that island 1 has announced
+itself before it forms. Island 1 records the one line it was stopped with.
 """
 
 import copy
@@ -159,19 +163,26 @@ def elastic_runs(island: int, store: str) -> dict:
     return records
 
 
-def late(island: int, store: str) -> list[dict]:
+def late(island: int, store: str, late_for: int = 2) -> list[dict]:
+    """Island 1 reaches outer step `late_for` late; island 0 trains slowly for the next one."""
     options = elastic_options(island, store)
     topology = enter_island(SimpleNamespace(**options), 60)
     args = DiLoCoArguments(diloco_inner_steps=INNER_STEPS, diloco_outer_momentum=0.3,
                            diloco_quorum_timeout=1, **options)
     weights, c, record, step = Weights(initial_weights()), centre(island), [], 0
     outer, last = DiLoCo(weights, args.config(), topology), OUTER_STEPS * INNER_STEPS
+    slow = {(1, (late_for - 1) * INNER_STEPS): 4, (0, late_for * INNER_STEPS): 3}
+    if late_for == OUTER_STEPS - 1:  # its announcement comes before the last quorum forms
+        slow[0, late_for * INNER_STEPS] = 5
     while step < last:
-        if (island, step) in ((1, INNER_STEPS), (0, 2 * INNER_STEPS)):
-            time.sleep(3 + island)  # island 1 is late for outer step 2; 0 slow for step 3
+        time.sleep(slow.get((island, step), 0))
         inner_steps(weights, c)
         step += INNER_STEPS
-        metrics = outer.maybe_outer_step(step, final=step == last)
+        try:
+            metrics = outer.maybe_outer_step(step, final=step == last)
+        except RunStopped as e:
+            record.append({"stopped": e.exit_status(), "step": step})
+            return record
         step = max(step, outer.joined_step)  # landed late: on at the live islands' step
         record.append({**record_of(weights, outer, metrics), "step": step})
     outer.close(ended_at=last)
@@ -180,9 +191,11 @@ def late(island: int, store: str) -> list[dict]:
 
 def main():
     island, store, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    if sys.argv[4:5] in (["elastic"], ["late"]):
+    parts = {"elastic": elastic_runs, "late": late,
+             "late_final": lambda island, store: late(island, store, OUTER_STEPS - 1)}
+    if sys.argv[4:5] and sys.argv[4] in parts:
         with open(out, "w") as f:
-            json.dump((elastic_runs if sys.argv[4] == "elastic" else late)(island, store), f)
+            json.dump(parts[sys.argv[4]](island, store), f)
         return
     topology = enter_island(
         SimpleNamespace(
