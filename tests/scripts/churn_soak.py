@@ -1,4 +1,4 @@
-"""A churn soak of elastic islands, run by hand (it takes minutes, beyond the suite's budget):
+"""A churn soak of elastic islands (tests/test_churn.py runs it for 5 minutes):
 
     python tests/scripts/churn_soak.py [--minutes 5] [--islands 3] [--out DIR]
 
@@ -6,8 +6,10 @@ Three elastic ZeRO-2 islands (one rank each, sync, H 4, quorum timeout 10 s) aro
 island store train a tiny BDH, each training forward held to 0.15 s (tests/faults). Every 30-60 s
 for `--minutes` a random island is SIGKILLed (its whole launch) and started again at once with
 the same restart command (--diloco_join --resume_from_checkpoint auto). Then the run ends by
-itself. It prints one line per kill and a verdict: every island's last launch exits 0, all end
-on identical weights and theta_outer, and each island's metrics hold every step at most once.
+itself. It prints one line per kill and a verdict: every island's last launch exits 0 at the last
+step; the islands of each outer step end it on identical weights and theta_outer, the last step
+included; each island's metrics hold every step it trained once, in order; and the kills went on
+for `--minutes` (no island had ended before).
 Exit status 0 when every check holds.
 """
 
@@ -68,13 +70,14 @@ def main() -> int:
     began = time.time()
     with island_store() as store:
         procs = {i: start(i, store, False) for i in range(opts.islands)}
-        kills = 0
+        kills, ended_early = 0, False
         while time.time() - began < 60 * opts.minutes:
             time.sleep(rng.uniform(30, 60))
             island = rng.randrange(opts.islands)
             if procs[island].poll() is not None:
                 print(f"{time.time() - began:6.0f} s: island {island} had ended "
                       f"({procs[island].returncode})", flush=True)
+                ended_early = True
                 break
             kill_tree(procs[island].pid)
             procs[island].wait()
@@ -83,12 +86,14 @@ def main() -> int:
                   flush=True)
             procs[island] = start(island, store, True)
         codes = {i: p.wait() for i, p in procs.items()}
-    return verdict(out, codes, kills, time.time() - began, opts.islands)
+    failures = ["an island ended before the kills did"] if ended_early else []
+    return verdict(out, codes, kills, time.time() - began, opts, failures)
 
 
-def verdict(out: Path, codes: dict, kills: int, seconds: float, islands: int) -> int:
-    last = {}
-    failures = [f"island {i} exited {c}" for i, c in codes.items() if c != 0]
+def verdict(out: Path, codes: dict, kills: int, seconds: float, opts, failures: list[str]
+            ) -> int:
+    last, islands, by_step = {}, opts.islands, {}
+    failures += [f"island {i} exited {c}" for i, c in codes.items() if c != 0]
     for i in range(islands):
         rows = read_jsonl(out / f"island{i}" / "metrics.jsonl")
         steps = [r["step"] for r in rows if "loss" in r]
@@ -96,6 +101,13 @@ def verdict(out: Path, codes: dict, kills: int, seconds: float, islands: int) ->
             failures.append(f"island {i}: a step logged twice or out of order")
         outer = [r for r in rows if "outer_step" in r]
         last[i] = {k: outer[-1][k] for k in (*KEYS, "step")}
+        for r in outer:  # the islands of a sync outer step end it on the same weights
+            by_step.setdefault(r["step"], set()).add(tuple(r[k] for k in KEYS))
+    differ = sorted(step for step, sums in by_step.items() if len(sums) > 1)
+    if differ:
+        failures.append(f"islands of the same outer step differ after steps {differ}")
+    if any(v["step"] != opts.steps for v in last.values()):
+        failures.append(f"an island's last outer step is not step {opts.steps}: {last}")
     if len({json.dumps(v, sort_keys=True) for v in last.values()}) != 1:
         failures.append(f"the islands end on different weights: {last}")
     print(f"{kills} kills in {seconds:.0f} s; exit codes {codes}; last outer step "
