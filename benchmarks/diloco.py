@@ -7,8 +7,8 @@
 Built-in corpus, a 229k-parameter BDH, ZeRO-1, 2 islands of --island_ranks ranks (data parallel
 over as many) x micro-batch 8 x 128 tokens per step in every row, AdamW (beta2 --adam_beta2)
 with --warmup_steps of linear warm-up, then cosine. Prints the final validation loss (the
-islands' weights after the last outer step), the bytes each rank sends and the most it sent in
-one step: DiLoCo's cross-island bytes are measured (metrics.jsonl,
+islands' weights after the last outer step), the bytes each rank sends (in all, and per H steps)
+and the most it sent in one step: DiLoCo's cross-island bytes are measured (metrics.jsonl,
 outer_bytes_sent); data parallel's gradient traffic is the ring model 2(n-1)/n x fp32 size per
 step (ZeRO-1: reduce-scatter of gradients plus all-gather of parameters).
 """
@@ -107,7 +107,7 @@ def main():
         f"outer SGD, Nesterov momentum {cli.outer_momentum}\n"
     )
     print("| run | outer lr | final val loss | vs DP | bytes sent per rank | vs DP "
-          "| bytes per outer step | peak bytes in a step |")
+          "| bytes per H steps | peak bytes in a step |")
     print("|---|---|---|---|---|---|---|---|")
     print(f"| data parallel, {ranks} ranks | - | {dp_loss:.4f} | - | {dp_bytes / 1e6:.1f} MB "
           f"(ring model) | 1 | - | {dp_bytes / cli.steps / 1e6:.3f} MB |")
