@@ -76,9 +76,9 @@ def outer(out, island) -> list[dict]:
     return [m for m in read_jsonl(out / f"island{island}" / "metrics.jsonl") if "outer_step" in m]
 
 
-def toy_islands(tmp_path, store, part: str) -> tuple[list, list[str]]:
-    """tests/scripts/diloco_islands.py's `part` as islands 0 and 1: each one's record, and what
-    each wrote to stderr."""
+def toy_islands(tmp_path, store, part: str, killed: tuple = ()) -> tuple[list, list[str]]:
+    """tests/scripts/diloco_islands.py's `part` as islands 0 and 1: each one's record (None for
+    the islands `killed` by SIGKILL), and what each wrote to stderr."""
     procs = [
         subprocess.Popen(
             [sys.executable, str(REPO / "tests/scripts/diloco_islands.py"), str(i), store,
@@ -88,9 +88,10 @@ def toy_islands(tmp_path, store, part: str) -> tuple[list, list[str]]:
         for i in (0, 1)
     ]
     stderr = [proc.communicate(timeout=300)[1] for proc in procs]
-    for proc, err in zip(procs, stderr):
-        assert proc.returncode == 0, err[-3000:]
-    return [json.loads((tmp_path / f"island{i}.json").read_text()) for i in (0, 1)], stderr
+    for i, (proc, err) in enumerate(zip(procs, stderr)):
+        assert proc.returncode == (-signal.SIGKILL if i in killed else 0), err[-3000:]
+    return [None if i in killed else json.loads((tmp_path / f"island{i}.json").read_text())
+            for i in (0, 1)], stderr
 
 
 def test_a_survivor_trains_on_as_a_one_island_diloco_would(tmp_path, store):
@@ -170,6 +171,18 @@ def test_a_late_island_is_not_let_into_the_last_outer_step(tmp_path, store):
                                   "the live islands ended the run at step 12; no outer step is "
                                   "left to join (to train on, resume every island with a larger "
                                   "--max_steps)"), one[-1]
+
+
+def test_an_island_that_dies_deciding_a_quorum_is_decided_without(tmp_path, store):
+    """Toy weights, elastic islands in sync mode: island 0, first at outer step 2, is SIGKILLed
+    while it decides who takes the step. Island 1 sees no decision within the quorum timeout
+    and the slack, decides the step without island 0 (its rank 0, elected once through the
+    store), and trains on alone to the end, as a one-island DiLoCo from outer step 2."""
+    (_, one), stderr = toy_islands(tmp_path, store, "decider_dies", killed=(0,))
+    assert "outer step 2: island 0 was to decide who takes it and did not; island 1 decides " \
+        "without it" in stderr[1]
+    assert [r["metrics"]["outer_quorum"] for r in one] == [2, 1, 1, 1]
+    assert [r["step"] for r in one] == [3, 6, 9, 12]
 
 
 def test_a_late_island_of_the_recipe_lands_late_and_the_islands_end_identical(

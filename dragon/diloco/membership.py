@@ -193,12 +193,9 @@ class ElasticIslands:
             if joining:
                 self.store.set(f"{key}/joining/{t.island}", f"late {late}" if late else "join")
             self.store.set(f"{key}/arrived/{t.island}", "1")
-            if not joining and self.store.add(f"{key}/arrivals", 1) == 1:  # the first decides
-                arrived = self._arrived(key)
-                if final:
-                    arrived = [i for i in arrived if self._announced(key, i) is None]
-                self.store.set(f"{key}/members", ",".join(map(str, arrived)))
-        self._wait_for_decision(f"{key}/members", joining, outer_step, attempt)
+            if not joining and self._elected(key, 0):  # the first to arrive decides
+                self._decide(key, final, self._arrived(key))
+        self._wait_for_decision(key, joining, outer_step, attempt, final)
         members = [int(i) for i in self.store.get(f"{key}/members").decode().split(",")]
         if t.island not in members:
             if joining:  # it arrived late: it tries a later outer step
@@ -227,6 +224,31 @@ class ElasticIslands:
         store = dist.PrefixStore(f"{key}/rank{t.island_rank}", self.store)
         group = dist.ProcessGroupGloo(store, members.index(t.island), len(members), self.timeout)
         return members, group, joiners, late
+
+    def _elected(self, key: str, k: int) -> bool:
+        """Whether this island is the k-th elected to decide `key` (one is, whoever asks)."""
+        me = str(self.topology.island)
+        return self.store.compare_set(f"{key}/decider{k}", "", me).decode() == me
+
+    def _decide(self, key: str, final: bool, arrived: list[int]) -> None:
+        """The members of `key`: those that `arrived` (the last step: no joiner), unless an
+        island decided first (compare_set: one decision, whoever writes it)."""
+        if final:
+            arrived = [i for i in arrived if self._announced(key, i) is None]
+        self.store.compare_set(f"{key}/members", "", ",".join(map(str, arrived)))
+
+    def _take_over(self, key: str, k: int, outer_step: int, final: bool) -> None:
+        """No decision within the quorum timeout: the island elected to decide died doing it.
+        Island rank 0 of the first island to see it decides without it (and without the k - 1
+        elected after it that did not decide either)."""
+        if self.topology.island_rank != 0 or not self._elected(key, k):
+            return
+        gone = [int(self.store.get(f"{key}/decider{j}")) for j in range(k)]
+        arrived = [i for i in range(self.topology.islands)
+                   if i not in gone and self.store.check([f"{key}/arrived/{i}"])]
+        logger.warning(f"outer step {outer_step}: island {gone[-1]} was to decide who takes it "
+                       f"and did not; island {self.topology.island} decides without it")
+        self._decide(key, final, arrived)
 
     def _announced(self, key: str, island: int) -> Optional[list[str]]:
         """How `island` announced itself for `key`: ["join"], ["late", N] or None (a member)."""
@@ -292,19 +314,19 @@ class ElasticIslands:
                 return arrived
             time.sleep(0.01)
 
-    def _wait_for_decision(self, key: str, joining: bool, outer_step: int, attempt: int
-                           ) -> None:
-        """Until the islands' decision is in the store. It comes within the quorum timeout (the
-        deciding island waits no longer), except for a joiner's first attempt, which waits for
-        the live islands' next outer step (and watches for the end of the run). An island whose
-        retry gets no decision is out of step with the others: they completed the outer step,
-        or are gone. A joiner then joins a later step (MissedRound); a member says so in one
-        line (IslandLost), so that its launcher starts it again."""
+    def _wait_for_decision(self, key: str, joining: bool, outer_step: int, attempt: int,
+                           final: bool) -> None:
+        """Until the islands' decision on `key` is in the store. It comes within the quorum
+        timeout (the deciding island waits no longer), except for a joiner's first attempt,
+        which waits for the live islands' next outer step (and watches for the end of the run).
+        A member that sees none takes the decision over (_take_over), once per island. A joiner
+        whose retry gets none joins a later step (MissedRound): the live islands completed the
+        outer step without it, or are gone."""
         first_join = joining and attempt == 0
         bound = self.timeout.total_seconds() if first_join else (
             self.quorum_timeout + DECISION_SLACK)
-        deadline = time.monotonic() + bound
-        while not self.store.check([key]):
+        deadline, takeovers = time.monotonic() + bound, 0
+        while not self.store.check([f"{key}/members"]):
             if first_join and self.store.check([f"{_PREFIX}/ended"]):
                 step = self.store.get(f"{_PREFIX}/ended").decode()
                 raise JoinRefused(f"--diloco_join: the live islands ended the run at step "
@@ -316,10 +338,14 @@ class ElasticIslands:
                                      f"within {bound:.0f} s")
                 if joining:
                     raise MissedRound()
-                raise IslandLost(
-                    f"outer step {outer_step}: no quorum of islands within {bound:.0f} s (the "
-                    "others completed it without this island, or are gone); start this island "
-                    "again with --diloco_join --resume_from_checkpoint auto")
+                if takeovers == self.topology.islands:
+                    raise IslandLost(
+                        f"outer step {outer_step}: no quorum of islands within "
+                        f"{bound * (takeovers + 1):.0f} s; start this island again with "
+                        "--diloco_join --resume_from_checkpoint auto")
+                takeovers += 1
+                self._take_over(key, takeovers, outer_step, final)
+                deadline = time.monotonic() + bound
             time.sleep(0.05 if joining else 0.01)
 
     def end(self, step: int) -> None:

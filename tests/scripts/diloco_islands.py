@@ -1,6 +1,6 @@
 """One island of a two-island DiLoCo run on toy weights, for tests/test_diloco.py.
 
-    python diloco_islands.py ISLAND HOST:PORT OUT_JSON [elastic|late|late_final]
+    python diloco_islands.py ISLAND HOST:PORT OUT_JSON [elastic|late|late_final|decider_dies]
 
 Two processes (islands 0 and 1, one rank each) meet through a real ProcessGroupGloo built by
 dragon.parallel.topology.enter_island (one launch per island). The "inner optimizer" is a gradient
@@ -22,10 +22,15 @@ outer step 2 three seconds late and lands there in outer step 3, for which islan
 `late_final`: as `late`, but island 1 is late for outer step 3, and the next one is the run's
 last, which lets no joiner in: island 0 trains slowly (5 s) for it, so that island 1 has announced
 itself before it forms. Island 1 records the one line it was stopped with.
+
+`decider_dies`: island 0 arrives first at outer step 2 and is SIGKILLed while it decides who
+takes the step; island 1 takes the decision over and trains on alone.
 """
 
 import copy
 import json
+import os
+import signal
 import sys
 import time
 from types import SimpleNamespace
@@ -33,6 +38,7 @@ from types import SimpleNamespace
 import torch
 
 from dragon.diloco.arguments import DiLoCoArguments
+from dragon.diloco.membership import ElasticIslands, step_key
 from dragon.diloco.outer import DiLoCo
 from dragon.errors import RunStopped
 from dragon.parallel.topology import Topology, enter_island
@@ -165,15 +171,35 @@ def elastic_runs(island: int, store: str) -> dict:
 
 def late(island: int, store: str, late_for: int = 2) -> list[dict]:
     """Island 1 reaches outer step `late_for` late; island 0 trains slowly for the next one."""
+    slow = {(1, (late_for - 1) * INNER_STEPS): 4, (0, late_for * INNER_STEPS): 3}
+    if late_for == OUTER_STEPS - 1:  # its announcement comes before the last quorum forms
+        slow[0, late_for * INNER_STEPS] = 5
+    return elastic_sync(island, store, slow)
+
+
+def decider_dies(island: int, store: str) -> list[dict]:
+    """Island 0 arrives first at outer step 2 and is SIGKILLed deciding who takes it."""
+    decide = ElasticIslands._decide
+
+    def dying(self, key, final, arrived):
+        if key == step_key(2, 0):
+            os.kill(os.getpid(), signal.SIGKILL)
+        decide(self, key, final, arrived)
+
+    if island == 0:
+        ElasticIslands._decide = dying
+    return elastic_sync(island, store, {(1, INNER_STEPS): 0.5})
+
+
+def elastic_sync(island: int, store: str, slow: dict) -> list[dict]:
+    """Elastic islands in sync mode, quorum timeout 1 s, each window of island i after step s
+    started `slow[i, s]` seconds late: the record of every outer step taken, with its step."""
     options = elastic_options(island, store)
     topology = enter_island(SimpleNamespace(**options), 60)
     args = DiLoCoArguments(diloco_inner_steps=INNER_STEPS, diloco_outer_momentum=0.3,
                            diloco_quorum_timeout=1, **options)
     weights, c, record, step = Weights(initial_weights()), centre(island), [], 0
     outer, last = DiLoCo(weights, args.config(), topology), OUTER_STEPS * INNER_STEPS
-    slow = {(1, (late_for - 1) * INNER_STEPS): 4, (0, late_for * INNER_STEPS): 3}
-    if late_for == OUTER_STEPS - 1:  # its announcement comes before the last quorum forms
-        slow[0, late_for * INNER_STEPS] = 5
     while step < last:
         time.sleep(slow.get((island, step), 0))
         inner_steps(weights, c)
@@ -192,7 +218,8 @@ def late(island: int, store: str, late_for: int = 2) -> list[dict]:
 def main():
     island, store, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     parts = {"elastic": elastic_runs, "late": late,
-             "late_final": lambda island, store: late(island, store, OUTER_STEPS - 1)}
+             "late_final": lambda island, store: late(island, store, OUTER_STEPS - 1),
+             "decider_dies": decider_dies}
     if sys.argv[4:5] and sys.argv[4] in parts:
         with open(out, "w") as f:
             json.dump(parts[sys.argv[4]](island, store), f)
