@@ -2,7 +2,8 @@
 
     python benchmarks/diloco.py [--steps 600] [--seed 42] [--island_ranks 2]
         [--rows 10:sync:none,50:delayed:int4:4,50:sync:topk0.02,50:sync:sparseloco0.01,...]
-        [--outer_lrs 1,1.5]   (CPU: ~6 minutes per row and outer lr)
+        [--outer_lrs 1,1.5] [--island_steps 50,25] [--no_data_parallel]
+        (CPU: ~6 minutes per row and outer lr)
 
 Built-in corpus, a 229k-parameter BDH, ZeRO-1, 2 islands of --island_ranks ranks (data parallel
 over as many) x micro-batch 8 x 128 tokens per step in every row, AdamW (beta2 --adam_beta2)
@@ -16,6 +17,7 @@ step (ZeRO-1: reduce-scatter of gradients plus all-gather of parameters).
 import argparse
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 from recipe_runs import run_recipe
 MODEL = [
@@ -72,8 +74,9 @@ def row_arguments(h: str, mode: str, codec: str, fragments: str, outer_lr: str,
     # fragments in delayed mode land one step after their sync, as the README's figures did
     # (auto lands them when the link has carried them: not the same run twice)
     delay = ["--diloco_fragment_delay", "1"] if mode == "delayed" and fragments != "1" else []
+    plan = ["--diloco_island_steps", cli.island_steps] if cli.island_steps else []
     return ["--diloco_islands", "2", "--diloco_inner_steps", h, "--diloco_mode", mode, *wire,
-            "--diloco_fragments", fragments, *delay, "--diloco_outer_lr", outer_lr,
+            *plan, "--diloco_fragments", fragments, *delay, "--diloco_outer_lr", outer_lr,
             "--diloco_outer_momentum", str(cli.outer_momentum)]
 
 
@@ -85,6 +88,11 @@ def main():
     parser.add_argument("--outer_lrs", default="1.0",
                         help="outer SGD learning rates, comma-separated: each row runs at each")
     parser.add_argument("--outer_momentum", type=float, default=0.0)
+    parser.add_argument("--no_data_parallel", dest="data_parallel", action="store_false",
+                        help="leave out the data-parallel row (its loss is deterministic)")
+    parser.add_argument("--island_steps", default="",
+                        help="unequal islands: each island's steps per window in every row, as "
+                        "--diloco_island_steps takes them (default: every island every step)")
     parser.add_argument("--seed", type=int, default=42, help="the recipe's --seed, for every run")
     parser.add_argument("--island_ranks", type=int, default=2, help="ranks per island (2 islands)")
     parser.add_argument(
@@ -97,8 +105,7 @@ def main():
     cli = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="diloco-"))
     ranks = 2 * cli.island_ranks
-    dp = run("dp", root, cli, [])
-    dp_loss = dp[-1]["eval_loss"]
+    dp_loss = run("dp", root, cli, [])[-1]["eval_loss"] if cli.data_parallel else None
     # ZeRO-1's reduce-scatter of gradients and all-gather of parameters, ring model, per step
     dp_bytes = cli.steps * 2 * (ranks - 1) / ranks * PARAMS * 4
     print(
@@ -109,8 +116,9 @@ def main():
     print("| run | outer lr | final val loss | vs DP | bytes sent per rank | vs DP "
           "| bytes per H steps | peak bytes in a step |")
     print("|---|---|---|---|---|---|---|---|")
-    print(f"| data parallel, {ranks} ranks | - | {dp_loss:.4f} | - | {dp_bytes / 1e6:.1f} MB "
-          f"(ring model) | 1 | - | {dp_bytes / cli.steps / 1e6:.3f} MB |")
+    if dp_loss is not None:
+        print(f"| data parallel, {ranks} ranks | - | {dp_loss:.4f} | - | {dp_bytes / 1e6:.1f} MB "
+              f"(ring model) | 1 | - | {dp_bytes / cli.steps / 1e6:.3f} MB |")
     for row in cli.rows.split(","):
         h, mode, codec, fragments = (row.split(":") + ["1"])[:4]
         for outer_lr in cli.outer_lrs.split(","):
@@ -120,8 +128,9 @@ def main():
 
 
 def print_row(metrics: list[dict], h: str, mode: str, codec: str, fragments: str,
-              outer_lr: str, dp_loss: float, dp_bytes: float, cli) -> None:
+              outer_lr: str, dp_loss: Optional[float], dp_bytes: float, cli) -> None:
     loss = metrics[-1]["eval_loss"]
+    versus = "-" if dp_loss is None else f"{loss / dp_loss - 1:+.1%}"
     sent = sum(m.get("outer_bytes_sent", 0) for m in metrics)
     peak = max(m.get("outer_peak_bytes", 0) for m in metrics)
     hidden = sum(m.get("outer_comm_hidden_seconds", 0) for m in metrics)
@@ -129,7 +138,7 @@ def print_row(metrics: list[dict], h: str, mode: str, codec: str, fragments: str
     note = f", {hidden:.2f} of {comm:.2f} s comm hidden" if mode == "delayed" else ""
     print(
         f"| DiLoCo 2x{cli.island_ranks}, H={h}, {mode}, {codec}, F={fragments}{note} | "
-        f"{outer_lr} | {loss:.4f} | {loss / dp_loss - 1:+.1%} | {sent / 1e6:.3f} MB | "
+        f"{outer_lr} | {loss:.4f} | {versus} | {sent / 1e6:.3f} MB | "
         f"1/{dp_bytes / max(sent, 1):.0f} | {sent / (cli.steps // int(h)) / 1e6:.3f} MB | "
         f"{peak / 1e6:.3f} MB |",
         flush=True,
