@@ -185,6 +185,40 @@ def test_an_island_that_dies_deciding_a_quorum_is_decided_without(tmp_path, stor
     assert [r["step"] for r in one] == [3, 6, 9, 12]
 
 
+def test_a_member_whose_exchange_failed_alone_joins_the_next_outer_step(tmp_path, store):
+    """Toy weights, elastic islands in sync mode: island 1's exchange of outer step 2 completes
+    on island 0 (with island 1's share) but fails on island 1 alone. Island 1's retry finds the
+    step done and joins outer step 3 as a joiner (a zero share, island 0's theta_outer), not
+    as a quorum of its own. Both equal the hand simulation, where island 1's window 2 counts
+    once, and end identical (==)."""
+    (zero, one), stderr = toy_islands(tmp_path, store, "failed_alone")
+    assert "outer step 2: islands [0] completed it with this island's share" in stderr[1]
+    assert [r["metrics"]["outer_quorum"] for r in zero] == [2, 2, 2, 2]
+    assert [r["step"] for r in one] == [3, 9, 12]
+
+    theta = torch.cat([t.flatten() for t in toy.initial_weights()])
+    centres = [torch.cat([t.flatten() for t in toy.centre(i)]) for i in (0, 1)]
+
+    def delta(theta, i):  # theta_outer - theta after an island's window from theta
+        w = theta.clone()
+        for _ in range(toy.INNER_STEPS):
+            w = w - toy.INNER_LR * (w - centres[i])
+        return theta - w
+
+    thetas, buf = [], None
+    for k in (1, 2, 3, 4):  # outer step 3: island 0 alone contributes (the joiner sends zeros)
+        g = delta(theta, 0) if k == 3 else (delta(theta, 0) + delta(theta, 1)) / 2
+        theta, buf = nesterov(theta, buf, g, mu=0.3)
+        thetas.append(theta)
+    for island, record, outer_steps in ((0, zero, (1, 2, 3, 4)), (1, one, (1, 3, 4))):
+        for r, k in zip(record, outer_steps):
+            for key in ("weights", "outer"):
+                got = torch.tensor(sum(r[key], []))
+                assert torch.allclose(got, thetas[k - 1], rtol=1e-5, atol=1e-6), (
+                    island, k, key, (got - thetas[k - 1]).abs().max())
+    assert zero[-1]["weights"] == one[-1]["weights"] and zero[-1]["outer"] == one[-1]["outer"]
+
+
 def test_a_late_island_of_the_recipe_lands_late_and_the_islands_end_identical(
     tmp_path, text_file, store
 ):

@@ -7,11 +7,15 @@ island; publish, metrics and finish report the step and end the run.
 Elastic islands (ElasticIslands).
 At every outer step each island's first rank announces itself in the islands' store. The first
 island to arrive waits up to --diloco_quorum_timeout for the islands of the last quorum and then
-writes this step's members; every rank of every island reads that one decision, so all agree. The
+writes this step's members; every rank of every island reads that one decision, so all agree (it
+is written once, with compare_set; when its writer dies deciding, the first island to see no
+decision within the quorum timeout and DECISION_SLACK decides without it). The
 members' rank r then meet in a gloo group built for this step only (rank r of each member island,
 as the static cross-island group does), and the outer step averages over them. An island that is
 not in the quorum (it died, or came late) is out of the run; if the exchange itself fails (an
-island died during it), the survivors form the step's quorum again and retry without it.
+island died during it), the survivors form the step's quorum again and retry without it. A
+member whose exchange failed on it alone, while the others completed the step with its share,
+finds so at its retry and joins the next outer step as a joiner does.
 
 An island started with --diloco_join announces itself as joining for the live islands' next outer
 step (it never decides a quorum: it would not know whom to wait for); it is a member of that step
@@ -77,11 +81,12 @@ class Round:
 
 class LateForQuorum(Exception):
     """This island reached outer step `outer_step` after its quorum had formed without it: it
-    lands late (DiLoCo._land_late)."""
+    lands late (DiLoCo._land_late). `counted`: the others completed the step with this island's
+    share while its exchange failed here alone; it joins the next one instead."""
 
-    def __init__(self, outer_step: int, members: list[int]):
+    def __init__(self, outer_step: int, members: list[int], counted: bool = False):
         super().__init__(outer_step, members)
-        self.outer_step, self.members = outer_step, members
+        self.outer_step, self.members, self.counted = outer_step, members, counted
 
 
 class MissedRound(Exception):
@@ -99,7 +104,8 @@ def staleness_weight(outer_steps_late: int) -> float:
 def step_key(outer_step: int, attempt: int = 0) -> str:
     """The store prefix of one attempt of one outer step: `/arrived/<island>`,
     `/joining/<island>` ("join": an island started with --diloco_join; "late N": one landing N
-    outer steps late) and `/members` (the decision)."""
+    outer steps late), `/decider<k>` (the island elected to decide; k > 0: to take the decision
+    over), `/members` (the decision) and `/done/<island>` (the attempt succeeded there)."""
     return f"{_PREFIX}/{outer_step}/{attempt}"
 
 
@@ -189,17 +195,20 @@ class ElasticIslands:
         The run's `final` outer step lets no joiner in (a late one neither: it would not know
         the step is the last)."""
         t, key = self.topology, step_key(outer_step, attempt)
+        before = step_key(outer_step, attempt - 1) if attempt else None  # the attempt it retries
         if t.island_rank == 0:
             if joining:
                 self.store.set(f"{key}/joining/{t.island}", f"late {late}" if late else "join")
             self.store.set(f"{key}/arrived/{t.island}", "1")
             if not joining and self._elected(key, 0):  # the first to arrive decides
-                self._decide(key, final, self._arrived(key))
+                self._decide(key, final, self._arrived(key, before))
         self._wait_for_decision(key, joining, outer_step, attempt, final)
         members = [int(i) for i in self.store.get(f"{key}/members").decode().split(",")]
         if t.island not in members:
             if joining:  # it arrived late: it tries a later outer step
                 return None
+            if before is not None and self._completed(before):
+                raise LateForQuorum(outer_step, members, counted=True)
             # a late island lands in the next outer step (at the start it has nothing to land)
             if self.late_landing and not final and outer_step > 0:
                 raise LateForQuorum(outer_step, members)
@@ -272,7 +281,11 @@ class ElasticIslands:
                 if quorum is None:
                     raise MissedRound()
             try:
-                return attempt(*quorum)
+                done = attempt(*quorum)
+                if self.topology.island_rank == 0:  # for a member whose exchange failed alone
+                    key = step_key(outer_step, retry)
+                    self.store.set(f"{key}/done/{self.topology.island}", "1")
+                return done
             except RuntimeError as e:  # gloo: a member's connection closed, or the timeout
                 logger.warning(
                     f"outer step {outer_step}: the exchange among islands {quorum[0]} failed "
@@ -301,11 +314,15 @@ class ElasticIslands:
             else:
                 logger.info(f"outer step {outer_step}: island {i} joins islands {members}")
 
-    def _arrived(self, key: str) -> list[int]:
+    def _arrived(self, key: str, before: Optional[str] = None) -> list[int]:
         """The islands that announced themselves for `key`, once all of the last quorum did or
-        the quorum timeout passed."""
+        the quorum timeout passed. When islands completed the attempt `key` retries (its exchange
+        failed on this island alone), those islands: the retry is not for them."""
         deadline = time.monotonic() + self.quorum_timeout
         while True:
+            completed = [] if before is None else self._completed(before)
+            if completed:
+                return completed
             arrived = [
                 i for i in range(self.topology.islands)
                 if self.store.check([f"{key}/arrived/{i}"])
@@ -313,6 +330,11 @@ class ElasticIslands:
             if set(self.members) <= set(arrived) or time.monotonic() > deadline:
                 return arrived
             time.sleep(0.01)
+
+    def _completed(self, key: str) -> list[int]:
+        """The islands whose attempt `key` succeeded."""
+        return [i for i in range(self.topology.islands)
+                if self.store.check([f"{key}/done/{i}"])]
 
     def _wait_for_decision(self, key: str, joining: bool, outer_step: int, attempt: int,
                            final: bool) -> None:

@@ -343,21 +343,29 @@ class DiLoCo:
         """theta_outer as one vector over this rank's values."""
         return self._placed(lambda f: f.outer.detach())
 
-    def join(self) -> tuple[int, dict]:
-        """--diloco_join: wait to be let into the live islands' next outer step, take
-        theta_outer, the outer optimizers' state and the step from them, and take that outer
-        step with them, ending it on their weights. Returns the step and its metrics."""
+    def join(self, after: int = 0) -> tuple[int, dict]:
+        """--diloco_join: wait to be let into the live islands' next outer step (after outer
+        step `after`), take theta_outer, the outer optimizers' state and the step from them, and
+        take that outer step with them, ending it on their weights. Returns the step and its
+        metrics."""
         for fragment in self.fragments:  # what this island's checkpoint had is theirs now
             fragment.in_flight = None
             fragment.forget_own_share()
-        metrics = self._join_live_islands()
+        metrics = self._join_live_islands(missed=after)
         return self.joined_step, metrics
 
     def _land_late(self, late: LateForQuorum) -> dict:
         """This island reached outer step `late.outer_step` after its quorum formed without it:
         it keeps its pseudo-gradient (against the theta_outer it trained from), joins the live
         islands' next outer step, sends it there weighted by its staleness, and ends that step
-        on their weights. Its step is then theirs (joined_step)."""
+        on their weights. Its step is then theirs (joined_step). When the others completed the
+        step with its share (its exchange failed here alone), it joins the next one."""
+        if late.counted:
+            if self.topology.island_rank == 0:
+                logger.warning(f"outer step {late.outer_step}: islands {late.members} completed "
+                               "it with this island's share while its exchange failed here; it "
+                               "joins the next one")
+            return self.join(after=late.outer_step)[1]
         if self.topology.island_rank == 0:
             logger.warning(f"outer step {late.outer_step} went on without this island (islands "
                            f"{late.members}); its pseudo-gradient lands in the next one")
@@ -368,9 +376,10 @@ class DiLoCo:
         finally:
             self.late_deltas = None
 
-    def _join_live_islands(self, late_since: Optional[int] = None) -> dict:
-        """The live islands' next outer step that lets this island in, taken with them."""
-        missed = late_since or 0  # a late island joins a later outer step than the one it missed
+    def _join_live_islands(self, late_since: Optional[int] = None, missed: int = 0) -> dict:
+        """The live islands' next outer step after `missed` that lets this island in, taken with
+        them."""
+        missed = late_since or missed  # a late island joins an outer step after the one missed
         while True:
             target = self.membership.admit(self.runtime.shape(), late_since, missed)
             self.outer_step = target - 1

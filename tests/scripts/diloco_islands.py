@@ -1,6 +1,7 @@
 """One island of a two-island DiLoCo run on toy weights, for tests/test_diloco.py.
 
-    python diloco_islands.py ISLAND HOST:PORT OUT_JSON [elastic|late|late_final|decider_dies]
+    python diloco_islands.py ISLAND HOST:PORT OUT_JSON
+        [elastic|late|late_final|decider_dies|failed_alone]
 
 Two processes (islands 0 and 1, one rank each) meet through a real ProcessGroupGloo built by
 dragon.parallel.topology.enter_island (one launch per island). The "inner optimizer" is a gradient
@@ -25,6 +26,9 @@ itself before it forms. Island 1 records the one line it was stopped with.
 
 `decider_dies`: island 0 arrives first at outer step 2 and is SIGKILLed while it decides who
 takes the step; island 1 takes the decision over and trains on alone.
+
+`failed_alone`: island 1's exchange of outer step 2 completes on island 0 but fails on island 1
+alone; island 1 joins outer step 3 as a joiner.
 """
 
 import copy
@@ -191,6 +195,23 @@ def decider_dies(island: int, store: str) -> list[dict]:
     return elastic_sync(island, store, {(1, INNER_STEPS): 0.5})
 
 
+def failed_alone(island: int, store: str) -> list[dict]:
+    """Island 1's exchange of outer step 2 completes on island 0 but raises on island 1 alone,
+    as when its last message is lost to it."""
+    attempt = DiLoCo._attempt
+
+    def failing(self, *args):
+        done = attempt(self, *args)
+        if self.outer_step == 2 and not getattr(self, "failed", False):
+            self.failed = True
+            raise RuntimeError("test: the exchange failed on this island alone")
+        return done
+
+    if island == 1:
+        DiLoCo._attempt = failing
+    return elastic_sync(island, store, {})
+
+
 def elastic_sync(island: int, store: str, slow: dict) -> list[dict]:
     """Elastic islands in sync mode, quorum timeout 1 s, each window of island i after step s
     started `slow[i, s]` seconds late: the record of every outer step taken, with its step."""
@@ -219,7 +240,7 @@ def main():
     island, store, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     parts = {"elastic": elastic_runs, "late": late,
              "late_final": lambda island, store: late(island, store, OUTER_STEPS - 1),
-             "decider_dies": decider_dies}
+             "decider_dies": decider_dies, "failed_alone": failed_alone}
     if sys.argv[4:5] and sys.argv[4] in parts:
         with open(out, "w") as f:
             json.dump(parts[sys.argv[4]](island, store), f)
