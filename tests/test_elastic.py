@@ -180,7 +180,7 @@ def test_an_island_that_dies_deciding_a_quorum_is_decided_without(tmp_path, stor
     store), and trains on alone to the end, as a one-island DiLoCo from outer step 2."""
     (_, one), stderr = toy_islands(tmp_path, store, "decider_dies", killed=(0,))
     assert "outer step 2: island 0 was to decide who takes it and did not; island 1 decides " \
-        "without it" in stderr[1]
+        "without [0]" in stderr[1]
     assert [r["metrics"]["outer_quorum"] for r in one] == [2, 1, 1, 1]
     assert [r["step"] for r in one] == [3, 6, 9, 12]
 

@@ -256,7 +256,7 @@ class ElasticIslands:
         arrived = [i for i in range(self.topology.islands)
                    if i not in gone and self.store.check([f"{key}/arrived/{i}"])]
         logger.warning(f"outer step {outer_step}: island {gone[-1]} was to decide who takes it "
-                       f"and did not; island {self.topology.island} decides without it")
+                       f"and did not; island {self.topology.island} decides without {gone}")
         self._decide(key, final, arrived)
 
     def _announced(self, key: str, island: int) -> Optional[list[str]]:
@@ -341,7 +341,8 @@ class ElasticIslands:
         """Until the islands' decision on `key` is in the store. It comes within the quorum
         timeout (the deciding island waits no longer), except for a joiner's first attempt,
         which waits for the live islands' next outer step (and watches for the end of the run).
-        A member that sees none takes the decision over (_take_over), once per island. A joiner
+        A member that sees none takes the decision over (_take_over): rank 0 of one island is
+        elected each time, up to one fewer times than there are islands. A joiner
         whose retry gets none joins a later step (MissedRound): the live islands completed the
         outer step without it, or are gone."""
         first_join = joining and attempt == 0
@@ -360,14 +361,14 @@ class ElasticIslands:
                                      f"within {bound:.0f} s")
                 if joining:
                     raise MissedRound()
-                if takeovers == self.topology.islands:
+                if takeovers == self.topology.islands - 1:
                     raise IslandLost(
                         f"outer step {outer_step}: no quorum of islands within "
-                        f"{bound * (takeovers + 1):.0f} s; start this island again with "
-                        "--diloco_join --resume_from_checkpoint auto")
+                        f"{bound + takeovers * DECISION_SLACK:.0f} s; start this island again "
+                        "with --diloco_join --resume_from_checkpoint auto")
                 takeovers += 1
                 self._take_over(key, takeovers, outer_step, final)
-                deadline = time.monotonic() + bound
+                deadline = time.monotonic() + DECISION_SLACK  # a live taker decides at once
             time.sleep(0.05 if joining else 0.01)
 
     def end(self, step: int) -> None:
