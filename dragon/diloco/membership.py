@@ -43,6 +43,7 @@ import gc
 import json
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Optional
@@ -101,6 +102,15 @@ def staleness_weight(outer_steps_late: int) -> float:
     return 1.0 / (1 + outer_steps_late)
 
 
+def _launch_token() -> str:
+    """A token of this launch of the island, the same on all of its ranks: a restarted island
+    tells its own arrivals from those of the launch that died."""
+    token = [uuid.uuid4().hex]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(token, src=0)
+    return token[0]
+
+
 def step_key(outer_step: int, attempt: int = 0) -> str:
     """The store prefix of one attempt of one outer step: `/arrived/<island>`,
     `/joining/<island>` ("join": an island started with --diloco_join; "late N": one landing N
@@ -152,6 +162,7 @@ class ElasticIslands:
         self.timeout = timedelta(seconds=timeout_s)
         self.members = list(range(topology.islands))
         self.admitted: Optional[tuple] = None  # the quorum admit() let this island into
+        self.launch = _launch_token()  # what its rank 0 writes on arriving
 
     def first_group(self, joining: bool) -> Optional[Any]:
         """The islands that start together meet at outer step 0 (a joiner meets them later)."""
@@ -196,10 +207,14 @@ class ElasticIslands:
         the step is the last)."""
         t, key = self.topology, step_key(outer_step, attempt)
         before = step_key(outer_step, attempt - 1) if attempt else None  # the attempt it retries
+        arrival = f"{key}/arrived/{t.island}"
+        if joining and self.store.check([arrival]) and self.store.get(arrival).decode() != \
+                self.launch:  # an earlier launch of this island arrived here, then died
+            return None
         if t.island_rank == 0:
             if joining:
                 self.store.set(f"{key}/joining/{t.island}", f"late {late}" if late else "join")
-            self.store.set(f"{key}/arrived/{t.island}", "1")
+            self.store.set(arrival, self.launch)
             if not joining and self._elected(key, 0):  # the first to arrive decides
                 self._decide(key, final, self._arrived(key, before))
         self._wait_for_decision(key, joining, outer_step, attempt, final)
@@ -273,22 +288,24 @@ class ElasticIslands:
         whole attempt is retried (nothing is applied before one succeeds)."""
         late = 0
         for retry in range(self.topology.islands):
-            if joining and retry == 0:  # held here only, so that a failure closes its group
-                quorum, self.admitted = self.admitted, None
-                late = quorum[3].get(self.topology.island, 0)
-            else:
-                quorum = self.quorum(outer_step, retry, joining, final, late)
-                if quorum is None:
-                    raise MissedRound()
-            try:
+            quorum = None
+            try:  # a member lost before its group formed fails the attempt as one lost in it
+                if joining and retry == 0:  # held here only, so that a failure closes its group
+                    quorum, self.admitted = self.admitted, None
+                    late = quorum[3].get(self.topology.island, 0)
+                else:
+                    quorum = self.quorum(outer_step, retry, joining, final, late)
+                    if quorum is None:
+                        raise MissedRound()
                 done = attempt(*quorum)
                 if self.topology.island_rank == 0:  # for a member whose exchange failed alone
                     key = step_key(outer_step, retry)
                     self.store.set(f"{key}/done/{self.topology.island}", "1")
                 return done
             except RuntimeError as e:  # gloo: a member's connection closed, or the timeout
+                among = quorum[0] if quorum is not None else "the quorum"
                 logger.warning(
-                    f"outer step {outer_step}: the exchange among islands {quorum[0]} failed "
+                    f"outer step {outer_step}: the exchange among islands {among} failed "
                     f"({str(e).splitlines()[0][:160]}); retrying without the lost island"
                 )
             # The failed group's connections close, so that a member still waiting in it (one
@@ -396,6 +413,11 @@ class ElasticIslands:
                 raise IslandLost(f"island {self.topology.island} missed outer step {late_since} "
                                  "and could not land late: "
                                  f"{str(refused).removeprefix('--diloco_join: ')}") from None
+            except RuntimeError as e:  # gloo: a member lost before the group formed
+                logger.warning(f"outer step {target}: joining it failed "
+                               f"({str(e).splitlines()[0][:160]}); this island joins a later one")
+                self.admitted = None
+                gc.collect()
             if self.admitted is not None:
                 return target
             after = target
