@@ -111,6 +111,15 @@ def _launch_token() -> str:
     return token[0]
 
 
+def _on_any_rank(flag: bool) -> bool:
+    """Whether `flag` holds on any rank of this island (its own world)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, flag)
+    return any(flags)
+
+
 def step_key(outer_step: int, attempt: int = 0) -> str:
     """The store prefix of one attempt of one outer step: `/arrived/<island>`,
     `/joining/<island>` ("join": an island started with --diloco_join; "late N": one landing N
@@ -246,7 +255,14 @@ class ElasticIslands:
         if len(members) == 1:
             return members, None, joiners, late
         store = dist.PrefixStore(f"{key}/rank{t.island_rank}", self.store)
-        group = dist.ProcessGroupGloo(store, members.index(t.island), len(members), self.timeout)
+        try:
+            group = dist.ProcessGroupGloo(store, members.index(t.island), len(members),
+                                          self.timeout)
+        except RuntimeError as e:  # a member lost before the group formed
+            group = e
+        if _on_any_rank(isinstance(group, RuntimeError)):  # the island's ranks act as one
+            raise group if isinstance(group, RuntimeError) else RuntimeError(
+                f"outer step {outer_step}: another rank of this island could not form its group")
         return members, group, joiners, late
 
     def _elected(self, key: str, k: int) -> bool:
