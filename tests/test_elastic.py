@@ -94,6 +94,32 @@ def toy_islands(tmp_path, store, part: str, killed: tuple = ()) -> tuple[list, l
             for i in (0, 1)], stderr
 
 
+def window_delta(theta: torch.Tensor, island: int) -> torch.Tensor:
+    """theta_outer - theta after a toy island's window of inner steps from theta."""
+    centre = torch.cat([t.flatten() for t in toy.centre(island)])
+    w = theta.clone()
+    for _ in range(toy.INNER_STEPS):
+        w = w - toy.INNER_LR * (w - centre)
+    return theta - w
+
+
+def equal_the_simulation(zero: list, one: list, ones_steps: tuple, outer_gradient) -> None:
+    """Toy islands 0 (every outer step of 4) and 1 (`ones_steps`) equal the hand simulation,
+    theta_outer stepped by Nesterov 0.3 with outer_gradient(k, theta) at outer step k, after
+    each outer step they took, and end identical (==)."""
+    theta, buf, thetas = torch.cat([t.flatten() for t in toy.initial_weights()]), None, []
+    for k in (1, 2, 3, 4):
+        theta, buf = nesterov(theta, buf, outer_gradient(k, theta), mu=0.3)
+        thetas.append(theta)
+    for island, record, outer_steps in ((0, zero, (1, 2, 3, 4)), (1, one, ones_steps)):
+        for r, k in zip(record, outer_steps):
+            for key in ("weights", "outer"):
+                got = torch.tensor(sum(r[key], []))
+                assert torch.allclose(got, thetas[k - 1], rtol=1e-5, atol=1e-6), (
+                    island, k, key, (got - thetas[k - 1]).abs().max())
+    assert zero[-1]["weights"] == one[-1]["weights"] and zero[-1]["outer"] == one[-1]["outer"]
+
+
 def test_a_survivor_trains_on_as_a_one_island_diloco_would(tmp_path, store):
     """Toy weights (tests/scripts/diloco_islands.py), two elastic islands, sync then delayed
     mode; island 1 leaves after outer step 1. Island 0's outer steps 2-4 (quorum 1) give bit for
@@ -129,33 +155,18 @@ def test_a_late_island_lands_in_the_next_outer_step_weighted_by_staleness(tmp_pa
     assert [r["step"] for r in one] == [3, 9, 12]  # it did not train window 3
     assert one[1]["metrics"]["landed_late_by"] == 1 and zero[2]["metrics"]["outer_late"] == 1
 
-    theta = torch.cat([t.flatten() for t in toy.initial_weights()])
-    centres = [torch.cat([t.flatten() for t in toy.centre(i)]) for i in (0, 1)]
+    kept = None
 
-    def delta(theta, i):  # theta_outer - theta after an island's window from theta
-        w = theta.clone()
-        for _ in range(toy.INNER_STEPS):
-            w = w - toy.INNER_LR * (w - centres[i])
-        return theta - w
-
-    step = lambda theta, buf, g: nesterov(theta, buf, g, mu=0.3)  # noqa: E731
-    thetas, buf, kept = [], None, None
-    for k in (1, 2, 3, 4):
+    def outer_gradient(k, theta):
+        nonlocal kept
         if k == 3:  # island 0 fresh, island 1's window 2 at weight 1/2
-            g = (delta(theta, 0) + 0.5 * kept) / 1.5
-        elif k == 2:  # island 0 alone; island 1 keeps its pseudo-gradient
-            g, kept = delta(theta, 0), delta(theta, 1)
-        else:
-            g = (delta(theta, 0) + delta(theta, 1)) / 2
-        theta, buf = step(theta, buf, g)
-        thetas.append(theta)
-    for island, record, outer_steps in ((0, zero, (1, 2, 3, 4)), (1, one, (1, 3, 4))):
-        for r, k in zip(record, outer_steps):
-            for key in ("weights", "outer"):
-                got = torch.tensor(sum(r[key], []))
-                assert torch.allclose(got, thetas[k - 1], rtol=1e-5, atol=1e-6), (
-                    island, k, key, (got - thetas[k - 1]).abs().max())
-    assert zero[-1]["weights"] == one[-1]["weights"] and zero[-1]["outer"] == one[-1]["outer"]
+            return (window_delta(theta, 0) + 0.5 * kept) / 1.5
+        if k == 2:  # island 0 alone; island 1 keeps its pseudo-gradient
+            kept = window_delta(theta, 1)
+            return window_delta(theta, 0)
+        return (window_delta(theta, 0) + window_delta(theta, 1)) / 2
+
+    equal_the_simulation(zero, one, (1, 3, 4), outer_gradient)
 
 
 def test_a_late_island_is_not_let_into_the_last_outer_step(tmp_path, store):
@@ -196,27 +207,11 @@ def test_a_member_whose_exchange_failed_alone_joins_the_next_outer_step(tmp_path
     assert [r["metrics"]["outer_quorum"] for r in zero] == [2, 2, 2, 2]
     assert [r["step"] for r in one] == [3, 9, 12]
 
-    theta = torch.cat([t.flatten() for t in toy.initial_weights()])
-    centres = [torch.cat([t.flatten() for t in toy.centre(i)]) for i in (0, 1)]
+    def outer_gradient(k, theta):  # outer step 3: island 0 alone (the joiner sends zeros)
+        both = (window_delta(theta, 0) + window_delta(theta, 1)) / 2
+        return window_delta(theta, 0) if k == 3 else both
 
-    def delta(theta, i):  # theta_outer - theta after an island's window from theta
-        w = theta.clone()
-        for _ in range(toy.INNER_STEPS):
-            w = w - toy.INNER_LR * (w - centres[i])
-        return theta - w
-
-    thetas, buf = [], None
-    for k in (1, 2, 3, 4):  # outer step 3: island 0 alone contributes (the joiner sends zeros)
-        g = delta(theta, 0) if k == 3 else (delta(theta, 0) + delta(theta, 1)) / 2
-        theta, buf = nesterov(theta, buf, g, mu=0.3)
-        thetas.append(theta)
-    for island, record, outer_steps in ((0, zero, (1, 2, 3, 4)), (1, one, (1, 3, 4))):
-        for r, k in zip(record, outer_steps):
-            for key in ("weights", "outer"):
-                got = torch.tensor(sum(r[key], []))
-                assert torch.allclose(got, thetas[k - 1], rtol=1e-5, atol=1e-6), (
-                    island, k, key, (got - thetas[k - 1]).abs().max())
-    assert zero[-1]["weights"] == one[-1]["weights"] and zero[-1]["outer"] == one[-1]["outer"]
+    equal_the_simulation(zero, one, (1, 3, 4), outer_gradient)
 
 
 def test_a_late_island_of_the_recipe_lands_late_and_the_islands_end_identical(
