@@ -284,8 +284,7 @@ class ElasticIslands:
         if self.topology.island_rank != 0 or not self._elected(key, k):
             return
         gone = [int(self.store.get(f"{key}/decider{j}")) for j in range(k)]
-        arrived = [i for i in range(self.topology.islands)
-                   if i not in gone and self.store.check([f"{key}/arrived/{i}"])]
+        arrived = [i for i in self._arrivals(key) if i not in gone]
         logger.warning(f"outer step {outer_step}: island {gone[-1]} was to decide who takes it "
                        f"and did not; island {self.topology.island} decides without {gone}")
         self._decide(key, final, arrived)
@@ -356,13 +355,15 @@ class ElasticIslands:
             completed = [] if before is None else self._completed(before)
             if completed:
                 return completed
-            arrived = [
-                i for i in range(self.topology.islands)
-                if self.store.check([f"{key}/arrived/{i}"])
-            ]
+            arrived = self._arrivals(key)
             if set(self.members) <= set(arrived) or time.monotonic() > deadline:
                 return arrived
             time.sleep(0.01)
+
+    def _arrivals(self, key: str) -> list[int]:
+        """The islands that announced themselves for `key` so far."""
+        return [i for i in range(self.topology.islands)
+                if self.store.check([f"{key}/arrived/{i}"])]
 
     def _completed(self, key: str) -> list[int]:
         """The islands whose attempt `key` succeeded."""
