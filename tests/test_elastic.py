@@ -76,17 +76,19 @@ def outer(out, island) -> list[dict]:
     return [m for m in read_jsonl(out / f"island{island}" / "metrics.jsonl") if "outer_step" in m]
 
 
+def toy_island(tmp_path, store, island: int, part: str) -> subprocess.Popen:
+    """Island `island` of tests/scripts/diloco_islands.py's `part`, started."""
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "tests/scripts/diloco_islands.py"), str(island), store,
+         str(tmp_path / f"island{island}.json"), part],
+        cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
 def toy_islands(tmp_path, store, part: str, killed: tuple = ()) -> tuple[list, list[str]]:
     """tests/scripts/diloco_islands.py's `part` as islands 0 and 1: each one's record (None for
     the islands `killed` by SIGKILL), and what each wrote to stderr."""
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(REPO / "tests/scripts/diloco_islands.py"), str(i), store,
-             str(tmp_path / f"island{i}.json"), part],
-            cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        for i in (0, 1)
-    ]
+    procs = [toy_island(tmp_path, store, i, part) for i in (0, 1)]
     stderr = [proc.communicate(timeout=300)[1] for proc in procs]
     for i, (proc, err) in enumerate(zip(procs, stderr)):
         assert proc.returncode == (-signal.SIGKILL if i in killed else 0), err[-3000:]
@@ -212,6 +214,33 @@ def test_a_member_whose_exchange_failed_alone_joins_the_next_outer_step(tmp_path
         return window_delta(theta, 0) if k == 3 else both
 
     equal_the_simulation(zero, one, (1, 3, 4), outer_gradient)
+
+
+def test_a_restarted_island_never_joins_the_attempt_its_dead_launch_arrived_at(tmp_path, store):
+    """Toy weights, elastic islands in sync mode: island 1 arrives at outer step 2, is let in,
+    and is SIGKILLed before the step's group forms; island 0's group waits for it. Started again
+    with --diloco_join meanwhile, island 1 finds the live islands at outer step 2, which its dead
+    launch arrived at: it joins outer step 3 instead (joining step 2 would give island 0's
+    waiting group a member that takes the step as a joiner while island 0 takes it as a member).
+    Island 0 takes step 2 alone once its group fails; both equal the hand simulation and end
+    identical (==)."""
+    zero = toy_island(tmp_path, store, 0, "restarted")
+    dead = toy_island(tmp_path, store, 1, "restarted")
+    assert dead.wait(timeout=300) == -signal.SIGKILL, dead.communicate()[1][-3000:]
+    again = toy_island(tmp_path, store, 1, "rejoin")
+    for proc in (zero, again):
+        stderr = proc.communicate(timeout=300)[1]
+        assert proc.returncode == 0, stderr[-3000:]
+    assert "outer step 2: an earlier launch of this island arrived at it and died" in stderr
+    zero, one = (json.loads((tmp_path / f"island{i}.json").read_text()) for i in (0, 1))
+    assert [r["metrics"]["outer_quorum"] for r in zero] == [2, 1, 2, 2]
+    assert [r["step"] for r in one] == [9, 12]
+
+    def outer_gradient(k, theta):  # outer steps 2 and 3: island 0 alone (the joiner sends 0)
+        both = (window_delta(theta, 0) + window_delta(theta, 1)) / 2
+        return window_delta(theta, 0) if k in (2, 3) else both
+
+    equal_the_simulation(zero, one, (3, 4), outer_gradient)
 
 
 def test_a_late_island_of_the_recipe_lands_late_and_the_islands_end_identical(

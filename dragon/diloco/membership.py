@@ -218,7 +218,10 @@ class ElasticIslands:
         before = step_key(outer_step, attempt - 1) if attempt else None  # the attempt it retries
         arrival = f"{key}/arrived/{t.island}"
         if joining and self.store.check([arrival]) and self.store.get(arrival).decode() != \
-                self.launch:  # an earlier launch of this island arrived here, then died
+                self.launch:  # its group may wait for that launch: never for this one
+            if t.island_rank == 0:
+                logger.warning(f"outer step {outer_step}: an earlier launch of this island "
+                               "arrived at it and died; this island joins a later one")
             return None
         if t.island_rank == 0:
             if joining:

@@ -1,7 +1,7 @@
 """One island of a two-island DiLoCo run on toy weights, for tests/test_diloco.py.
 
     python diloco_islands.py ISLAND HOST:PORT OUT_JSON
-        [elastic|late|late_final|decider_dies|failed_alone]
+        [elastic|late|late_final|decider_dies|failed_alone|restarted|rejoin]
 
 Two processes (islands 0 and 1, one rank each) meet through a real ProcessGroupGloo built by
 dragon.parallel.topology.enter_island (one launch per island). The "inner optimizer" is a gradient
@@ -29,6 +29,11 @@ takes the step; island 1 takes the decision over and trains on alone.
 
 `failed_alone`: island 1's exchange of outer step 2 completes on island 0 but fails on island 1
 alone; island 1 joins outer step 3 as a joiner.
+
+`restarted`: island 1 arrives at outer step 2, is let in, and is SIGKILLed before its group forms;
+island 0's group for the step waits for it (20 s) and fails. `rejoin`: island 1 started again
+with --diloco_join while island 0 waits, so the step it finds the live islands at is the one its
+dead launch arrived at: it joins a later one.
 """
 
 import copy
@@ -212,15 +217,35 @@ def failed_alone(island: int, store: str) -> list[dict]:
     return elastic_sync(island, store, {})
 
 
-def elastic_sync(island: int, store: str, slow: dict) -> list[dict]:
+def restarted(island: int, store: str) -> list[dict]:
+    """Island 1 is SIGKILLed at outer step 2 once the step's members (itself among them) are
+    decided, before its group forms."""
+    wait = ElasticIslands._wait_for_decision
+
+    def dying(self, key, *args):
+        wait(self, key, *args)
+        if key == step_key(2, 0):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    if island == 1:
+        ElasticIslands._wait_for_decision = dying
+    return elastic_sync(island, store, {(1, INNER_STEPS): 0.5}, timeout_s=20)
+
+
+def elastic_sync(island: int, store: str, slow: dict, join: bool = False,
+                 timeout_s: float = 60) -> list[dict]:
     """Elastic islands in sync mode, quorum timeout 1 s, each window of island i after step s
-    started `slow[i, s]` seconds late: the record of every outer step taken, with its step."""
+    started `slow[i, s]` seconds late (`join`: this island joins the live islands first): the
+    record of every outer step taken, with its step."""
     options = elastic_options(island, store)
-    topology = enter_island(SimpleNamespace(**options), 60)
+    topology = enter_island(SimpleNamespace(**options), timeout_s)
     args = DiLoCoArguments(diloco_inner_steps=INNER_STEPS, diloco_outer_momentum=0.3,
-                           diloco_quorum_timeout=1, **options)
+                           diloco_quorum_timeout=1, diloco_join=join, **options)
     weights, c, record, step = Weights(initial_weights()), centre(island), [], 0
     outer, last = DiLoCo(weights, args.config(), topology), OUTER_STEPS * INNER_STEPS
+    if join:
+        step, metrics = outer.join()
+        record.append({**record_of(weights, outer, metrics), "step": step})
     while step < last:
         time.sleep(slow.get((island, step), 0))
         inner_steps(weights, c)
@@ -240,7 +265,9 @@ def main():
     island, store, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     parts = {"elastic": elastic_runs, "late": late,
              "late_final": lambda island, store: late(island, store, OUTER_STEPS - 1),
-             "decider_dies": decider_dies, "failed_alone": failed_alone}
+             "decider_dies": decider_dies, "failed_alone": failed_alone,
+             "restarted": restarted,
+             "rejoin": lambda island, store: elastic_sync(island, store, {}, join=True)}
     if sys.argv[4:5] and sys.argv[4] in parts:
         with open(out, "w") as f:
             json.dump(parts[sys.argv[4]](island, store), f)
