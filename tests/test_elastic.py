@@ -23,7 +23,7 @@ from test_faults import ranks_of, signal_after
 from test_diloco import nesterov, toy
 
 from dragon.checkpoint.catalog import is_complete
-from dragon.diloco.membership import step_key
+from dragon.diloco.quorum import step_key
 
 STEPS = 16
 ELASTIC = ["--diloco_inner_steps", "4", "--diloco_elastic", "--diloco_store_external",

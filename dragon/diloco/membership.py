@@ -5,26 +5,22 @@ members; failed(exchanges, ...) says whether an exchange in flight has to be red
 island; publish, metrics and finish report the step and end the run.
 
 Elastic islands (ElasticIslands).
-At every outer step each island's first rank announces itself in the islands' store. The first
-island to arrive waits up to --diloco_quorum_timeout for the islands of the last quorum and then
-writes this step's members; every rank of every island reads that one decision, so all agree (it
-is written once, with compare_set; when its writer dies deciding, the first island to see no
-decision within the quorum timeout and DECISION_SLACK decides without it). The
-members' rank r then meet in a gloo group built for this step only (rank r of each member island,
-as the static cross-island group does), and the outer step averages over them. An island that is
-not in the quorum (it died, or came late) is out of the run; if the exchange itself fails (an
-island died during it), the survivors form the step's quorum again and retry without it. A
-member whose exchange failed on it alone, while the others completed the step with its share,
-finds so at its retry and joins the next outer step as a joiner does.
+At every outer step the islands that reach it agree on its members in their store
+(dragon.diloco.quorum). The members' rank r then meet in a gloo group built for this step only
+(rank r of each member island, as the static cross-island group does), and the outer step
+averages over them. An island that is not in the quorum (it died, or came late) is out of the
+run; if the exchange itself fails (an island died during it), the survivors form the step's
+quorum again and retry without it. A member whose exchange failed on it alone, while the others
+completed the step with its share, finds so at its retry and joins the next outer step as a
+joiner does.
 
 An island started with --diloco_join announces itself as joining for the live islands' next outer
-step (it never decides a quorum: it would not know whom to wait for); it is a member of that step
-if it arrived before the decision, else it tries the step after. It adds a zero Delta (the
-average divides by the other members), receives theta_outer, the outer optimizer's state_dict
-and the step from the first other member, and applies the outer gradient that member applies
-(sync: the average; delayed: that member's eager gradient), so it ends the step on that member's
-weights. Its data stream continues from its own checkpoint, or (a fresh island) from where an
-island that trained all along would read at that step: islands read disjoint samples.
+step; it is a member of that step if it arrived before the decision, else it tries the step after.
+It adds a zero Delta (the average divides by the other members), receives theta_outer, the outer
+optimizer's state_dict and the step from the first other member, and applies the outer gradient
+that member applies (sync: the average; delayed: that member's eager gradient), so it ends the step
+on that member's weights. Its data stream continues from its own checkpoint, or (a fresh island)
+from where an island that trained all along would read at that step: islands read disjoint samples.
 
 An island that reaches an outer step after its quorum formed without it (past the quorum
 timeout: the grace) lands late, in sync mode with one fragment: the others do not wait for it. It
@@ -42,8 +38,6 @@ the members that contributed to it: the late average is then the survivors' aver
 import gc
 import json
 import logging
-import time
-import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Optional
@@ -51,13 +45,11 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from dragon.diloco.quorum import PREFIX, MissedRound, Quorum, step_key
 from dragon.errors import IslandLost, JoinRefused
 from dragon.parallel.topology import Topology
 
 logger = logging.getLogger("dragon")
-_PREFIX = "dragon-diloco/elastic"
-# beyond the quorum timeout the deciding island waits, what a decision may take to reach the store
-DECISION_SLACK = 10.0
 
 
 @dataclass
@@ -90,25 +82,11 @@ class LateForQuorum(Exception):
         self.outer_step, self.members, self.counted = outer_step, members, counted
 
 
-class MissedRound(Exception):
-    """A joiner's outer step went on without it (the others completed it, or formed its retry
-    without it): it joins a later one."""
-
-
 def staleness_weight(outer_steps_late: int) -> float:
     """The weight of a pseudo-gradient that lands `outer_steps_late` outer steps late, against 1
     for a fresh one: 1 / (1 + late), the staleness-dependent learning rate of Zhang et al. (2016,
     "Staleness-aware Async-SGD"), which divides a gradient's step by its staleness."""
     return 1.0 / (1 + outer_steps_late)
-
-
-def _launch_token() -> str:
-    """A token of this launch of the island, the same on all of its ranks: a restarted island
-    tells its own arrivals from those of the launch that died."""
-    token = [uuid.uuid4().hex]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(token, src=0)
-    return token[0]
 
 
 def _on_any_rank(flag: bool) -> bool:
@@ -118,14 +96,6 @@ def _on_any_rank(flag: bool) -> bool:
     flags = [None] * dist.get_world_size()
     dist.all_gather_object(flags, flag)
     return any(flags)
-
-
-def step_key(outer_step: int, attempt: int = 0) -> str:
-    """The store prefix of one attempt of one outer step: `/arrived/<island>`,
-    `/joining/<island>` ("join": an island started with --diloco_join; "late N": one landing N
-    outer steps late), `/decider<k>` (the island elected to decide; k > 0: to take the decision
-    over), `/members` (the decision) and `/done/<island>` (the attempt succeeded there)."""
-    return f"{_PREFIX}/{outer_step}/{attempt}"
 
 
 class FixedGroup:
@@ -166,12 +136,15 @@ class ElasticIslands:
     def __init__(self, topology: Topology, quorum_timeout: float, min_islands: int,
                  timeout_s: float, late_landing: bool = False):
         self.topology, self.store = topology, topology.store
-        self.quorum_timeout, self.min_islands = quorum_timeout, min_islands
+        self.min_islands, self.timeout = min_islands, timedelta(seconds=timeout_s)
         self.late_landing = late_landing  # a late island lands in the next outer step
-        self.timeout = timedelta(seconds=timeout_s)
-        self.members = list(range(topology.islands))
+        self.decisions = Quorum(topology, quorum_timeout, self.timeout)
         self.admitted: Optional[tuple] = None  # the quorum admit() let this island into
-        self.launch = _launch_token()  # what its rank 0 writes on arriving
+
+    @property
+    def members(self) -> list[int]:
+        """The last quorum this island took part in (at first: every island)."""
+        return self.decisions.last
 
     def first_group(self, joining: bool) -> Optional[Any]:
         """The islands that start together meet at outer step 0 (a joiner meets them later)."""
@@ -214,27 +187,14 @@ class ElasticIslands:
         else it exits with one line, as it does when the quorum is below --diloco_min_islands.
         The run's `final` outer step lets no joiner in (a late one neither: it would not know
         the step is the last)."""
-        t, key = self.topology, step_key(outer_step, attempt)
-        before = step_key(outer_step, attempt - 1) if attempt else None  # the attempt it retries
-        arrival = f"{key}/arrived/{t.island}"
-        if joining and self.store.check([arrival]) and self.store.get(arrival).decode() != \
-                self.launch:  # its group may wait for that launch: never for this one
-            if t.island_rank == 0:
-                logger.warning(f"outer step {outer_step}: an earlier launch of this island "
-                               "arrived at it and died; this island joins a later one")
+        t = self.topology
+        members = self.decisions.members(outer_step, attempt, joining, final, late)
+        if members is None:  # a joiner in an attempt its dead launch arrived at
             return None
-        if t.island_rank == 0:
-            if joining:
-                self.store.set(f"{key}/joining/{t.island}", f"late {late}" if late else "join")
-            self.store.set(arrival, self.launch)
-            if not joining and self._elected(key, 0):  # the first to arrive decides
-                self._decide(key, final, self._arrived(key, before))
-        self._wait_for_decision(key, joining, outer_step, attempt, final)
-        members = [int(i) for i in self.store.get(f"{key}/members").decode().split(",")]
         if t.island not in members:
             if joining:  # it arrived late: it tries a later outer step
                 return None
-            if before is not None and self._completed(before):
+            if attempt and self.decisions.completed(outer_step, attempt - 1):
                 raise LateForQuorum(outer_step, members, counted=True)
             # a late island lands in the next outer step (at the start it has nothing to land)
             if self.late_landing and not final and outer_step > 0:
@@ -250,14 +210,15 @@ class ElasticIslands:
                 f"outer step {outer_step}: {len(members)} island(s) {members} reached it, "
                 f"fewer than --diloco_min_islands {self.min_islands}"
             )
-        kinds = {i: self._announced(key, i) for i in members}
+        kinds = {i: self.decisions.announced(outer_step, attempt, i) for i in members}
         joiners = [i for i in members if kinds[i] is not None]
         late = {i: int(kinds[i][1]) for i in joiners if kinds[i][0] == "late"}
         self._report(outer_step, members, joiners, late)
-        self.members = members
+        self.decisions.last = members
         if len(members) == 1:
             return members, None, joiners, late
-        store = dist.PrefixStore(f"{key}/rank{t.island_rank}", self.store)
+        store = dist.PrefixStore(f"{step_key(outer_step, attempt)}/rank{t.island_rank}",
+                                 self.store)
         try:
             group = dist.ProcessGroupGloo(store, members.index(t.island), len(members),
                                           self.timeout)
@@ -267,36 +228,6 @@ class ElasticIslands:
             raise group if isinstance(group, RuntimeError) else RuntimeError(
                 f"outer step {outer_step}: another rank of this island could not form its group")
         return members, group, joiners, late
-
-    def _elected(self, key: str, k: int) -> bool:
-        """Whether this island is the k-th elected to decide `key` (one is, whoever asks)."""
-        me = str(self.topology.island)
-        return self.store.compare_set(f"{key}/decider{k}", "", me).decode() == me
-
-    def _decide(self, key: str, final: bool, arrived: list[int]) -> None:
-        """The members of `key`: those that `arrived` (the last step: no joiner), unless an
-        island decided first (compare_set: one decision, whoever writes it)."""
-        if final:
-            arrived = [i for i in arrived if self._announced(key, i) is None]
-        self.store.compare_set(f"{key}/members", "", ",".join(map(str, arrived)))
-
-    def _take_over(self, key: str, k: int, outer_step: int, final: bool) -> None:
-        """No decision within the quorum timeout: the island elected to decide died doing it.
-        Island rank 0 of the first island to see it decides without it (and without the k - 1
-        elected after it that did not decide either)."""
-        if self.topology.island_rank != 0 or not self._elected(key, k):
-            return
-        gone = [int(self.store.get(f"{key}/decider{j}")) for j in range(k)]
-        arrived = [i for i in self._arrivals(key) if i not in gone]
-        logger.warning(f"outer step {outer_step}: island {gone[-1]} was to decide who takes it "
-                       f"and did not; island {self.topology.island} decides without {gone}")
-        self._decide(key, final, arrived)
-
-    def _announced(self, key: str, island: int) -> Optional[list[str]]:
-        """How `island` announced itself for `key`: ["join"], ["late", N] or None (a member)."""
-        if not self.store.check([f"{key}/joining/{island}"]):
-            return None
-        return self.store.get(f"{key}/joining/{island}").decode().split()
 
     def run_round(self, outer_step: int, attempt: Callable[..., Any], joining: bool = False,
                   final: bool = False) -> Any:
@@ -316,9 +247,7 @@ class ElasticIslands:
                     if quorum is None:
                         raise MissedRound()
                 done = attempt(*quorum)
-                if self.topology.island_rank == 0:  # for a member whose exchange failed alone
-                    key = step_key(outer_step, retry)
-                    self.store.set(f"{key}/done/{self.topology.island}", "1")
+                self.decisions.succeeded(outer_step, retry)  # tells one that failed alone
                 return done
             except RuntimeError as e:  # gloo: a member's connection closed, or the timeout
                 among = quorum[0] if quorum is not None else "the quorum"
@@ -349,74 +278,15 @@ class ElasticIslands:
             else:
                 logger.info(f"outer step {outer_step}: island {i} joins islands {members}")
 
-    def _arrived(self, key: str, before: Optional[str] = None) -> list[int]:
-        """The islands that announced themselves for `key`, once all of the last quorum did or
-        the quorum timeout passed. When islands completed the attempt `key` retries (its exchange
-        failed on this island alone), those islands: the retry is not for them."""
-        deadline = time.monotonic() + self.quorum_timeout
-        while True:
-            completed = [] if before is None else self._completed(before)
-            if completed:
-                return completed
-            arrived = self._arrivals(key)
-            if set(self.members) <= set(arrived) or time.monotonic() > deadline:
-                return arrived
-            time.sleep(0.01)
-
-    def _arrivals(self, key: str) -> list[int]:
-        """The islands that announced themselves for `key` so far."""
-        return [i for i in range(self.topology.islands)
-                if self.store.check([f"{key}/arrived/{i}"])]
-
-    def _completed(self, key: str) -> list[int]:
-        """The islands whose attempt `key` succeeded."""
-        return [i for i in range(self.topology.islands)
-                if self.store.check([f"{key}/done/{i}"])]
-
-    def _wait_for_decision(self, key: str, joining: bool, outer_step: int, attempt: int,
-                           final: bool) -> None:
-        """Until the islands' decision on `key` is in the store. It comes within the quorum
-        timeout (the deciding island waits no longer), except for a joiner's first attempt,
-        which waits for the live islands' next outer step (and watches for the end of the run).
-        A member that sees none takes the decision over (_take_over): rank 0 of one island is
-        elected each time, up to one fewer times than there are islands. A joiner
-        whose retry gets none joins a later step (MissedRound): the live islands completed the
-        outer step without it, or are gone."""
-        first_join = joining and attempt == 0
-        bound = self.timeout.total_seconds() if first_join else (
-            self.quorum_timeout + DECISION_SLACK)
-        deadline, takeovers = time.monotonic() + bound, 0
-        while not self.store.check([f"{key}/members"]):
-            if first_join and self.store.check([f"{_PREFIX}/ended"]):
-                step = self.store.get(f"{_PREFIX}/ended").decode()
-                raise JoinRefused(f"--diloco_join: the live islands ended the run at step "
-                                 f"{step}; no outer step is left to join (to train on, resume "
-                                 "every island with a larger --max_steps)")
-            if time.monotonic() > deadline:
-                if first_join:
-                    raise JoinRefused(f"--diloco_join: no outer step of the live islands "
-                                     f"within {bound:.0f} s")
-                if joining:
-                    raise MissedRound()
-                if takeovers == self.topology.islands - 1:
-                    raise IslandLost(
-                        f"outer step {outer_step}: no quorum of islands within "
-                        f"{bound + takeovers * DECISION_SLACK:.0f} s; start this island again "
-                        "with --diloco_join --resume_from_checkpoint auto")
-                takeovers += 1
-                self._take_over(key, takeovers, outer_step, final)
-                deadline = time.monotonic() + DECISION_SLACK  # a live taker decides at once
-            time.sleep(0.05 if joining else 0.01)
-
     def end(self, step: int) -> None:
         """The run reached its last step: islands still joining are told so."""
         if self.topology.island_rank == 0:
-            self.store.set(f"{_PREFIX}/ended", str(step))
+            self.store.set(f"{PREFIX}/ended", str(step))
 
     def publish(self, outer_step: int, step: int, shape: dict) -> None:
         """After an outer step: where the run is, and what a joiner must match."""
         if self.topology.island_rank == 0:
-            self.store.set(f"{_PREFIX}/progress", json.dumps([outer_step, step, shape]))
+            self.store.set(f"{PREFIX}/progress", json.dumps([outer_step, step, shape]))
 
     def admit(self, shape: dict, late_since: Optional[int] = None, after: int = 0) -> int:
         """--diloco_join, or an island landing late that missed outer step `late_since`: the
@@ -445,8 +315,8 @@ class ElasticIslands:
     def progress(self, shape: dict) -> int:
         """The last outer step the live islands published (waits for one); exits with one line
         when this island's model or H differ from theirs."""
-        self.store.wait([f"{_PREFIX}/progress"], self.timeout)
-        outer_step, _, theirs = json.loads(self.store.get(f"{_PREFIX}/progress"))
+        self.store.wait([f"{PREFIX}/progress"], self.timeout)
+        outer_step, _, theirs = json.loads(self.store.get(f"{PREFIX}/progress"))
         wrong = [f"{k} {v} (theirs {theirs.get(k)})" for k, v in shape.items()
                  if v != theirs.get(k)]
         if wrong:

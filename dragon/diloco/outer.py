@@ -39,7 +39,8 @@ from dragon.diloco.exchange import Exchange, ExchangeSet, flatten
 from dragon.diloco.fragment import Fragment, InFlight, OptimizerFactory
 from dragon.diloco.fragment_cut import INTERLEAVED, fragment_ids
 from dragon.diloco.landing import AUTO, AutoLandings
-from dragon.diloco.membership import LateForQuorum, MissedRound, Round, staleness_weight
+from dragon.diloco.membership import LateForQuorum, Round, staleness_weight
+from dragon.diloco.quorum import MissedRound
 from dragon.diloco.pace import pace_for
 from dragon.diloco.runtime import OuterRuntime, resumable_state
 import dragon.diloco.state as saved_state

@@ -47,7 +47,7 @@ from types import SimpleNamespace
 import torch
 
 from dragon.diloco.arguments import DiLoCoArguments
-from dragon.diloco.membership import ElasticIslands, step_key
+from dragon.diloco.quorum import Quorum, step_key
 from dragon.diloco.outer import DiLoCo
 from dragon.errors import RunStopped
 from dragon.parallel.topology import Topology, enter_island
@@ -188,7 +188,7 @@ def late(island: int, store: str, late_for: int = 2) -> list[dict]:
 
 def decider_dies(island: int, store: str) -> list[dict]:
     """Island 0 arrives first at outer step 2 and is SIGKILLed deciding who takes it."""
-    decide = ElasticIslands._decide
+    decide = Quorum._decide
 
     def dying(self, key, final, arrived):
         if key == step_key(2, 0):
@@ -196,7 +196,7 @@ def decider_dies(island: int, store: str) -> list[dict]:
         decide(self, key, final, arrived)
 
     if island == 0:
-        ElasticIslands._decide = dying
+        Quorum._decide = dying
     return elastic_sync(island, store, {(1, INNER_STEPS): 0.5})
 
 
@@ -220,7 +220,7 @@ def failed_alone(island: int, store: str) -> list[dict]:
 def restarted(island: int, store: str) -> list[dict]:
     """Island 1 is SIGKILLed at outer step 2 once the step's members (itself among them) are
     decided, before its group forms."""
-    wait = ElasticIslands._wait_for_decision
+    wait = Quorum._wait_for_decision
 
     def dying(self, key, *args):
         wait(self, key, *args)
@@ -228,7 +228,7 @@ def restarted(island: int, store: str) -> list[dict]:
             os.kill(os.getpid(), signal.SIGKILL)
 
     if island == 1:
-        ElasticIslands._wait_for_decision = dying
+        Quorum._wait_for_decision = dying
     return elastic_sync(island, store, {(1, INNER_STEPS): 0.5}, timeout_s=20)
 
 
