@@ -18,14 +18,10 @@ step lands what is in flight and syncs every fragment at once, blocking (plain D
 averages theta_outer, whose momenta differ), so training ends with every island on the same
 weights.
 
-Every outer step is one round among the islands of the membership (dragon.diloco.membership): a
-fixed group, or elastic islands that die and join. A round lands what is due, then starts what
-syncs; it is retried without an island lost during it, and nothing is applied before it succeeds.
-An exchange in flight that failed (an island died during it) is redone by the survivors from
-their kept pseudo-gradients, divided by those that contributed. A joiner takes theta_outer, the
-outer optimizers and the step from a live island, sends zeros, and applies what it applies. An
-island that reaches a sync after its quorum formed without it lands late: it joins the next outer
-step as a joiner does, but sends the pseudo-gradient it kept, weighted by its staleness.
+Every outer step is one round among the islands of the membership (dragon.diloco.membership: a
+fixed group, or elastic islands that die, join and land late). A round lands what is due, then
+starts what syncs; it is retried without an island lost during it, and nothing is applied before
+it succeeds.
 """
 
 import logging
@@ -352,8 +348,7 @@ class DiLoCo:
         for fragment in self.fragments:  # what this island's checkpoint had is theirs now
             fragment.in_flight = None
             fragment.forget_own_share()
-        metrics = self._join_live_islands(missed=after)
-        return self.joined_step, metrics
+        return self.joined_step, self._join_live_islands(after)
 
     def _land_late(self, late: LateForQuorum) -> dict:
         """This island reached outer step `late.outer_step` after its quorum formed without it:
@@ -373,23 +368,22 @@ class DiLoCo:
         local = flatten(self.weights.tensors())
         self.late_deltas = [f.pseudo_gradient(local) for f in self.fragments]
         try:
-            return self._join_live_islands(late_since=late.outer_step)
+            return self._join_live_islands(late.outer_step, late_since=late.outer_step)
         finally:
             self.late_deltas = None
 
-    def _join_live_islands(self, late_since: Optional[int] = None, missed: int = 0) -> dict:
-        """The live islands' next outer step after `missed` that lets this island in, taken with
-        them."""
-        missed = late_since or missed  # a late island joins an outer step after the one missed
+    def _join_live_islands(self, after: int, late_since: Optional[int] = None) -> dict:
+        """The live islands' next outer step after outer step `after` that lets this island in,
+        taken with them (`late_since`: an island landing late, that missed that outer step)."""
         while True:
-            target = self.membership.admit(self.runtime.shape(), late_since, missed)
+            target = self.membership.admit(self.runtime.shape(), late_since, after)
             self.outer_step = target - 1
             try:
                 return self._outer_step(0, False, joining=True)
             except MissedRound:  # the live islands went on without this island: a later step
                 logger.warning(f"outer step {target} went on without this island; it joins a "
                                "later one")
-                missed = target
+                after = target
 
     def close(self, ended_at: Optional[int] = None) -> None:
         """After the last outer step (dragon.diloco.runtime.OuterRuntime.close)."""
@@ -410,7 +404,7 @@ class DiLoCo:
     def load_state_dict(self, state: dict) -> None:
         """This rank's state as it saved it; every island must resume the same outer step."""
         self.runtime.check_same_step(state["outer_step"], "outer steps")
-        self._load(state)
+        saved_state.load_outer_loop(self, state)
 
     def resume_elsewhere(self, saved) -> None:
         """Resume from a checkpoint that holds no state of this rank as it is now
@@ -423,26 +417,10 @@ class DiLoCo:
         if state is None:
             self.restart()
             return
-        self._load(state)
+        saved_state.load_outer_loop(self, state)
         if saved.borrowed:
             for fragment in self.fragments:
                 fragment.forget_own_share()
-
-    def _load(self, state: dict) -> None:
-        state = saved_state.current(state, getattr(self.weights, "shapes", dict)())
-        saved_state.check_fits(state, self.F, self.mode, self.numels)
-        if self.F > 1 and state["cut"] != self.cut:  # saved before the cut was interleaved
-            self.cut = state["cut"]
-            ids = fragment_ids(self.weights.segments(), self.weights.shapes(), self.numels,
-                               self.F, self.cut)
-            for fragment in self.fragments:
-                fragment.ids = ids
-        for fragment, saved in zip(self.fragments, state["fragment"]):
-            saved_state.load_fragment(fragment, saved)
-        self.outer_step = state["outer_step"]
-        if self.pace is not None:
-            self.pace.load_state_dict(state.get("pace"))  # absent: saved with equal islands
-        self.runtime.report.peak_bytes = state["peak_bytes"]
 
     def restart(self) -> None:
         """Start afresh from the current weights (a checkpoint saved without DiLoCo)."""

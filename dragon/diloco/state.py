@@ -42,6 +42,24 @@ def of_outer_loop(loop) -> dict:
     }
 
 
+def load_outer_loop(loop, state: dict) -> None:
+    """Load a DiLoCo's state (of_outer_loop's, saved on this rank's layout or laid out for it)."""
+    state = current(state, getattr(loop.weights, "shapes", dict)())
+    check_fits(state, loop.F, loop.mode, loop.numels)
+    if loop.F > 1 and state["cut"] != loop.cut:  # saved before the cut was interleaved
+        loop.cut = state["cut"]
+        ids = fragment_ids(loop.weights.segments(), loop.weights.shapes(), loop.numels, loop.F,
+                           loop.cut)
+        for fragment in loop.fragments:
+            fragment.ids = ids
+    for fragment, saved in zip(loop.fragments, state["fragment"]):
+        load_fragment(fragment, saved)
+    loop.outer_step = state["outer_step"]
+    if loop.pace is not None:
+        loop.pace.load_state_dict(state.get("pace"))  # absent: saved with equal islands
+    loop.runtime.report.peak_bytes = state["peak_bytes"]
+
+
 def _of_fragment(fragment: Fragment) -> dict:
     flight, x = None, fragment.in_flight
     if x is not None:
