@@ -348,7 +348,8 @@ class DiLoCo:
         for fragment in self.fragments:  # what this island's checkpoint had is theirs now
             fragment.in_flight = None
             fragment.forget_own_share()
-        return self.joined_step, self._join_live_islands(after)
+        metrics = self._join_live_islands(after)
+        return self.joined_step, metrics
 
     def _land_late(self, late: LateForQuorum) -> dict:
         """This island reached outer step `late.outer_step` after its quorum formed without it:

@@ -12,8 +12,6 @@ job_env adds it when a test sets a DRAGON_FAULT_* variable); dragon itself carri
   background write (--save_async) is in flight for as long as a test needs.
 - DRAGON_FAULT_EXIT_OUTER_STEP=2 and DRAGON_FAULT_ISLAND=i: island i's processes exit at once
   (os._exit) in elastic outer step 2, after its quorum formed and before the exchange.
-- DRAGON_FAULT_JOIN_FAILS=1: a joiner's first join round completes everywhere, then fails on the
-  joiner alone (as an exchange whose last message was lost to it), so the live islands go on.
 - DRAGON_FAULT_LATE=1:2:8,0:3:6: island 1 reaches elastic outer step 2 eight seconds late,
   island 0 outer step 3 six seconds late (each sleeps before its round).
 - DRAGON_FAULT_HOLD_JOIN=<path>: a joiner's first round, its quorum formed, writes <path>.held
@@ -144,23 +142,6 @@ def _dying_island(steps: set[int]) -> None:
     OuterRuntime.exchange = dying_exchange
 
 
-def _failing_join() -> None:
-    """The joiner's first round (dragon.diloco.outer.DiLoCo._attempt with it among the joiners)
-    runs, then raises on the joiner only, as gloo does when a peer's connection closes."""
-    from dragon.diloco.outer import DiLoCo
-
-    attempt, failed = DiLoCo._attempt, []
-
-    def failing(self, step, final, sync, members, group, joiners, late):
-        done = attempt(self, step, final, sync, members, group, joiners, late)
-        if self.topology.island in joiners and not failed:
-            failed.append(True)
-            raise RuntimeError("Connection closed by peer (DRAGON_FAULT_JOIN_FAILS)")
-        return done
-
-    DiLoCo._attempt = failing
-
-
 def _late_islands(entries: str) -> None:
     """Island i sleeps s seconds before its own round of outer step k, for each i:k:s."""
     from dragon.diloco.membership import ElasticIslands
@@ -232,8 +213,6 @@ if _steps("HOLD_SAVE_STEP"):
     _held_saves(_steps("HOLD_SAVE_STEP"))
 if _steps("EXIT_OUTER_STEP"):
     _dying_island(_steps("EXIT_OUTER_STEP"))
-if os.environ.get("DRAGON_FAULT_JOIN_FAILS"):
-    _failing_join()
 if os.environ.get("DRAGON_FAULT_LATE"):
     _late_islands(os.environ["DRAGON_FAULT_LATE"])
 if os.environ.get("DRAGON_FAULT_HOLD_JOIN"):

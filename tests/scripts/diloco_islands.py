@@ -1,7 +1,7 @@
 """One island of a two-island DiLoCo run on toy weights, for tests/test_diloco.py.
 
     python diloco_islands.py ISLAND HOST:PORT OUT_JSON
-        [elastic|late|late_final|decider_dies|failed_alone|restarted|rejoin]
+        [elastic|late|late_final|decider_dies|failed_alone|join_fails|restarted|rejoin]
 
 Two processes (islands 0 and 1, one rank each) meet through a real ProcessGroupGloo built by
 dragon.parallel.topology.enter_island (one launch per island). The "inner optimizer" is a gradient
@@ -29,6 +29,9 @@ takes the step; island 1 takes the decision over and trains on alone.
 
 `failed_alone`: island 1's exchange of outer step 2 completes on island 0 but fails on island 1
 alone; island 1 joins outer step 3 as a joiner.
+
+`join_fails`: island 1 joins island 0 at outer step 2; the join round completes on island 0 but
+fails on island 1 alone; island 1's retry gets no quorum, and it joins outer step 3.
 
 `restarted`: island 1 arrives at outer step 2, is let in, and is SIGKILLed before its group forms;
 island 0's group for the step waits for it (20 s) and fails. `rejoin`: island 1 started again
@@ -203,18 +206,34 @@ def decider_dies(island: int, store: str) -> list[dict]:
 def failed_alone(island: int, store: str) -> list[dict]:
     """Island 1's exchange of outer step 2 completes on island 0 but raises on island 1 alone,
     as when its last message is lost to it."""
-    attempt = DiLoCo._attempt
+    if island == 1:
+        _fail_once(lambda outer, joiners: outer.outer_step == 2)
+    return elastic_sync(island, store, {})
 
-    def failing(self, *args):
-        done = attempt(self, *args)
-        if self.outer_step == 2 and not getattr(self, "failed", False):
-            self.failed = True
-            raise RuntimeError("test: the exchange failed on this island alone")
+
+def join_fails(island: int, store: str) -> list[dict]:
+    """Island 1 joins island 0 (alone from the start) at outer step 2; its join round completes
+    on island 0 but raises on island 1 alone. Island 0 waits 13 s before its window 3, so that
+    island 1, whose retry of step 2 gets no quorum, joins step 3."""
+    if island == 1:
+        _fail_once(lambda outer, joiners: outer.topology.island in joiners)
+        return elastic_sync(island, store, {}, join=True)
+    return elastic_sync(island, store, {(0, INNER_STEPS): 4, (0, 2 * INNER_STEPS): 13})
+
+
+def _fail_once(when) -> None:
+    """The first round of this island where when(outer loop, joiners) holds completes, then
+    raises here alone."""
+    attempt, failed = DiLoCo._attempt, []
+
+    def failing(self, step, final, sync, members, group, joiners, late):
+        done = attempt(self, step, final, sync, members, group, joiners, late)
+        if when(self, joiners) and not failed:
+            failed.append(True)
+            raise RuntimeError("test: the round failed on this island alone")
         return done
 
-    if island == 1:
-        DiLoCo._attempt = failing
-    return elastic_sync(island, store, {})
+    DiLoCo._attempt = failing
 
 
 def restarted(island: int, store: str) -> list[dict]:
@@ -266,7 +285,7 @@ def main():
     parts = {"elastic": elastic_runs, "late": late,
              "late_final": lambda island, store: late(island, store, OUTER_STEPS - 1),
              "decider_dies": decider_dies, "failed_alone": failed_alone,
-             "restarted": restarted,
+             "restarted": restarted, "join_fails": join_fails,
              "rejoin": lambda island, store: elastic_sync(island, store, {}, join=True)}
     if sys.argv[4:5] and sys.argv[4] in parts:
         with open(out, "w") as f:
