@@ -5,6 +5,7 @@ import io
 import json
 import os
 import runpy
+import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +29,39 @@ def shm_comm_op():
         "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()"
     )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=600)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def churn_soak(request, shm_comm_op, tmp_path_factory):
+    """tests/test_churn.py's soak, started in the background as the session starts when its test
+    is selected: five minutes of kills, its islands mostly resting in held steps, beside the
+    other tests instead of after them. Its test runs last and waits for the verdict."""
+    if not any("soak_verdict" in item.fixturenames for item in request.session.items):
+        yield None
+        return
+    out = tmp_path_factory.mktemp("churn")
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "tests/scripts/churn_soak.py"), "--minutes", "5",
+         "--out", str(out)],
+        cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )
+    yield proc
+    if proc.poll() is None:  # the session ended before its test did: stop it and its islands
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.fixture
+def soak_verdict(churn_soak) -> tuple[int, str]:
+    """The background soak's exit status and what it printed, once it ends."""
+    output = churn_soak.communicate(timeout=1500)[0]
+    return churn_soak.returncode, output
+
+
+def pytest_collection_modifyitems(config, items):
+    """The soak's test last: the soak runs beside every other test."""
+    items.sort(key=lambda item: "soak_verdict" in item.fixturenames)
 
 
 def free_port() -> int:
