@@ -12,8 +12,10 @@ def test_islands_killed_at_random_for_five_minutes_all_finish_on_identical_weigh
     started again with the same command (--diloco_join --resume_from_checkpoint auto). Every
     island's last launch exits 0 at the last step; the islands of each outer step end it on
     identical weights and theta_outer (==), the last step included; each island's metrics hold
-    every step it trained once; and no island ended before the kills did (the script's verdict,
-    its exit status)."""
+    every step it trained once; no island ended before the kills did; and every island
+    restarted from the last save that 16 steps follow, in a copy of the run with a fresh store,
+    repeats those steps' losses and outer checksums bit for bit (the script's verdict, its exit
+    status)."""
     returncode, output = soak_verdict
     assert returncode == 0, output[-3000:]
     kills = int(re.search(r"(\d+) kills in (\d+) s", output).group(1))

@@ -8,14 +8,17 @@ for `--minutes` a random island is SIGKILLed (its whole launch) and started agai
 the same restart command (--diloco_join --resume_from_checkpoint auto). Then the run ends by
 itself. It prints one line per kill and a verdict: every island's last launch exits 0 at the last
 step; the islands of each outer step end it on identical weights and theta_outer, the last step
-included; each island's metrics hold every step it trained once, in order; and the kills went on
-for `--minutes` (no island had ended before).
+included; each island's metrics hold every step it trained once, in order; the kills went on
+for `--minutes` (no island had ended before); and every island restarted from the last save
+that 16 steps follow (a copy of the run, a fresh store) repeats those steps' losses and outer
+checksums bit for bit.
 Exit status 0 when every check holds.
 """
 
 import argparse
 import json
 import random
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -52,9 +55,11 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     text, out, rng = corpus(work), work / "run", random.Random(opts.seed)
 
-    def start(island: int, store: str, restart: bool) -> subprocess.Popen:
+    def start(island: int, store: str, restart: bool, out: Path = out, extra=()
+              ) -> subprocess.Popen:
         args = ["--deepspeed", str(REPO / "ds_configs" / "zero2.json"), "--output_dir", str(out),
                 "--train_file", str(text), "--max_steps", str(opts.steps),
+                "--lr_scheduler_type", "constant_with_warmup",
                 "--per_device_train_batch_size", "4", *TINY, "--eval_steps", str(opts.steps),
                 "--save_steps", "40", "--diloco_inner_steps", "4", "--diloco_elastic",
                 "--diloco_store_external", "--diloco_quorum_timeout", "10", "--diloco_checksum",
@@ -62,6 +67,7 @@ def main() -> int:
                 "--diloco_store", store]
         if restart:
             args += ["--diloco_join", "--resume_from_checkpoint", "auto"]
+        args += extra  # the later of two flags wins
         log = open(work / f"island{island}.log", "a")
         return subprocess.Popen(launch_command("torchrun", 1, "recipes/pretrain.py", args),
                                 cwd=REPO, env=job_env(DRAGON_FAULT_STEP_SECONDS="0.15"),
@@ -87,7 +93,41 @@ def main() -> int:
             procs[island] = start(island, store, True)
         codes = {i: p.wait() for i, p in procs.items()}
     failures = ["an island ended before the kills did"] if ended_early else []
+    failures += resumed_after_the_joins(out, work, opts, start)
     return verdict(out, codes, kills, time.time() - began, opts, failures)
+
+
+def resumed_after_the_joins(out: Path, work: Path, opts, start) -> list[str]:
+    """Every island restarted (a fresh store, no joins) from the last save of the run that 16
+    more steps follow, in a copy of the run: the losses and outer checksums of the run's next
+    16 steps, bit for bit. The joins came minutes before it."""
+    steps = opts.steps - 16
+    saved = [{int(p.name[4:]) for p in (out / f"island{i}" / "checkpoints").glob("step*")
+              if int(p.name[4:]) <= steps} for i in range(opts.islands)]
+    common = set.intersection(*saved)
+    if not common:
+        return [f"no save at or before step {steps} on every island: {saved}"]
+    step, again = max(common), work / "again"
+    shutil.copytree(out, again)
+    extra = ["--max_steps", str(step + 16), "--resume_from_checkpoint", f"step{step}"]
+    with island_store() as store:
+        procs = [start(i, store, False, again, extra) for i in range(opts.islands)]
+        codes = [p.wait() for p in procs]
+    if any(codes):
+        return [f"the islands resumed from step {step} exited {codes}"]
+    keys, failures = ("loss", *KEYS), []
+    for i in range(opts.islands):
+        first = {(r["step"], k): r[k] for r in read_jsonl(out / f"island{i}" / "metrics.jsonl")
+                 for k in keys if k in r and r["step"] > step}
+        redone = [((r["step"], k), r[k]) for r in
+                  read_jsonl(again / f"island{i}" / "metrics.jsonl") if r["step"] > step
+                  for k in keys if k in r]
+        if len(redone) < 20 or any(first.get(key) != value for key, value in redone):
+            failures.append(f"island {i} resumed from step {step} differs from the run")
+    print(f"resumed every island from step {step}: "
+          + ("the same losses and checksums" if not failures else "; ".join(failures)),
+          flush=True)
+    return failures
 
 
 def verdict(out: Path, codes: dict, kills: int, seconds: float, opts, failures: list[str]
