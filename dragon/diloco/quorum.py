@@ -90,9 +90,7 @@ class Quorum:
 
     def completed(self, outer_step: int, attempt: int) -> list[int]:
         """The islands whose attempt succeeded."""
-        key = step_key(outer_step, attempt)
-        return [i for i in range(self.topology.islands)
-                if self.store.check([f"{key}/done/{i}"])]
+        return self._arrivals(step_key(outer_step, attempt), "done")
 
     def succeeded(self, outer_step: int, attempt: int) -> None:
         """The attempt succeeded on this island (told to a member whose exchange failed alone)."""
