@@ -37,7 +37,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from dragon.diloco.exchange import AnyExchange
+from dragon.diloco.exchange import AnyExchange, ExchangeSet
 from dragon.parallel.distributed import all_reduce_values
 
 
@@ -48,6 +48,41 @@ class OuterMetrics:
     def __init__(self, weights, config, numels: list[int]):
         self.weights, self.config, self.numels = weights, config, numels
         self.peak_bytes = 0
+
+    def of_rounds(self, rounds: list, fragments: list, step: int, final: bool,
+                  island: int) -> dict:
+        """An outer step's metrics from its rounds (dragon.diloco.membership.Round: a fragment
+        that lands and syncs at once has a round of each), over this rank's `fragments`."""
+        metrics, done, F = {}, rounds[-1], len(fragments)
+        averages, flights, applied = {}, [], []
+        for r in rounds:
+            averages.update(r.landed)
+            averages.update(r.synced)
+            flights += r.flights
+            applied += [x.exchange for x in r.flights]
+            applied += r.started if r.synced else []
+            metrics.update(r.paced)  # unequal islands
+            if r.late:  # islands landing late, and by how many outer steps this one is
+                metrics["outer_late"] = len(r.late)
+                if island in r.late:
+                    metrics["landed_late_by"] = r.late[island]
+        if F > 1:
+            if done.syncing:  # one fragment a step; F: all of them (the last step)
+                metrics["outer_fragment"] = F if final else done.syncing[0]
+            if averages:
+                metrics["outer_landed"] = F if final else min(averages)
+            if flights and not final:
+                metrics["outer_landed_after"] = step - flights[0].synced_at
+        landed = ([ExchangeSet(applied, placed(fragments, self.numels,
+                                               lambda f: averages.get(f.number)))]
+                  if averages else [])
+        residual = None
+        if fragments[0].residual is not None:
+            residual = placed(fragments, self.numels, lambda f: f.residual)
+        metrics.update(self.of_step(ExchangeSet(done.started), landed, final, residual,
+                                    lambda: placed(fragments, self.numels,
+                                                   lambda f: f.outer.detach())))
+        return metrics
 
     def of_step(self, exchange: AnyExchange, applied: list, final: bool,
                 residual: Optional[torch.Tensor], outer_flat: Callable[[], torch.Tensor]) -> dict:
@@ -104,3 +139,14 @@ class OuterMetrics:
         """[sum, sum of squares] in float64 of theta_outer on this rank, copies counted once."""
         counted = self.counted(outer_flat).double()
         return [float(counted.sum()), float(counted.pow(2).sum())]
+
+
+def placed(fragments: list, numels: list[int], values_of: Callable) -> torch.Tensor:
+    """values_of(fragment) of every fragment in its place among this rank's values (0 where it
+    is None)."""
+    whole = torch.zeros(sum(numels))
+    for fragment in fragments:
+        values = values_of(fragment)
+        if values is not None:
+            fragment.place(whole, values.to("cpu", torch.float32))
+    return whole

@@ -31,11 +31,12 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from dragon.diloco.codecs import Codec
-from dragon.diloco.exchange import Exchange, ExchangeSet, flatten
+from dragon.diloco.exchange import Exchange, flatten
 from dragon.diloco.fragment import Fragment, InFlight, OptimizerFactory
 from dragon.diloco.fragment_cut import INTERLEAVED, fragment_ids
 from dragon.diloco.landing import AUTO, AutoLandings
 from dragon.diloco.membership import LateForQuorum, Round, staleness_weight
+from dragon.diloco.metrics import placed
 from dragon.diloco.quorum import MissedRound
 from dragon.diloco.pace import pace_for
 from dragon.diloco.runtime import OuterRuntime, resumable_state
@@ -145,7 +146,11 @@ class DiLoCo:
             rounds.append(self._round(step, final, joining))
         except LateForQuorum as late:  # the others went on without this island
             return self._land_late(late)
-        metrics = self._metrics(step, final, rounds)
+        self.runtime.waited([x.exchange for r in rounds for x in r.flights
+                             if x.lands_at == x.synced_at + self.H])  # eager: a window later
+        metrics = {"outer_step": self.outer_step, **self.membership.metrics(),
+                   **self.runtime.report.of_rounds(rounds, self.fragments, step, final,
+                                                   self.topology.island)}
         metrics["outer_seconds"] = time.perf_counter() - start
         return metrics
 
@@ -294,51 +299,9 @@ class DiLoCo:
             fragment.in_flight = InFlight(x, lands_at, done.step, kept, done.contributes,
                                           done.contributors)
 
-    def _metrics(self, step: int, final: bool, rounds: list[Round]) -> dict:
-        metrics = {"outer_step": self.outer_step, **self.membership.metrics()}
-        done = rounds[-1]
-        averages, flights, applied = {}, [], []
-        for r in rounds:
-            averages.update(r.landed)
-            averages.update(r.synced)
-            flights += r.flights
-            applied += [x.exchange for x in r.flights]
-            applied += r.started if r.synced else []
-            metrics.update(r.paced)  # unequal islands
-            if r.late:  # islands landing late, and by how many outer steps this one is
-                metrics["outer_late"] = len(r.late)
-                if self.topology.island in r.late:
-                    metrics["landed_late_by"] = r.late[self.topology.island]
-        self.runtime.waited([x.exchange for x in flights if x.lands_at == x.synced_at + self.H])
-        if self.F > 1:
-            if done.syncing:  # one fragment a step; F: all of them (the last step)
-                metrics["outer_fragment"] = self.F if final else done.syncing[0]
-            if averages:
-                metrics["outer_landed"] = self.F if final else min(averages)
-            if flights and not final:
-                metrics["outer_landed_after"] = step - flights[0].synced_at
-        placed = ([ExchangeSet(applied, self._placed(lambda f: averages.get(f.number)))]
-                  if averages else [])
-        residual = None
-        if self.fragments[0].residual is not None:
-            residual = self._placed(lambda f: f.residual)
-        metrics.update(self.runtime.report.of_step(ExchangeSet(done.started), placed, final,
-                                                   residual, self.theta_outer))
-        return metrics
-
-    def _placed(self, values_of) -> torch.Tensor:
-        """values_of(fragment) of every fragment in its place among this rank's values (0 where
-        it is None)."""
-        whole = torch.zeros(sum(self.numels))
-        for fragment in self.fragments:
-            values = values_of(fragment)
-            if values is not None:
-                fragment.place(whole, values.to("cpu", torch.float32))
-        return whole
-
     def theta_outer(self) -> torch.Tensor:
         """theta_outer as one vector over this rank's values."""
-        return self._placed(lambda f: f.outer.detach())
+        return placed(self.fragments, self.numels, lambda f: f.outer.detach())
 
     def join(self, after: int = 0) -> tuple[int, dict]:
         """--diloco_join: wait to be let into the live islands' next outer step (after outer
