@@ -18,7 +18,7 @@ into one line and an exit code.
 import deepspeed
 
 from dragon.checkpoint.writes import SaveFailed
-from dragon.parallel.deepspeed_fixes import skip_nonfinite_updates
+from dragon.parallel.deepspeed_fixes import skip_compiling_unused_muon, skip_nonfinite_updates
 from dragon.parallel.distributed import all_reduce_mean
 from dragon.parallel.neurons import split_model
 from dragon.run.evaluation import evaluation_metrics
@@ -39,6 +39,7 @@ def deepspeed_engine(inputs: RecipeInputs, run_dir: str) -> Built:
     # --lr_scales, and no weight decay for biases and norms
     groups = parameter_groups(model, inputs.ds_config, inputs.train)
     optimizer, lr_schedule = client_optimizer_and_scheduler(groups, inputs.ds_config, inputs.train)
+    skip_compiling_unused_muon(inputs.ds_config)  # DeepSpeed imports its Muon in every ZeRO run
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,

@@ -20,7 +20,7 @@ Not here: --save_async (recipes/pretrain.py).
 from accelerate.utils import DummyOptim, DummyScheduler
 
 from dragon.checkpoint.writes import SaveFailed
-from dragon.parallel.deepspeed_fixes import skip_nonfinite_updates
+from dragon.parallel.deepspeed_fixes import skip_compiling_unused_muon, skip_nonfinite_updates
 from dragon.parallel.distributed import all_reduce_mean
 from dragon.parallel.neurons import split_model
 from dragon.run.accelerator import (check_accelerate_inputs, make_accelerator,
@@ -47,6 +47,7 @@ def accelerate_engine(inputs: RecipeInputs, run_dir: str) -> Built:
     optimizer = DummyOptim(parameter_groups(model, inputs.ds_config, inputs.train))
     lr_schedule = planned_schedule(inputs.ds_config, inputs.train)
     scheduler = DummyScheduler(optimizer, lr_scheduler_callable=lr_schedule)
+    skip_compiling_unused_muon(inputs.ds_config)  # DeepSpeed imports its Muon in every ZeRO run
     with model_parallel_groups(neurons):  # DeepSpeed averages gradients within a share's ranks
         engine, _, _ = accelerator.prepare(model, optimizer, scheduler)  # DeepSpeed steps both
     skip_nonfinite_updates(engine)  # where DeepSpeed steps torch's optimizer as it is (ZeRO-0)

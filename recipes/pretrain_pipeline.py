@@ -26,7 +26,8 @@ import deepspeed
 from dragon.checkpoint.writes import SaveFailed
 from dragon.model.attention import BDHCache
 from dragon.model.sparsity import SparsityProbe
-from dragon.parallel.deepspeed_fixes import norm_on_every_rank, skip_nonfinite_updates
+from dragon.parallel.deepspeed_fixes import (norm_on_every_rank, skip_compiling_unused_muon,
+                                             skip_nonfinite_updates)
 from dragon.parallel.pipeline import bdh_pipeline, carrying, stage_layer
 from dragon.run.exits import end_process, run_recipe
 from dragon.run.inputs import RecipeInputs, initial_model
@@ -62,6 +63,7 @@ def pipeline_engine(inputs: RecipeInputs, run_dir: str) -> Built:
     # --lr_scales, and no weight decay for biases and norms
     groups = parameter_groups(pipe, inputs.ds_config, inputs.train)
     optimizer, lr_schedule = client_optimizer_and_scheduler(groups, inputs.ds_config, inputs.train)
+    skip_compiling_unused_muon(inputs.ds_config)  # DeepSpeed imports its Muon in every ZeRO run
     engine, _, _, _ = deepspeed.initialize(
         model=pipe,
         optimizer=optimizer,

@@ -6,13 +6,16 @@ behaves so: the fix can go (and its caller with it).
 """
 
 import errno
+import json
 import os
+import subprocess
+import sys
 
 import deepspeed
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import free_port
+from conftest import REPO, free_port, job_env
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
@@ -254,3 +257,53 @@ def test_a_pipeline_stage_recomputes_every_use_of_the_shared_block():
     ids = torch.randint(0, 256, (2, 16))
     causal_lm_loss(pipe(ids), ids).backward()
     assert len(calls) == 2 * config.n_layer
+
+
+# DeepSpeed's Muon import, in fresh processes: what a process has imported is the point.
+MUON_PROBE = """
+import json, os, sys
+import deepspeed, torch
+from dragon.parallel.deepspeed_fixes import DEEPSPEED_MUON, skip_compiling_unused_muon
+os.environ.update({world})
+muon_config = {{"optimizer": {{"type": "Muon"}}}}
+if {fixed}:
+    skip_compiling_unused_muon(muon_config)  # a Muon run keeps DeepSpeed's compiled Muon
+    assert DEEPSPEED_MUON not in sys.modules
+    skip_compiling_unused_muon({{}})
+imported_before = DEEPSPEED_MUON in sys.modules
+deepspeed.init_distributed("gloo")
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+engine, *_ = deepspeed.initialize(
+    model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.1),
+    config={{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {{"stage": 2}}}})
+engine.backward(engine(torch.ones(1, 4)).sum())
+engine.step()
+print(json.dumps({{"before": imported_before, "muon": DEEPSPEED_MUON in sys.modules,
+                  "inductor": "torch._inductor.compile_fx" in sys.modules,
+                  "weights": [p.tolist() for p in engine.module.parameters()]}}))
+"""
+
+
+def muon_probe(fixed: bool) -> dict:
+    """A fresh process's one ZeRO-2 AdamW step (with skip_compiling_unused_muon where `fixed`):
+    whether DeepSpeed's Muon module and torch's inductor were imported, and the weights."""
+    world = {**WORLD, "MASTER_PORT": str(free_port())}
+    code = MUON_PROBE.format(world=world, fixed=fixed)
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=job_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_zero_run_without_muon_imports_deepspeed_muon_compiled_unless_skipped():
+    """A ZeRO-2 engine with torch's AdamW imports DeepSpeed's Muon module (its type checks and
+    gradient partitioning do), which compiles Muon's kernels and so imports torch's inductor.
+    With skip_compiling_unused_muon the module is imported uncompiled before the engine starts,
+    inductor never is, and the step's weights are the same; a config that names Muon is left to
+    DeepSpeed."""
+    bare = muon_probe(fixed=False)
+    assert not bare["before"] and bare["muon"] and bare["inductor"]
+    fixed = muon_probe(fixed=True)
+    assert fixed["before"] and fixed["muon"] and not fixed["inductor"]
+    assert fixed["weights"] == bare["weights"]

@@ -7,6 +7,10 @@ retention hook's wrap of engine.save_checkpoint (dragon.checkpoint.save_hook), w
 project promises rather than a workaround.
 """
 
+import importlib
+import os
+import sys
+
 import torch
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
@@ -89,3 +93,33 @@ def guard_checkpoint_writes(engine: DeepSpeedEngine, guard: CheckpointEngine) ->
     first failed write, skips the rest and lets every rank agree on the save's fate; the
     retention hook sets it once, when it is attached (dragon.checkpoint.save_hook)."""
     engine.checkpoint_engine = guard
+
+
+DEEPSPEED_MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def skip_compiling_unused_muon(config: dict) -> None:
+    """Import DeepSpeed's Muon without compiling its kernels where `config` names no Muon.
+
+    DeepSpeed imports deepspeed/runtime/zero/muon/muon_optimizer.py (with original_muon.py) in
+    every ZeRO engine, Muon or not: to check an optimizer's type (is_zero_supported_optimizer in
+    deepspeed/runtime/zero/utils.py, BF16_Optimizer.__init__,
+    DeepSpeedZeroOptimizer.average_tensor) and, in ZeRO-1/2's get_flat_partition, to import
+    muon_update. The module compiles its kernels as it is imported (torch.compile decorators),
+    which imports torch's inductor: about a second of CPU in every rank of every run. A run
+    whose config names no Muon never calls those kernels, so here the module is imported once
+    with TorchDynamo disabled (TORCHDYNAMO_DISABLE=1 turns torch.compile into a no-op), and
+    every later import finds it. A config that names Muon, or a process that imported it
+    already, keeps DeepSpeed's compiled kernels."""
+    if (str(config.get("optimizer", {}).get("type", "")).lower() == "muon"
+            or DEEPSPEED_MUON in sys.modules):
+        return
+    before = os.environ.get("TORCHDYNAMO_DISABLE")
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    try:
+        importlib.import_module(DEEPSPEED_MUON)
+    finally:
+        if before is None:
+            del os.environ["TORCHDYNAMO_DISABLE"]
+        else:
+            os.environ["TORCHDYNAMO_DISABLE"] = before
