@@ -1,6 +1,7 @@
 """Argument dataclasses the recipes share, named as in transformers' TrainingArguments / run_clm.py.
 """
 
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Optional
@@ -10,8 +11,6 @@ from transformers import HfArgumentParser, SchedulerType
 from dragon.run.config_file import apply_config_file, split_config_file
 from dragon.run.faults import NAN_POLICIES, SAVE_FAILURES
 from dragon.run.metrics import GPU_PEAK_TFLOPS, RECORDED_METRICS
-from dragon.run.optim import OPTIMIZERS, lr_scales
-from dragon.run.profiler import profile_window
 from dragon.model.attention import DEFAULT_CHUNK_SIZE
 from dragon.model.baseline import baseline_config, matched_config
 from dragon.model.bdh import BDHConfig
@@ -24,6 +23,58 @@ from dragon.data.text import DataArguments
 def _help(text: str, **kwargs):
     return field(metadata={"help": text}, **kwargs)
 
+
+
+_WINDOW = re.compile(r"(\d+):(\d+)")
+
+
+def profile_window(text: str, max_steps: int) -> tuple[int, int]:
+    """(A, B) of --profile_steps A:B; a one-line ValueError unless 1 <= A <= B <= max_steps."""
+    match = _WINDOW.fullmatch(text.strip())
+    first, last = (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+    if not 1 <= first <= last <= max_steps:
+        # YAML 1.1 reads an unquoted 2:3 as the base-60 number 123
+        quote = "; quote it in a YAML file (\"2:3\")" if text.strip().isdigit() else ""
+        raise ValueError(
+            f"--profile_steps {text!r}: valid is A:B, the first and last step to profile, "
+            f"1 <= A <= B <= --max_steps {max_steps} (e.g. 2:3){quote}"
+        )
+    return first, last
+
+
+def check_lr_scales(args, cfg: dict, names: list[str]) -> None:
+    """ValueError in one line where --lr_scales cannot apply: a pattern found in none of the
+    parameter `names`, or a DeepSpeed JSON whose own scheduler sets one rate for every group."""
+    if not args.lr_scales:
+        return
+    if "scheduler" in cfg:
+        raise ValueError(f"--lr_scales {args.lr_scales}: the DeepSpeed JSON's own \"scheduler\" "
+                         "sets one rate for every parameter; drop it (transformers' schedule "
+                         "keeps each group's scale) or drop --lr_scales")
+    for pattern in lr_scales(args.lr_scales):
+        if not any(re.search(pattern, name) for name in names):
+            raise ValueError(f"--lr_scales: {pattern!r} is found in no parameter's name; the "
+                             f"model's are {', '.join(names)}")
+
+
+OPTIMIZERS = ("adamw", "muon")
+
+
+def lr_scales(given: Optional[str]) -> dict[str, float]:
+    """--lr_scales "embed=0.5,lm_head=0.5" as {pattern: scale} (None: no scales); ValueError
+    in one line."""
+    scales = {}
+    for item in ([] if given is None else given.split(",")):
+        pattern, _, scale = item.partition("=")
+        try:
+            value = float(scale)
+        except ValueError:
+            value = 0.0
+        if not pattern.strip() or not value > 0:
+            raise ValueError(f"--lr_scales {given!r}: expected PATTERN=SCALE pairs with scales "
+                             "> 0, separated by commas (e.g. embed=0.5,lm_head=0.5)")
+        scales[pattern.strip()] = value
+    return scales
 
 
 @dataclass

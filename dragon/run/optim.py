@@ -1,6 +1,5 @@
 """The optimizer and LR schedule a recipe hands to deepspeed.initialize when the JSON has none,
-and the parameter groups every optimizer is built over (--optimizer, --lr_scales: their values
-are read and checked here)."""
+and the parameter groups every optimizer is built over."""
 
 import logging
 import re
@@ -11,43 +10,9 @@ from torch.optim.lr_scheduler import LambdaLR
 from transformers import get_scheduler
 
 from dragon.parallel.distributed import rank
+from dragon.run.args import check_lr_scales, lr_scales
 
 logger = logging.getLogger("dragon")
-
-
-def check_lr_scales(args, cfg: dict, names: list[str]) -> None:
-    """ValueError in one line where --lr_scales cannot apply: a pattern found in none of the
-    parameter `names`, or a DeepSpeed JSON whose own scheduler sets one rate for every group."""
-    if not args.lr_scales:
-        return
-    if "scheduler" in cfg:
-        raise ValueError(f"--lr_scales {args.lr_scales}: the DeepSpeed JSON's own \"scheduler\" "
-                         "sets one rate for every parameter; drop it (transformers' schedule "
-                         "keeps each group's scale) or drop --lr_scales")
-    for pattern in lr_scales(args.lr_scales):
-        if not any(re.search(pattern, name) for name in names):
-            raise ValueError(f"--lr_scales: {pattern!r} is found in no parameter's name; the "
-                             f"model's are {', '.join(names)}")
-
-
-OPTIMIZERS = ("adamw", "muon")
-
-
-def lr_scales(given: Optional[str]) -> dict[str, float]:
-    """--lr_scales "embed=0.5,lm_head=0.5" as {pattern: scale} (None: no scales); ValueError
-    in one line."""
-    scales = {}
-    for item in ([] if given is None else given.split(",")):
-        pattern, _, scale = item.partition("=")
-        try:
-            value = float(scale)
-        except ValueError:
-            value = 0.0
-        if not pattern.strip() or not value > 0:
-            raise ValueError(f"--lr_scales {given!r}: expected PATTERN=SCALE pairs with scales "
-                             "> 0, separated by commas (e.g. embed=0.5,lm_head=0.5)")
-        scales[pattern.strip()] = value
-    return scales
 
 
 def parameter_groups(model: torch.nn.Module, cfg: dict, args) -> list[dict]:

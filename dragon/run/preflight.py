@@ -16,8 +16,7 @@ from dragon.model.baseline import is_bdh
 from dragon.parallel.ds_config import load_ds_config, resolve_ds_config, zero_stage
 from dragon.parallel.layout import launch_layout
 from dragon.parallel.neurons import check_split
-from dragon.run.args import parse_arguments
-from dragon.run.optim import check_lr_scales
+from dragon.run.args import check_lr_scales, parse_arguments
 from dragon.run.data import check_data_fits, check_epochs, load_data, planned_epochs
 from dragon.run.inputs import RecipeInputs, model_config
 from dragon.run.plan import show_plan_or_begin

@@ -9,7 +9,7 @@ import os
 from dragon.checkpoint.card import RUN_FILE
 from dragon.checkpoint.catalog import list_checkpoints, run_files_dir
 from dragon.checkpoint.reshape import saved_layout
-from dragon.run.optim import lr_scales
+from dragon.run.args import lr_scales
 
 SCHEDULE = "the schedule takes it from there, over the steps it was planned for"
 SCHEDULE_FLAGS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "min_lr_ratio")
