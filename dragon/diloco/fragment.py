@@ -116,3 +116,14 @@ class Fragment:
             self.in_flight.contributed = False
             if self.in_flight.delta is not None:
                 self.in_flight.delta.zero_()
+
+
+def placed(fragments: list, numels: list[int], values_of: Callable) -> torch.Tensor:
+    """values_of(fragment) of every fragment in its place among this rank's values (0 where it
+    is None)."""
+    whole = torch.zeros(sum(numels))
+    for fragment in fragments:
+        values = values_of(fragment)
+        if values is not None:
+            fragment.place(whole, values.to("cpu", torch.float32))
+    return whole

@@ -11,6 +11,7 @@ from a checkpoint) needs a fresh store; islands that die and --diloco_join keep 
 """
 
 import argparse
+import os
 import signal
 from datetime import timedelta
 
@@ -38,7 +39,8 @@ def main() -> None:
     store = serve(args.host, args.port)
     print(f"dragon island store listening on {args.host}:{args.port}", flush=True)
     signal.sigwait(stops)
-    del store
+    del store  # closes its socket
+    os._exit(0)  # a store holds no other state: spare the interpreter's teardown of torch
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from dragon.diloco.exchange import AnyExchange, ExchangeSet
+from dragon.diloco.fragment import placed
 from dragon.parallel.distributed import all_reduce_values
 
 
@@ -139,14 +140,3 @@ class OuterMetrics:
         """[sum, sum of squares] in float64 of theta_outer on this rank, copies counted once."""
         counted = self.counted(outer_flat).double()
         return [float(counted.sum()), float(counted.pow(2).sum())]
-
-
-def placed(fragments: list, numels: list[int], values_of: Callable) -> torch.Tensor:
-    """values_of(fragment) of every fragment in its place among this rank's values (0 where it
-    is None)."""
-    whole = torch.zeros(sum(numels))
-    for fragment in fragments:
-        values = values_of(fragment)
-        if values is not None:
-            fragment.place(whole, values.to("cpu", torch.float32))
-    return whole

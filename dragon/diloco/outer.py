@@ -32,11 +32,10 @@ import torch
 
 from dragon.diloco.codecs import Codec
 from dragon.diloco.exchange import Exchange, flatten
-from dragon.diloco.fragment import Fragment, InFlight, OptimizerFactory
+from dragon.diloco.fragment import Fragment, InFlight, OptimizerFactory, placed
 from dragon.diloco.fragment_cut import INTERLEAVED, fragment_ids
 from dragon.diloco.landing import AUTO, AutoLandings
 from dragon.diloco.membership import LateForQuorum, Round, staleness_weight
-from dragon.diloco.metrics import placed
 from dragon.diloco.quorum import MissedRound
 from dragon.diloco.pace import pace_for
 from dragon.diloco.runtime import OuterRuntime, resumable_state

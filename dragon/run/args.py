@@ -24,7 +24,6 @@ def _help(text: str, **kwargs):
     return field(metadata={"help": text}, **kwargs)
 
 
-
 _WINDOW = re.compile(r"(\d+):(\d+)")
 
 
@@ -295,15 +294,8 @@ class TrainingArguments:
                              "supported yet; drop one of them")
 
     def __post_init__(self):
-        positive = (
-            "max_steps",
-            "per_device_train_batch_size",
-            "per_device_eval_batch_size",
-            "gradient_accumulation_steps",
-            "logging_steps",
-            "eval_steps",
-            "save_steps",
-        )
+        positive = ("max_steps", "per_device_train_batch_size", "per_device_eval_batch_size",
+                    "gradient_accumulation_steps", "logging_steps", "eval_steps", "save_steps")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name}={getattr(self, name)}: must be >= 1")
