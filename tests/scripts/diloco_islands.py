@@ -258,6 +258,11 @@ def elastic_sync(island: int, store: str, slow: dict, join: bool = False,
     record of every outer step taken, with its step."""
     options = elastic_options(island, store)
     topology = enter_island(SimpleNamespace(**options), timeout_s)
+    # Both islands start together (a joiner waits for none): the quorum timeout of 1 s is
+    # shorter than the skew of two interpreters' start on a loaded machine.
+    topology.store.set(f"test-started/{island}", "1")
+    if not join:
+        topology.store.wait([f"test-started/{1 - island}"])
     args = DiLoCoArguments(diloco_inner_steps=INNER_STEPS, diloco_outer_momentum=0.3,
                            diloco_quorum_timeout=1, diloco_join=join, **options)
     weights, c, record, step = Weights(initial_weights()), centre(island), [], 0
