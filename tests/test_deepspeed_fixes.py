@@ -285,15 +285,22 @@ print(json.dumps({{"before": imported_before, "muon": DEEPSPEED_MUON in sys.modu
 """
 
 
-def muon_probe(fixed: bool) -> dict:
-    """A fresh process's one ZeRO-2 AdamW step (with skip_compiling_unused_muon where `fixed`):
-    whether DeepSpeed's Muon module and torch's inductor were imported, and the weights."""
-    world = {**WORLD, "MASTER_PORT": str(free_port())}
-    code = MUON_PROBE.format(world=world, fixed=fixed)
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=job_env(),
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def muon_probes() -> tuple[dict, dict]:
+    """Two fresh processes, side by side, each taking one ZeRO-2 AdamW step: without and with
+    skip_compiling_unused_muon. For each, whether DeepSpeed's Muon module and torch's inductor
+    were imported, and the weights."""
+    probes = []
+    for fixed in (False, True):
+        world = {**WORLD, "MASTER_PORT": str(free_port())}
+        probes.append(subprocess.Popen(
+            [sys.executable, "-c", MUON_PROBE.format(world=world, fixed=fixed)], cwd=REPO,
+            env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for probe in probes:
+        stdout, stderr = probe.communicate(timeout=300)
+        assert probe.returncode == 0, stderr[-3000:]
+        results.append(json.loads(stdout.strip().splitlines()[-1]))
+    return results[0], results[1]
 
 
 def test_a_zero_run_without_muon_imports_deepspeed_muon_compiled_unless_skipped():
@@ -302,8 +309,7 @@ def test_a_zero_run_without_muon_imports_deepspeed_muon_compiled_unless_skipped(
     With skip_compiling_unused_muon the module is imported uncompiled before the engine starts,
     inductor never is, and the step's weights are the same; a config that names Muon is left to
     DeepSpeed."""
-    bare = muon_probe(fixed=False)
+    bare, fixed = muon_probes()
     assert not bare["before"] and bare["muon"] and bare["inductor"]
-    fixed = muon_probe(fixed=True)
     assert fixed["before"] and fixed["muon"] and not fixed["inductor"]
     assert fixed["weights"] == bare["weights"]
