@@ -40,8 +40,8 @@ def main() -> None:
     print(f"dragon island store listening on {args.host}:{args.port}", flush=True)
     signal.sigwait(stops)
     del store  # closes its socket
-    os._exit(0)  # a store holds no other state: spare the interpreter's teardown of torch
 
 
 if __name__ == "__main__":
     main()
+    os._exit(0)  # the store held no other state: skip the interpreter's teardown of torch
