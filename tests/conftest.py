@@ -1,6 +1,7 @@
 """Shared set-up: CPU DeepSpeed environment, the pre-built comm op, and a runner for real jobs."""
 
 import contextlib
+import fcntl
 import io
 import json
 import os
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+XDIST = "PYTEST_XDIST_WORKER" in os.environ  # a worker of pytest-xdist
 sys.path.insert(0, str(REPO))  # test this checkout, whatever `pip install -e` points at
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -35,17 +37,13 @@ def shm_comm_op():
 def churn_soak(request, shm_comm_op, tmp_path_factory):
     """tests/test_churn.py's soak, started in the background as the session starts when its test
     is selected: five minutes of kills, its islands mostly resting in held steps, beside the
-    other tests instead of after them. Its test runs last and waits for the verdict."""
-    if not any("soak_verdict" in item.fixturenames for item in request.session.items):
+    other tests instead of after them. Its test runs last and waits for the verdict. Under
+    pytest-xdist every worker holds the whole collection, so the soak is the test's own work
+    there, scheduled first on one worker while the others go on."""
+    if XDIST or not any("soak_verdict" in item.fixturenames for item in request.session.items):
         yield None
         return
-    out = tmp_path_factory.mktemp("churn")
-    proc = subprocess.Popen(
-        [sys.executable, str(REPO / "tests/scripts/churn_soak.py"), "--minutes", "5",
-         "--out", str(out)],
-        cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )
+    proc = start_soak(tmp_path_factory)
     yield proc
     if proc.poll() is None:  # the session ended before its test did: stop it and its islands
         os.killpg(proc.pid, signal.SIGKILL)
@@ -53,15 +51,31 @@ def churn_soak(request, shm_comm_op, tmp_path_factory):
 
 
 @pytest.fixture
-def soak_verdict(churn_soak) -> tuple[int, str]:
-    """The background soak's exit status and what it printed, once it ends."""
-    output = churn_soak.communicate(timeout=1500)[0]
-    return churn_soak.returncode, output
+def soak_verdict(churn_soak, tmp_path_factory) -> tuple[int, str]:
+    """The soak's exit status and what it printed, once it ends (started here under xdist)."""
+    proc = churn_soak or start_soak(tmp_path_factory)
+    try:
+        output = proc.communicate(timeout=1500)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode, output
+
+
+def start_soak(tmp_path_factory) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "tests/scripts/churn_soak.py"), "--minutes", "5",
+         "--out", str(tmp_path_factory.mktemp("churn"))],
+        cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )
 
 
 def pytest_collection_modifyitems(config, items):
-    """The soak's test last: the soak runs beside every other test."""
-    items.sort(key=lambda item: "soak_verdict" in item.fixturenames)
+    """The soak's test last, as the soak runs beside every other test; under xdist first, so
+    that its worker spends the soak's minutes while the others run the rest."""
+    items.sort(key=lambda item: ("soak_verdict" in item.fixturenames) != XDIST)
 
 
 def free_port() -> int:
@@ -203,10 +217,11 @@ DILOCO_DELAYED = dict(config="zero0.json", extra=[
 class Runs:
     """Runs of the recipe made once per session and compared by several tests. A name is one run:
     asking for it with other arguments is an error, so no result depends on which test ran
-    first."""
+    first. Its record (its arguments and what it printed) lies beside its folder, under a lock,
+    so that pytest-xdist's workers share one run of each name."""
 
     def __init__(self, root, text_file):
-        self.root, self.text_file, self.done, self.keys = root, text_file, {}, {}
+        self.root, self.text_file = root, text_file
 
     def __call__(
         self,
@@ -219,22 +234,30 @@ class Runs:
         out=None,
         script="recipes/pretrain.py",
     ):
-        key = (launcher, nproc, config, micro, tuple(map(str, extra)), str(out), script)
-        if name in self.done:
-            if self.keys[name] != key:  # a name is one run, whichever test asks first
-                raise ValueError(f"runs({name!r}) asked with other arguments: {key} "
-                                 f"!= {self.keys[name]}")
-            return self.done[name]
-        self.keys[name] = key
-        out = out or self.root / name
-        proc = launch(launcher, nproc, script, self.arguments(out, launcher, config, micro, extra))
-        assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        key = [launcher, nproc, config, micro, list(map(str, extra)), str(out), script]
+        record = self.root / f"{name}.json"
+        with open(self.root / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if record.exists():
+                done = json.loads(record.read_text())
+                if done["key"] != key:  # a name is one run, whichever test asks first
+                    raise ValueError(f"runs({name!r}) asked with other arguments: {key} "
+                                     f"!= {done['key']}")
+            else:
+                out = out or self.root / name
+                proc = launch(launcher, nproc, script,
+                              self.arguments(out, launcher, config, micro, extra))
+                assert proc.returncode == 0, \
+                    f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+                done = dict(key=key, out=str(out), args=proc.args, stdout=proc.stdout,
+                            stderr=proc.stderr)
+                record.write_text(json.dumps(done))
+        out = Path(done["out"])
         metrics = out / "metrics.jsonl"
         if not metrics.exists():  # DiLoCo islands: <out>/island<i>/metrics.jsonl
             metrics = out / "island0" / "metrics.jsonl"
-        self.done[name] = (out, read_jsonl(metrics), proc)
-        return self.done[name]
-
+        proc = subprocess.CompletedProcess(done["args"], 0, done["stdout"], done["stderr"])
+        return out, read_jsonl(metrics), proc
 
     def arguments(self, out, launcher="torchrun", config="zero2.json", micro=4, extra=()):
         """The recipe's arguments of a run into `out`."""
@@ -252,7 +275,11 @@ class Runs:
 
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory, text_file):
-    return Runs(tmp_path_factory.mktemp("runs"), text_file)
+    if not XDIST:
+        return Runs(tmp_path_factory.mktemp("runs"), text_file)
+    shared = tmp_path_factory.getbasetemp().parent / "runs"  # the workers' common folder
+    shared.mkdir(exist_ok=True)
+    return Runs(shared, text_file)
 
 
 def bad_input_base(config: str, out, text_file) -> list[str]:

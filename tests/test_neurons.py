@@ -62,14 +62,14 @@ def test_two_ranks_that_split_the_neurons_equal_one_rank(stage, runs):
     on the batch of 8 (ZeRO-0, 1 and 2): losses, evaluations, gradient norms (each shard counted
     once, by DeepSpeed or by dragon under ZeRO-0) and BDH's sparsity; the final export holds the
     whole model."""
-    _, one, _ = runs("one_rank", launcher="python", nproc=1, micro=8)
+    one_out, one, _ = runs("one_rank", launcher="python", nproc=1, micro=8)
     out, split, _ = runs(f"neurons_zero{stage}", config=f"zero{stage}.json", micro=8, extra=SPLIT)
     assert losses(split) == pytest.approx(losses(one), abs=LOSS_ATOL)
     assert losses(split, "eval_loss") == pytest.approx(losses(one, "eval_loss"), abs=LOSS_ATOL)
     assert losses(split, "grad_norm") == pytest.approx(losses(one, "grad_norm"), rel=1e-4)
     key = "sparsity/layer1/xy"
     assert losses(split, key) == pytest.approx(losses(one, key), abs=1e-5)
-    torch.testing.assert_close(final_logits(out), final_logits(runs.done["one_rank"][0]),
+    torch.testing.assert_close(final_logits(out), final_logits(one_out),
                                atol=1e-4, rtol=1e-4)
 
 
