@@ -4,27 +4,34 @@ import json
 import os
 import socket
 import subprocess
+import time
 
 from conftest import REPO, STEPS, TINY, bad_input_base, free_port, job_env, launch_command, \
     read_jsonl, run_recipe_in_process
 
 
-def job(out, text_file) -> subprocess.Popen:
+def job(out, text_file, **env) -> subprocess.Popen:
     args = ["--deepspeed", str(REPO / "ds_configs/zero2.json"), "--output_dir", str(out),
             "--train_file", str(text_file), "--max_steps", str(STEPS),
             "--per_device_train_batch_size", "4", *TINY]
     return subprocess.Popen(launch_command("torchrun", 2, "recipes/pretrain.py", args), cwd=REPO,
-                            env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=job_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
 
 def test_two_runs_started_together_in_one_directory(tmp_path, text_file):
     """A scheduler that launches a job twice: one run is refused in one line naming the other
     (host and pid); the other trains every step once and keeps its checkpoints; the lock is gone
-    when it ends."""
-    out = tmp_path / "run"
-    first, second = job(out, text_file), job(out, text_file)
-    results = [(p.wait(timeout=600), p.stdout.read() + p.stderr.read()) for p in (first, second)]
+    when it ends. The one that trains holds its step-4 save until the other has ended, so that
+    it cannot end before the other, started late on a busy machine, reaches the lock."""
+    out, release = tmp_path / "run", tmp_path / "release"
+    hold = dict(DRAGON_FAULT_HOLD_SAVE_STEP="4", DRAGON_FAULT_RELEASE=str(release))
+    jobs = [job(out, text_file, **hold), job(out, text_file, **hold)]
+    deadline = time.monotonic() + 300  # two runs past the lock would both hold for ever
+    while all(p.poll() is None for p in jobs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    release.touch()
+    results = [(p.wait(timeout=600), p.stdout.read() + p.stderr.read()) for p in jobs]
     codes = sorted(code for code, _ in results)
     assert codes[0] == 0 and codes[1] != 0, [log[-2000:] for _, log in results]
     refused = next(log for code, log in results if code != 0)
