@@ -179,6 +179,7 @@ def test_retention_keeps_last_k_and_the_best(kind, tmp_path, text_file):
 # The runs that kills, faults and preemptions resume to: 12 steps, a save every 4, carried states.
 STEPS = 12
 RESUMABLE = ["--save_steps", "4", *CARRY]
+SLOWED = {"DRAGON_FAULT_STEP_SECONDS": "0.1"}  # a job to be killed between two steps
 _uninterrupted: dict = {}
 
 
@@ -221,8 +222,9 @@ def test_sigkill_then_resume_matches_uninterrupted(kind, tmp_path, tmp_path_fact
 
     out = tmp_path / "killed"
     metrics = out / "metrics.jsonl"
-    proc = start(kind, out, text_file, steps, [*extra, *board], env=offline)
-    # Between the step-4 save and the step-8 save.
+    # Between the step-4 save and the step-8 save; its steps slowed so that a busy machine's
+    # late look at the metrics still kills it before step 8.
+    proc = start(kind, out, text_file, steps, [*extra, *board], env={**offline, **SLOWED})
     kill_when(proc, lambda: max(logged_steps(metrics), default=0) >= 6)
     done = max(logged_steps(metrics))
     assert done < 8, "killed too late"

@@ -22,14 +22,22 @@ def job(out, text_file, **env) -> subprocess.Popen:
 def test_two_runs_started_together_in_one_directory(tmp_path, text_file):
     """A scheduler that launches a job twice: one run is refused in one line naming the other
     (host and pid); the other trains every step once and keeps its checkpoints; the lock is gone
-    when it ends. The one that trains holds its step-4 save until the other has ended, so that
-    it cannot end before the other, started late on a busy machine, reaches the lock."""
-    out, release = tmp_path / "run", tmp_path / "release"
-    hold = dict(DRAGON_FAULT_HOLD_SAVE_STEP="4", DRAGON_FAULT_RELEASE=str(release))
+    when it ends. Both wait at the lock until both are there (a busy machine starts one late),
+    and the one that trains holds its step-4 save until the other has ended."""
+    out, at_lock, release = tmp_path / "run", tmp_path / "at_lock", tmp_path / "release"
+    hold = dict(DRAGON_FAULT_HOLD_LOCK=str(at_lock), DRAGON_FAULT_HOLD_SAVE_STEP="4",
+                DRAGON_FAULT_RELEASE=str(release))
     jobs = [job(out, text_file, **hold), job(out, text_file, **hold)]
     deadline = time.monotonic() + 300  # two runs past the lock would both hold for ever
-    while all(p.poll() is None for p in jobs) and time.monotonic() < deadline:
-        time.sleep(0.1)
+
+    def wait_for(condition) -> None:  # or for a job's end
+        while not condition() and all(p.poll() is None for p in jobs) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    wait_for(lambda: len(list(tmp_path.glob("at_lock.*"))) == 2)
+    at_lock.touch()  # both race for the lock now
+    wait_for(lambda: False)  # until one of them ends: the refused one
     release.touch()
     results = [(p.wait(timeout=600), p.stdout.read() + p.stderr.read()) for p in jobs]
     codes = sorted(code for code, _ in results)

@@ -90,14 +90,14 @@ def test_a_killed_split_run_resumes_exactly_and_exports_the_whole_model(tmp_path
     for its neurons): the uninterrupted losses bit for bit. recipes/export.py of the last
     checkpoint (each share's ZeRO files merged, then the neurons joined) equals the engine's
     final/ export exactly; a launch without the split resumes it, joined."""
-    from test_checkpoints import finish, kill_when, logged_steps, start
+    from test_checkpoints import SLOWED, finish, kill_when, logged_steps, start
 
     steps, extra = 12, ["--save_steps", "4"]
     full = tmp_path / "full"
     finish(start("neurons", full, text_file, steps, extra))
     expected = losses(read_jsonl(full / "metrics.jsonl"))
     out = tmp_path / "killed"
-    proc = start("neurons", out, text_file, steps, extra)
+    proc = start("neurons", out, text_file, steps, extra, env=SLOWED)
     kill_when(proc, lambda: max(logged_steps(out / "metrics.jsonl"), default=0) >= 6)
     assert max(logged_steps(out / "metrics.jsonl")) < 8, "killed too late"
     finish(start("neurons", out, text_file, steps, [*extra, "--resume_from_checkpoint", "latest"]))

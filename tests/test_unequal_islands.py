@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 from conftest import REPO, free_port, job_env, launch_command, losses, read_jsonl
-from test_checkpoints import finish, kill_when, logged_steps, recipe_args
+from test_checkpoints import SLOWED, finish, kill_when, logged_steps, recipe_args
 from test_elastic import island_store
 from test_diloco import DILOCO, assert_islands_identical, island_metrics, islands_run
 
@@ -53,12 +53,12 @@ def test_a_killed_pair_with_a_plan_resumes_exactly_with_the_same_command(runs, t
     args = runs.arguments(out, config="zero0.json",
                           extra=[*extra, "--resume_from_checkpoint", "auto"])
 
-    def start():
+    def start(**env):
         return subprocess.Popen(launch_command("torchrun", 2, "recipes/pretrain.py", args),
-                                cwd=REPO, env=job_env(), stdout=subprocess.PIPE,
+                                cwd=REPO, env=job_env(**env), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
 
-    proc = start()
+    proc = start(**SLOWED)
     kill_when(proc, lambda: max(logged_steps(out / "island0" / "metrics.jsonl"), default=0) >= 5)
     assert max(logged_steps(out / "island0" / "metrics.jsonl")) < 8, "killed too late"
     finish(start())

@@ -17,6 +17,8 @@ job_env adds it when a test sets a DRAGON_FAULT_* variable); dragon itself carri
 - DRAGON_FAULT_HOLD_JOIN=<path>: a joiner's first round, its quorum formed, writes <path>.held
   and waits until <path> exists before its first exchange (so that a test can kill an island
   while it joins).
+- DRAGON_FAULT_HOLD_LOCK=<path>: a run about to take its directory's lock writes <path>.<pid>
+  and waits until <path> exists (so that a test lets two launches race for it at one moment).
 - DRAGON_FAULT_STEP_SECONDS=0.2: every training forward of this job takes at least so long (a
   slow island).
 - DRAGON_FAULT_KILL_PREPARE_SHARD=2: recipes/prepare_data.py is killed (SIGKILL) as it starts
@@ -176,6 +178,21 @@ def _held_join(release: str) -> None:
     OuterRuntime.share_outer_state = holding
 
 
+def _held_lock(release: str) -> None:
+    """dragon.run.resume_checks binds take_run_lock as it is imported, after this."""
+    from dragon.run import lock
+
+    take = lock.take_run_lock
+
+    def holding(*args, **kwargs):
+        open(f"{release}.{os.getpid()}", "w").close()
+        while not os.path.exists(release):
+            time.sleep(0.01)
+        return take(*args, **kwargs)
+
+    lock.take_run_lock = holding
+
+
 def _slow_forwards(seconds: float) -> None:
     """Every training forward takes `seconds` at least."""
 
@@ -217,6 +234,8 @@ if os.environ.get("DRAGON_FAULT_LATE"):
     _late_islands(os.environ["DRAGON_FAULT_LATE"])
 if os.environ.get("DRAGON_FAULT_HOLD_JOIN"):
     _held_join(os.environ["DRAGON_FAULT_HOLD_JOIN"])
+if os.environ.get("DRAGON_FAULT_HOLD_LOCK"):
+    _held_lock(os.environ["DRAGON_FAULT_HOLD_LOCK"])
 if os.environ.get("DRAGON_FAULT_STEP_SECONDS"):
     _slow_forwards(float(os.environ["DRAGON_FAULT_STEP_SECONDS"]))
 if _steps("KILL_PREPARE_SHARD"):
