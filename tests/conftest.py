@@ -45,9 +45,7 @@ def churn_soak(request, shm_comm_op, tmp_path_factory):
         return
     proc = start_soak(tmp_path_factory)
     yield proc
-    if proc.poll() is None:  # the session ended before its test did: stop it and its islands
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    stop_soak(proc)  # the session ended before its test did
 
 
 @pytest.fixture
@@ -57,9 +55,7 @@ def soak_verdict(churn_soak, tmp_path_factory) -> tuple[int, str]:
     try:
         output = proc.communicate(timeout=1500)[0]
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_soak(proc)
     return proc.returncode, output
 
 
@@ -70,6 +66,13 @@ def start_soak(tmp_path_factory) -> subprocess.Popen:
         cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )
+
+
+def stop_soak(proc: subprocess.Popen) -> None:
+    """The soak and its islands, SIGKILLed if still running."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -50,6 +50,12 @@ def _path(file) -> str:
     return str(getattr(file, "name", file))
 
 
+def _wait_for(release) -> None:
+    """Until file `release` exists (for ever when it is None)."""
+    while not (release and os.path.exists(release)):
+        time.sleep(0.05)
+
+
 def _hook_every_engine(hook_for) -> None:
     """Every engine deepspeed.initialize returns gets hook_for(engine) (None: no hook) as a
     forward hook on its module."""
@@ -114,8 +120,7 @@ def _held_saves(steps: set[int]) -> None:
 
     def held_save(self, state_dict, path):
         if {f"step{s}" for s in steps} & set(_path(path).split(os.sep)):
-            while not (release and os.path.exists(release)):
-                time.sleep(0.05)
+            _wait_for(release)
         return save(self, state_dict, path)
 
     TorchCheckpointEngine.save = held_save
@@ -171,8 +176,7 @@ def _held_join(release: str) -> None:
         if self.topology.island in joiners and not held:
             held.append(True)
             open(f"{release}.held", "w").close()
-            while not os.path.exists(release):
-                time.sleep(0.05)
+            _wait_for(release)
         return share(self, group, members, joiners, *args, **kwargs)
 
     OuterRuntime.share_outer_state = holding
@@ -186,8 +190,7 @@ def _held_lock(release: str) -> None:
 
     def holding(*args, **kwargs):
         open(f"{release}.{os.getpid()}", "w").close()
-        while not os.path.exists(release):
-            time.sleep(0.01)
+        _wait_for(release)
         return take(*args, **kwargs)
 
     lock.take_run_lock = holding
