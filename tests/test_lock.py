@@ -6,6 +6,8 @@ import socket
 import subprocess
 import time
 
+import pytest
+
 from conftest import REPO, STEPS, TINY, bad_input_base, free_port, job_env, launch_command, \
     read_jsonl, run_recipe_in_process
 
@@ -122,3 +124,29 @@ def test_another_hosts_lock_is_broken_only_by_break_lock(monkeypatch, tmp_path, 
     assert "taking over the lock of pid 1 on elsewhere" in caplog.text and "--break_lock" in \
         caplog.text
     assert json.loads((out / "dragon.lock").read_text())["pid"] == os.getpid()
+
+
+@pytest.mark.parametrize("recipe, config, extra, env, why", [
+    ("recipes/pretrain_pipeline.py", "pipeline_zero0.json", ["--pipeline_stages", "2"],
+     {"WORLD_SIZE": "2"}, "the pipeline recipe's export reads every stage's files from one "
+     "directory"),
+    ("recipes/pretrain.py", "zero2.json", ["--diloco_islands", "2", "--diloco_inner_steps", "2"],
+     {"WORLD_SIZE": "2"},
+     "each DiLoCo island already keeps its own directory (island<i>/): run one island per node "
+     "with --diloco_island_index"),
+    ("recipes/pretrain.py", "zero2.json", ["--checkpoint_storage", "nfs"], {},
+     None),
+], ids=["pipeline", "diloco", "unknown"])
+def test_node_local_storage_where_it_cannot_work_is_refused(monkeypatch, tmp_path, text_file,
+                                                            recipe, config, extra, env, why):
+    """--checkpoint_storage local is refused in one line before any work where a recipe keeps
+    files that one directory must hold; an unknown storage names the valid ones."""
+    storage = [] if why is None else ["--checkpoint_storage", "local"]
+    line = run_recipe_in_process(monkeypatch, recipe, [
+        *bad_input_base(config, tmp_path / "run", text_file), *storage, *extra], env)
+    if why is None:
+        assert line == "error: --checkpoint_storage='nfs': valid are shared, local"
+    else:
+        assert line == (f"error: --checkpoint_storage local: {why}; keep the checkpoints on "
+                        "storage every node shares (--checkpoint_storage shared)")
+    assert not (tmp_path / "run").exists()

@@ -8,7 +8,9 @@ these tests fail, they do not skip.
 """
 
 import itertools
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +21,9 @@ import pytest
 from conftest import (DILOCO_DELAYED, DILOCO_ZERO3, LOSS_ATOL, PIPE_X2, REPO, STEPS, TINY,
                       job_env, losses, read_jsonl)
 from netns import Cluster, alive, namespaces, remove_leftovers, wait_all
-from test_checkpoints import logged_steps
+from test_checkpoints import SLOWED, logged_steps
+
+from dragon.checkpoint.catalog import MARKER
 from test_diloco import assert_islands_identical, island_metrics, islands_run
 from test_elastic import ELASTIC, both_end_after_the_rejoin, start_joiner_after_step_8
 from test_faults import ranks_of
@@ -234,6 +238,92 @@ def test_a_lost_node_ends_the_other_in_bounded_time_and_the_same_command_resumes
     assert again[0]["step"] == 5 and again[0]["loss"] == first[5]  # from step 4's checkpoint
     assert [m["step"] for m in again] == [5, 6, 7, 8]
     whole = [first[step] for step in range(1, 5)] + [m["loss"] for m in again]
+    assert whole == pytest.approx(losses(ref), abs=LOSS_ATOL)
+
+
+def on_own_disk(disk: Path, out: Path, cmd: list) -> list:
+    """`cmd` with `out` replaced by `disk` for it and its children only: a node's local disk,
+    mounted at the path every node names (`ip netns exec` gives each command a mount namespace
+    of its own, so the mount ends with it)."""
+    return ["sh", "-c", 'mount --bind "$1" "$2" && shift 2 && exec "$@"', "sh", disk, out, *cmd]
+
+
+@pytest.mark.slow
+def test_node_local_checkpoints_resume_where_every_node_holds_them_and_from_the_copy(
+        cluster, runs, text_file, tmp_path):
+    """--checkpoint_storage local: each node writes its own rank's files to --output_dir on its
+    own disk, and --checkpoint_copy_to copies each checkpoint to a store. Both nodes SIGKILLed
+    after step 5. (1) The same command resumes on the same disks from the newest checkpoint
+    that both hold whole: node 1's newest is unmarked first, so both take the one before; every
+    step as 1 node x 2 ranks trains it, the resumed step == the killed run's. (2) Fresh disks
+    resume from the store's copy as it was at the kill: the resumed step == (1)'s."""
+    _, ref, _ = runs("zero2")
+    out, store, snapshot = tmp_path / "run", tmp_path / "store", tmp_path / "store_at_kill"
+    out.mkdir()
+    local = ["--checkpoint_storage", "local", "--save_steps", "2", "--save_total_limit", "3"]
+    args = recipe_args(out, text_file, "zero2.json", local)
+
+    def launch(disks, *extra, env=None):
+        port = next(_ports)
+        for disk in disks:
+            disk.mkdir(exist_ok=True)
+        procs = [cluster.popen(node, on_own_disk(disk, out, [
+            "torchrun", "--nnodes", 2, "--nproc_per_node", 1, "--node_rank", node,
+            "--master_addr", cluster.address(0), "--master_port", port,
+            REPO / "recipes/pretrain.py", *args, *extra]), cwd=REPO,
+            env=cluster.env(node, job_env(**(env or {}))), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True) for node, disk in enumerate(disks)]
+        return procs
+
+    disks = [tmp_path / "disk0", tmp_path / "disk1"]
+    again = ["--checkpoint_copy_to", store, "--resume_from_checkpoint", "auto"]
+    procs = launch(disks, *again, env=SLOWED)
+    copied = store / "checkpoints" / "step4" / MARKER
+    while not (5 in logged_steps(disks[0] / "metrics.jsonl") and copied.exists()):
+        assert all(p.poll() is None for p in procs), [p.stderr.read()[-3000:] for p in procs]
+        time.sleep(0.005)
+    for node in (0, 1):
+        cluster.lose(node)
+    wait_all(procs, JOB_TIMEOUT)
+    first = {m["step"]: m["loss"] for m in read_jsonl(disks[0] / "metrics.jsonl") if "loss" in m}
+    assert max(first) < 8, "killed too late"
+    shutil.copytree(store, snapshot)
+    for node, disk in enumerate(disks):  # each disk holds its own rank's files, and says so
+        tag_dir = disk / "checkpoints" / "step4"
+        assert json.loads((tag_dir / MARKER).read_text())["node"]["ranks"] == [node]
+        shards = sorted(p.name for p in tag_dir.glob("*optim_states.pt"))
+        assert len(shards) == 1 and f"rank_{node}_" in shards[0], shards
+        assert (tag_dir / f"rng_state_{node}.pt").exists()
+        assert not (tag_dir / f"rng_state_{1 - node}.pt").exists()
+    whole = json.loads(copied.read_text())["files"]
+    assert {"rng_state_0.pt", "rng_state_1.pt"} <= set(whole), sorted(whole)
+
+    newest = [(disk / "checkpoints" / "latest").read_text() for disk in disks]
+    (disks[1] / "checkpoints" / newest[1] / MARKER).unlink()  # node 1 killed before its marker
+    older = f"step{int(newest[1].removeprefix('step')) - 2}"
+    procs = launch(disks, *again)
+    assert wait_all(procs, JOB_TIMEOUT) == [0, 0], [p.stderr.read()[-3000:] for p in procs]
+    told = procs[0].stderr.read()
+    assert f"{newest[0]} on this node, {older} whole on every node: resuming {older}" in told
+    rows = read_jsonl(disks[0] / "metrics.jsonl")
+    assert_resumed(rows, first, int(older.removeprefix("step")) + 1, ref)
+    second = {m["step"]: m["loss"] for m in rows if "loss" in m}
+
+    fresh = [tmp_path / "fresh0", tmp_path / "fresh1"]
+    at = (snapshot / "checkpoints" / "latest").read_text()
+    procs = launch(fresh, "--resume_from_checkpoint", snapshot)
+    assert wait_all(procs, JOB_TIMEOUT) == [0, 0], [p.stderr.read()[-3000:] for p in procs]
+    assert_resumed(read_jsonl(fresh[0] / "metrics.jsonl"), second,
+                   int(at.removeprefix("step")) + 1, ref)
+
+
+def assert_resumed(rows: list[dict], before: dict, resumed: int, ref: list[dict]) -> None:
+    """A run resumed before step `resumed` trains it as the run `before` did (bit for bit: the
+    same ranks, data position, RNG and optimizer state) and then every step as `ref` does."""
+    steps = [m for m in rows if "loss" in m and m["step"] >= resumed]
+    assert [m["step"] for m in steps] == list(range(resumed, STEPS + 1))
+    assert steps[0]["loss"] == before[resumed]
+    whole = [before[s] for s in range(1, resumed)] + [m["loss"] for m in steps]
     assert whole == pytest.approx(losses(ref), abs=LOSS_ATOL)
 
 

@@ -23,7 +23,7 @@ for both.
 import logging
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import numpy as np
@@ -33,6 +33,7 @@ from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
 from dragon.checkpoint.background_saves import BackgroundSaves
 from dragon.checkpoint.catalog import last_complete
+from dragon.checkpoint.node_local import agree_on_tag, uses_node_local_storage
 from dragon.checkpoint.reshape import converted_tag
 from dragon.checkpoint.save_hook import Stateful, attach_save_hook
 from dragon.errors import TrainingFailed
@@ -158,9 +159,12 @@ class Checkpointer:
             self.background.poll()
 
     def wait(self) -> None:
-        """Wait for the save in flight and complete it (a collective)."""
+        """Wait for the save in flight and complete it (a collective), and for this rank's copy
+        to the --checkpoint_copy_to store."""
         if self.background is not None:
             self.background.complete()
+        if self.hook.copy is not None:
+            self.hook.copy.wait()
 
     def check_finite(self, step: int) -> None:
         """Raise TrainingFailed, on every rank, when the weights are not finite: never saved."""
@@ -171,6 +175,16 @@ class Checkpointer:
     def last_complete(self) -> str:
         """The checkpoint a resume would take now, or "none"."""
         return last_complete(self.save_dir)
+
+    def agreed(self, target: Optional[ResumeTarget], named: bool) -> Optional[ResumeTarget]:
+        """`target`, or where each node keeps its own checkpoints, the one that every node holds
+        (a collective there: dragon.checkpoint.node_local). `named`: the user named its tag."""
+        if not uses_node_local_storage(self.engine):
+            return target
+        tag = agree_on_tag(self.save_dir, target and (target.load_dir, target.tag), named)
+        if tag is None or (target is not None and target.tag == tag):
+            return target
+        return replace(target, tag=tag) if target else ResumeTarget(self.save_dir, tag)
 
     def resume(self, target: ResumeTarget) -> int:
         """Load the engine (weights, optimizer, LR schedule) and every piece from `target`;

@@ -8,14 +8,17 @@ SaveHook.__call__:
 3. every rank's writes agreed: else SaveFailed on every rank, and the half-written tag removed
    unless `latest` names it;
 4. the completion marker (the manifest of its files, sizes, CRC-32s) and `latest`;
-5. the prune: the last K plus the best (dragon.checkpoint.retention).
+5. the prune: the last K plus the best (dragon.checkpoint.retention);
+6. with --checkpoint_copy_to, the copy to the store begins (dragon.checkpoint.store_copy).
 
-Steps 3-5 are SaveHook.complete: a synchronous save runs it at once; a background save
+Steps 3-6 are SaveHook.complete: a synchronous save runs it at once; a background save
 (--save_async) hands it to its BackgroundSaves, which runs it on the training thread once every
 rank's writer process has reported (dragon.checkpoint.background_saves). DeepSpeed's writes reach
 the save's GuardedWrites through the GuardedCheckpointEngine that the hook sets once, when it is
 attached (dragon.checkpoint.writes).
 
+With node-local storage (dragon.checkpoint.node_local) each node's first rank writes the marker,
+`latest` and the prune of its own directory, and its marker names the ranks whose files it holds.
 A hook that no one attached retention to (a Checkpointer on a bare engine) writes no marker and
 prunes nothing: its step 4 is `latest` alone.
 """
@@ -33,8 +36,10 @@ import torch.distributed as dist
 
 from dragon.checkpoint.background_saves import BackgroundSaves
 from dragon.checkpoint.catalog import ACCEL_RE, MARKER, TAG_RE, read_latest
+from dragon.checkpoint.node_local import node_entry, ranks_on_this_node, uses_node_local_storage
 from dragon.checkpoint.retention import (RetentionPolicy, default_history_path,
                                          delete_checkpoint, prune, remove_tree)
+from dragon.checkpoint.store_copy import StoreCopy
 from dragon.checkpoint.verify import manifest
 from dragon.checkpoint.writes import GuardedCheckpointEngine, GuardedWrites, SaveFailed
 from dragon.history import MetricHistory
@@ -73,6 +78,7 @@ class Save:
     client_state: dict
     save_latest: bool
     writes: GuardedWrites = field(default_factory=GuardedWrites)
+    files: Optional[dict] = None  # the marker's manifest, on the rank that wrote the marker
 
     @property
     def tag_dir(self) -> str:
@@ -89,6 +95,8 @@ class SaveHook:
         self.rank_pieces: dict[str, Stateful] = {}  # written by every rank at every save
         self.background: Optional[BackgroundSaves] = None  # --save_async: a Checkpointer's
         self.guard: Optional[GuardedCheckpointEngine] = None
+        self.copy: Optional[StoreCopy] = None  # --checkpoint_copy_to
+        self.node: Optional[dict] = None  # node-local storage: this node's marker entry
         if getattr(engine, "checkpoint_engine", None) is not None:
             self.guard = GuardedCheckpointEngine(engine.checkpoint_engine)
             guard_checkpoint_writes(engine, self.guard)
@@ -116,16 +124,20 @@ class SaveHook:
         return result
 
     def complete(self, save: Save) -> None:
-        """Steps 3-5, once every rank's files are written (a collective)."""
+        """Steps 3-6, once every rank's files are written (a collective)."""
+        if self.copy is not None:  # the copy in flight reads files that the prune may remove
+            self.copy.wait()
         self.agree(save)  # 3
         history = self.history(save)
-        failed = GuardedWrites()  # the deleter's marker or `latest` that could not be written
-        if _is_deleter(self.engine):
+        failed = GuardedWrites()  # the writer's marker or `latest` that could not be written
+        if is_directory_writer(self.engine):
             failed.run(self.mark, save, path=os.path.join(save.tag_dir, MARKER))  # 4
             if failed.error is None:
                 self.prune(save, history)  # 5
         # every rank learns it together (and nobody starts the next save while deletion runs)
         failed.agree(f"the completion marker of {save.tag} in {save.save_dir}")
+        if self.copy is not None:  # 6
+            self.copy.start(save.save_dir, save.tag, save.step, save.files)
 
     def begin(self, save_dir: str, tag: Optional[str], client_state: Optional[dict],
               save_latest: bool) -> Save:
@@ -143,8 +155,10 @@ class SaveHook:
         if self.retention is not None and not self.retention.metric_checked:  # the same everywhere
             _check_metric_recorded(self.retention, save.root)
             self.retention.metric_checked = True
-        if _is_deleter(self.engine):
+        if is_directory_writer(self.engine):
             _unmark(save.tag_dir)
+        if uses_node_local_storage(self.engine) and self.node is None:  # once (a collective)
+            self.node = node_entry(ranks_on_this_node())
         _barrier()
         return save
 
@@ -163,7 +177,7 @@ class SaveHook:
         try:
             save.writes.checksums = save.writes.agree(f"{save.tag} in {save.save_dir}")
         except SaveFailed:
-            if _is_deleter(self.engine) and read_latest(save.save_dir) != save.tag:
+            if is_directory_writer(self.engine) and read_latest(save.save_dir) != save.tag:
                 delete_checkpoint(save.save_dir, save.tag)
             raise
 
@@ -174,18 +188,21 @@ class SaveHook:
         return _history_everywhere(self.retention.history_file(save.root))
 
     def mark(self, save: Save) -> None:
-        """Step 4, on the deleter: the completion marker with the manifest (with retention), then
-        `latest`."""
+        """Step 4, on the directory writer: the completion marker with the manifest (with
+        retention), then `latest`."""
         if self.retention is not None:
-            files = manifest(save.tag_dir, save.writes.checksums, skip=(MARKER,))
-            info = {"step": save.step, "tag": save.tag, "time": time.time(), "files": files}
+            save.files = manifest(save.tag_dir, save.writes.checksums, skip=(MARKER,))
+            info = {"step": save.step, "tag": save.tag, "time": time.time(), "files": save.files}
+            if self.node is not None:
+                info["node"] = self.node
             _write_atomically(os.path.join(save.tag_dir, MARKER), json.dumps(info))
-        if save.save_latest and rank() == 0:
+        if save.save_latest:  # by this directory's writer
             _write_atomically(os.path.join(save.save_dir, "latest"), save.tag)
 
     def prune(self, save: Save, history: dict[int, dict]) -> None:
-        """Step 5, on the deleter: the checkpoints the policy does not keep go; with --save_async
-        the writer process removes them, so that freeing their pages takes no training time."""
+        """Step 5, on the directory writer: the checkpoints the policy does not keep go; with
+        --save_async the writer process removes them, so that freeing their pages takes no
+        training time."""
         if self.retention is None:
             return
         remove = remove_tree if save.writes.background is None else save.writes.background.remove
@@ -212,14 +229,18 @@ def attach_retention(
     policy: RetentionPolicy,
     expected_metrics: Iterable[str] = (),
     history_path: Optional[str] = None,
+    copy_to: Optional[str] = None,
 ) -> SaveHook:
     """Make every save of `engine` complete only when every rank wrote all of it: then the
     completion marker, `latest` and the prune by `policy`; else SaveFailed on every rank, and
-    `latest` still names the previous checkpoint. Attached again, the new policy replaces the
-    old one."""
+    `latest` still names the previous checkpoint. `copy_to`: a store (a path or fsspec URL)
+    that every complete checkpoint is copied to, beside `history_path`'s run directory. Attached
+    again, the new policy replaces the old one."""
     expected = _checked(engine, policy, expected_metrics)
     hook = attach_save_hook(engine)
     hook.retention = Retention(policy, expected, history_path)
+    if copy_to:
+        hook.copy = StoreCopy(copy_to, os.path.dirname(history_path or ""))
     return hook
 
 
@@ -260,10 +281,11 @@ def _step_of(engine: Any, tag: Optional[str], client_state: dict) -> int:
     return int(engine.global_steps) if step is None else step
 
 
-def _is_deleter(engine: Any) -> bool:
-    """Global rank 0 on shared storage; each node's local rank 0 with `use_node_local_storage`."""
-    node_local = hasattr(engine, "use_node_local_storage") and bool(engine.use_node_local_storage())
-    return int(getattr(engine, "local_rank", 0) if node_local else rank()) == 0
+def is_directory_writer(engine: Any) -> bool:
+    """Whether this rank writes the files of its checkpoint directory that no rank owns (marker,
+    `latest`, run files) and prunes it: global rank 0 on shared storage; each node's local rank
+    0 with `use_node_local_storage`."""
+    return int(getattr(engine, "local_rank", 0) if uses_node_local_storage(engine) else rank()) == 0
 
 
 def _barrier() -> None:

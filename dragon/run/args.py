@@ -57,6 +57,7 @@ def check_lr_scales(args, cfg: dict, names: list[str]) -> None:
 
 
 OPTIMIZERS = ("adamw", "muon")
+STORAGES = ("shared", "local")  # --checkpoint_storage
 
 
 def lr_scales(given: Optional[str]) -> dict[str, float]:
@@ -282,6 +283,15 @@ class TrainingArguments:
         "retries). `latest` keeps naming the last complete checkpoint either way.",
         default="stop",
     )
+    checkpoint_storage: str = _help(
+        "shared: every node writes into one --output_dir (NFS, Lustre, a cloud mount); local: "
+        "each node writes its ranks' files into --output_dir on its own disk, resumed on the "
+        "same nodes or from --checkpoint_copy_to (DeepSpeed's use_node_local_storage).",
+        default="shared")
+    checkpoint_copy_to: Optional[str] = _help(
+        "A path or fsspec URL (s3://...) that every complete checkpoint is copied to in the "
+        "background; --resume_from_checkpoint PATH resumes from the copy on any nodes.",
+        default=None)
     disable_tqdm: bool = _help("No progress bar.", default=False)
     local_rank: int = _help("Set by the deepspeed launcher.", default=-1)
 
@@ -330,7 +340,8 @@ class TrainingArguments:
                 "--metric_for_best_model eval_loss_carried is recorded only with --carry_state "
                 "or --eval_carried"
             )
-        for name, valid in (("nan_policy", NAN_POLICIES), ("save_failure", SAVE_FAILURES)):
+        for name, valid in (("nan_policy", NAN_POLICIES), ("save_failure", SAVE_FAILURES),
+                            ("checkpoint_storage", STORAGES)):
             if getattr(self, name) not in valid:
                 raise ValueError(f"--{name}={getattr(self, name)!r}: valid are {', '.join(valid)}")
         if self.plan_accelerator.upper() not in GPU_PEAK_TFLOPS:

@@ -9,7 +9,7 @@ import torch
 from dragon.checkpoint.accelerator_state import AcceleratorCheckpointer
 from dragon.checkpoint.card import write_run_files
 from dragon.checkpoint.checkpointer import Checkpointer, RNGState
-from dragon.checkpoint.save_hook import attach_retention
+from dragon.checkpoint.save_hook import attach_retention, is_directory_writer
 from dragon.history import metrics_path
 from dragon.parallel.topology import Topology
 from dragon.run.data import RunData
@@ -21,9 +21,9 @@ from dragon.run.metrics import RECORDED_METRICS
 def keep_checkpoints(engine: Any, inputs: RecipeInputs, run_dir: str) -> None:
     """After every engine.save_checkpoint (accelerator.save_state calls it too): a completion
     marker once every rank wrote its files, and pruning to the last --save_total_limit plus the
-    best by --metric_for_best_model."""
+    best by --metric_for_best_model; with --checkpoint_copy_to, its copy to the store."""
     attach_retention(engine, inputs.train.retention_policy(), RECORDED_METRICS,
-                     metrics_path(run_dir))
+                     metrics_path(run_dir), copy_to=inputs.train.checkpoint_copy_to)
 
 
 def run_checkpointer(built, save_dir: str, data: RunData, outer: Optional[Any],
@@ -48,15 +48,16 @@ def run_checkpointer(built, save_dir: str, data: RunData, outer: Optional[Any],
 def resumed_run(built, inputs: RecipeInputs, topology: Topology, data: RunData,
                 outer: Optional[Any], checkpointer: Checkpointer, save_dir: str) -> TrainingRun:
     """The TrainingRun from --resume_from_checkpoint's step (0 without one), moved on to the live
-    islands' step when this island joins them (--diloco_join); then rank 0 writes the run's
-    files beside the checkpoints."""
-    target = inputs.resume_target(topology.island)
+    islands' step when this island joins them (--diloco_join); then the island's first rank
+    (each node's, on node-local disks) writes the run's files beside the checkpoints."""
+    named = inputs.train.resume_from_checkpoint not in (None, "auto", "latest")
+    target = checkpointer.agreed(inputs.resume_target(topology.island), named)
     step = checkpointer.resume(target) if target else 0
     run = TrainingRun(built.engine, inputs, built.config, topology, data, built.dp_world, step,
                       outer)
     if inputs.diloco.diloco_join:  # elastic: take the live islands' weights, outer state, step
         run.joined(*outer.join(), resumed=target is not None)
-    if built.engine.global_rank == 0:  # the island's first rank
+    if is_directory_writer(built.engine):
         write_run_files(save_dir, inputs, built.config, topology.islands, built.dp_world,
                         run.run_tokens_per_step)
     return run

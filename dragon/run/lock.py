@@ -6,8 +6,10 @@ start time, and removes it when the process ends. A second run is refused in one
 first. A lock whose process is gone (same host, pid not alive: a crash or SIGKILL) is stale and
 taken over with a warning; one from another host is only broken by --break_lock. On storage that
 every node shares, that one lock covers every node; each DiLoCo island has its own directory and
-lock. Nodes that do not share the directory (node-local disks) are found at start, by a rank that
-cannot read the lock, and refused: a checkpoint split over the nodes' disks could not be resumed.
+lock. With --checkpoint_storage local each node's first rank takes the lock of its own disk's
+directory. Ranks that do not share the directory they should (node-local disks without that flag)
+are found at start, by a rank that cannot read the lock, and refused: a checkpoint split over the
+nodes' disks could not be resumed.
 """
 
 import atexit
@@ -19,6 +21,7 @@ import time
 
 import torch.distributed as dist
 
+from dragon.checkpoint.node_local import node_leader
 from dragon.errors import InputRefused
 
 logger = logging.getLogger("dragon")
@@ -99,18 +102,22 @@ def _release(path: str, pid: int) -> None:
         _remove(path)
 
 
-def check_every_rank_sees(run_dir: str) -> None:
-    """Every rank of this world reads the lock the launch's first rank wrote into run_dir (a
-    collective); InputRefused on every rank when some rank's node does not share the directory."""
+def check_every_rank_sees(run_dir: str, node_local: bool = False) -> None:
+    """Every rank of this world reads the lock that the launch's first rank (each node's first
+    rank, `node_local`) wrote into run_dir (a collective); InputRefused on every rank when some
+    rank's node does not share the directory it should."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     views = [None] * dist.get_world_size()
-    dist.all_gather_object(views, (socket.gethostname(), _read(os.path.join(run_dir, LOCK_FILE))))
-    blind = [(r, host) for r, (host, seen) in enumerate(views) if seen != views[0][1]]
+    seen = (socket.gethostname(), _read(os.path.join(run_dir, LOCK_FILE)), node_leader())
+    dist.all_gather_object(views, seen)
+    writer = [leader if node_local else 0 for _, _, leader in views]
+    blind = [(r, host) for r, (host, lock, _) in enumerate(views) if lock != views[writer[r]][1]]
     if blind:
         ranks = ", ".join(f"{r} on {host}" for r, host in blind)
         raise InputRefused(
-            f"--output_dir {run_dir}: rank {ranks} does not see the files rank 0 writes there "
-            f"({LOCK_FILE}): the nodes do not share this directory. Pass a directory every node "
-            "shares (NFS, Lustre, a cloud mount), or run one DiLoCo island per node "
-            "(--diloco_island_index), each writing its own island<i>/")
+            f"--output_dir {run_dir}: rank {ranks} does not see the files rank "
+            f"{writer[blind[0][0]]} writes there ({LOCK_FILE}): the ranks do not share this "
+            "directory. Pass a directory every node shares (NFS, Lustre, a cloud mount), keep "
+            "each node's checkpoints on its own disk (--checkpoint_storage local), or run one "
+            "DiLoCo island per node (--diloco_island_index), each writing its own island<i>/")

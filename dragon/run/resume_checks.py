@@ -122,10 +122,11 @@ def check_reshape(
 
 
 def take_locks(args: TrainingArguments, diloco: DiLoCoArguments) -> None:
-    """Take each island directory's lock (the launch's first rank; not for --dry_run). Called
-    after every other check of the start, since the lock creates the island directories and a
-    refused start leaves nothing on disk."""
-    if int(os.environ.get("RANK", "0")) == 0 and not args.dry_run:
+    """Take each island directory's lock (the launch's first rank, each node's with
+    --checkpoint_storage local; not for --dry_run). Called after every other check of the start,
+    since the lock creates the island directories and a refused start leaves nothing on disk."""
+    first = "LOCAL_RANK" if args.checkpoint_storage == "local" else "RANK"
+    if int(os.environ.get(first, "0")) == 0 and not args.dry_run:
         for island in diloco.local_islands():
             take_run_lock(diloco.output_dir(args.output_dir, island), args.break_lock)
 

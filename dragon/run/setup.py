@@ -84,7 +84,7 @@ def set_up(build_engine: BuildEngine, pipeline: bool = False,
     topology = enter_island(inputs.diloco, args.dist_timeout)
     init_distributed(args.dist_timeout)  # gloo on CPU, nccl on CUDA; accelerate joins it
     run_dir = inputs.run_dir(topology.island)  # <output_dir>, or <output_dir>/island<i>
-    check_every_rank_sees(run_dir)  # node-local disks would split the checkpoints: refused
+    check_every_rank_sees(run_dir, node_local=args.checkpoint_storage == "local")
     built = build_engine(inputs, run_dir)
     engine, save_dir = built.engine, os.path.join(run_dir, "checkpoints")
     keep_checkpoints(engine, inputs, run_dir)  # retention around engine.save_checkpoint
