@@ -517,22 +517,16 @@ def test_zero2_job_keeps_last_two_and_the_best_and_reloads_them(tmp_path):
     assert "eval_bleu" in result["bad_metric"] and not (out / "step10").exists()
     assert find_resume_checkpoint(str(out)) == (str(out), "step9")
     # node-local storage: every node's local rank 0 marked and pruned its own copy, with node 0's
-    # history
+    # history, and wrote its own `latest` (the history is rank 0's alone)
     nodes = tmp_path / "out_nodes"
     assert names(nodes / "node0") == sorted(ds_files + ["step2", "step3"])
-    assert names(nodes / "node1") == [
-        "step2",
-        "step3",
-    ]  # no `latest`, no history: rank 0 writes those
+    assert names(nodes / "node1") == ["latest", "step2", "step3"]
     assert all(
         is_complete(str(nodes / node / tag))
         for node in ("node0", "node1")
         for tag in ("step2", "step3")
     )
-    with pytest.warns(
-        UserWarning, match="no 'latest' file"
-    ):  # DeepSpeed itself would load nothing there
-        assert find_resume_checkpoint(str(nodes / "node1")) == (str(nodes / "node1"), "step3")
+    assert find_resume_checkpoint(str(nodes / "node1")) == (str(nodes / "node1"), "step3")
 
 
 def test_a_checkpointer_without_retention_saves_and_resumes(tmp_path):

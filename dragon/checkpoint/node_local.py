@@ -35,7 +35,7 @@ def node_leader() -> int:
     return int(os.environ.get("RANK", "0")) - int(os.environ.get("LOCAL_RANK", "0"))
 
 
-def check_storage(args: Any, ds_config: dict, refused: Optional[str]) -> None:
+def set_storage(args: Any, ds_config: dict, refused: Optional[str]) -> None:
     """Set DeepSpeed's use_node_local_storage for --checkpoint_storage local (a JSON that sets it
     asks for local storage too); ValueError in one line where `refused`, the recipe's reason it
     cannot keep node-local checkpoints, is given."""

@@ -7,12 +7,10 @@ import os
 import sys
 import warnings
 from dataclasses import replace
-from typing import Optional
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from dragon.checkpoint.node_local import check_storage
 from dragon.errors import InputRefused
 from dragon.model.baseline import is_bdh
 from dragon.parallel.ds_config import load_ds_config, resolve_ds_config, zero_stage
@@ -22,7 +20,7 @@ from dragon.run.args import check_lr_scales, parse_arguments
 from dragon.run.data import check_data_fits, check_epochs, load_data, planned_epochs
 from dragon.run.inputs import RecipeInputs, model_config
 from dragon.run.plan import show_plan_or_begin
-from dragon.run.resume_checks import check_resume
+from dragon.run.resume_checks import check_resume, check_storage
 
 
 def preflight(pipeline: bool = False) -> RecipeInputs:
@@ -44,7 +42,7 @@ def preflight(pipeline: bool = False) -> RecipeInputs:
                 f"--deepspeed {args.deepspeed}: ZeRO stage {zero_stage(ds_config)} cannot shard a "
                 "pipeline's gradients; use stage 0 or 1 (ds_configs/pipeline_zero*.json)"
             )
-        check_storage(args, ds_config, _why_shared(pipeline, diloco))
+        check_storage(args, ds_config, pipeline, diloco)
         train_set, valid_set, tokenizer = load_data(data_args, args, dp_world * islands)
         config = model_config(model_args, tokenizer.vocab_size, data_args.block_size + 1,
                               pipe_args)
@@ -74,18 +72,6 @@ def preflight(pipeline: bool = False) -> RecipeInputs:
         _warn_about_the_bubble(ds_config["gradient_accumulation_steps"], pipe_args.pipeline_stages)
     show_plan_or_begin(inputs, config)
     return inputs
-
-
-def _why_shared(pipeline: bool, diloco) -> Optional[str]:
-    """Why this launch cannot keep its checkpoints on node-local disks, or None."""
-    if pipeline:
-        return "the pipeline recipe's export reads every stage's files from one directory"
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED"):
-        return "accelerate's save_state writes one directory for every node"
-    if diloco.enabled:
-        return ("each DiLoCo island already keeps its own directory (island<i>/): run one "
-                "island per node with --diloco_island_index")
-    return None
 
 
 def _check_fragments_split(n_neurons: int, k: int, diloco) -> None:

@@ -6,6 +6,7 @@ import json
 import os
 from typing import Optional
 
+from dragon.checkpoint.node_local import set_storage
 from dragon.checkpoint.resolver import resolve_resume
 from dragon.parallel.layout import Layout
 from dragon.checkpoint.reshape import (regroup_message, reshape_message, saved_islands,
@@ -119,6 +120,25 @@ def check_reshape(
             if launch.zero_stage > 0 or (launch.pipeline and launch.bf16):  # ZeRO-0: its form
                 ds_config.setdefault("checkpoint", {})["load_universal"] = True
     return reshaped
+
+
+def check_storage(args: TrainingArguments, ds_config: dict, pipeline: bool,
+                  diloco: DiLoCoArguments) -> None:
+    """--checkpoint_storage into the DeepSpeed config; ValueError in one line where this launch
+    cannot keep its checkpoints on node-local disks."""
+    set_storage(args, ds_config, _why_shared(pipeline, diloco))
+
+
+def _why_shared(pipeline: bool, diloco: DiLoCoArguments) -> Optional[str]:
+    """Why this launch cannot keep its checkpoints on node-local disks, or None."""
+    if pipeline:
+        return "the pipeline recipe's export reads every stage's files from one directory"
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED"):
+        return "accelerate's save_state writes one directory for every node"
+    if diloco.enabled:
+        return ("each DiLoCo island already keeps its own directory (island<i>/): run one "
+                "island per node with --diloco_island_index")
+    return None
 
 
 def take_locks(args: TrainingArguments, diloco: DiLoCoArguments) -> None:
