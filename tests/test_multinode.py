@@ -23,7 +23,7 @@ from conftest import (DILOCO_DELAYED, DILOCO_ZERO3, LOSS_ATOL, PIPE_X2, REPO, ST
 from netns import Cluster, alive, namespaces, remove_leftovers, wait_all
 from test_checkpoints import SLOWED, logged_steps
 
-from dragon.checkpoint.catalog import MARKER
+from dragon.checkpoint.catalog import MARKER, is_complete
 from test_diloco import assert_islands_identical, island_metrics, islands_run
 from test_elastic import ELASTIC, both_end_after_the_rejoin, start_joiner_after_step_8
 from test_faults import ranks_of
@@ -256,7 +256,8 @@ def test_node_local_checkpoints_resume_where_every_node_holds_them_and_from_the_
     after step 5. (1) The same command resumes on the same disks from the newest checkpoint
     that both hold whole: node 1's newest is unmarked first, so both take the one before; every
     step as 1 node x 2 ranks trains it, the resumed step == the killed run's. (2) Fresh disks
-    resume from the store's copy as it was at the kill: the resumed step == (1)'s."""
+    resume from the store's copy as it was at the kill, named by URL (each node fetches it):
+    the resumed step == (1)'s."""
     _, ref, _ = runs("zero2")
     out, store, snapshot = tmp_path / "run", tmp_path / "store", tmp_path / "store_at_kill"
     out.mkdir()
@@ -311,8 +312,10 @@ def test_node_local_checkpoints_resume_where_every_node_holds_them_and_from_the_
 
     fresh = [tmp_path / "fresh0", tmp_path / "fresh1"]
     at = (snapshot / "checkpoints" / "latest").read_text()
-    procs = launch(fresh, "--resume_from_checkpoint", snapshot)
+    procs = launch(fresh, "--resume_from_checkpoint", f"file://{snapshot}")  # as a URL: fetched
     assert wait_all(procs, JOB_TIMEOUT) == [0, 0], [p.stderr.read()[-3000:] for p in procs]
+    for disk in fresh:  # each disk fetched the store's latest checkpoint for itself
+        assert is_complete(str(disk / "resumed_from" / "checkpoints" / at))
     assert_resumed(read_jsonl(fresh[0] / "metrics.jsonl"), second,
                    int(at.removeprefix("step")) + 1, ref)
 

@@ -5,9 +5,10 @@ calls too).
 
 A path is a Hugging Face directory, a checkpoint tag directory (DeepSpeed's stepN of the ZeRO or
 the pipeline recipe, accelerate's checkpoint_N or its pytorch_model), a run's checkpoints/ or a
-run's output directory (island 0's, for DiLoCo islands). Of a run it takes "latest" (the one a
-resume takes: `latest`, or the newest whole checkpoint when that is damaged), "best" (by a metric
-of metrics.jsonl) or a tag. A checkpoint named outright must be whole.
+run's output directory (island 0's, for DiLoCo islands; a --checkpoint_copy_to store is one).
+Of a run it takes "latest" (the one a resume takes: `latest`, or the newest whole checkpoint
+when that is damaged), "best" (by a metric of metrics.jsonl) or a tag. A checkpoint named
+outright must be whole. A resume from a store's URL fetches its latest checkpoint first.
 """
 
 import os
@@ -17,6 +18,7 @@ from dragon.checkpoint.catalog import (ACCEL_RE, NoWholeCheckpoint, damage_of,
                                        find_resume_checkpoint, is_complete, list_checkpoints,
                                        load_dir_and_tag, looks_like_tag_dir, run_files_dir)
 from dragon.checkpoint.retention import RetentionPolicy
+from dragon.checkpoint.store_copy import download, is_url
 from dragon.history import MetricHistory, metrics_path
 
 
@@ -26,6 +28,8 @@ def resolve_resume(resume: str, save_dir: str) -> tuple[str, str]:
     Every rank checks every file's size and CRC-32 (a superset of the files it reads), so all
     ranks choose the same checkpoint before any process group exists to agree on one."""
     path = save_dir if resume == "latest" else resume
+    if is_url(resume):  # a --checkpoint_copy_to store: fetched to this disk first
+        path = download(resume, os.path.dirname(os.path.abspath(save_dir)))
     if not os.path.isdir(path) and os.sep not in resume:  # a tag of this run's checkpoints
         path = os.path.join(save_dir, resume)
     try:

@@ -13,8 +13,13 @@ there writes the store's completion marker and `latest`, so that the store only 
 checkpoint that is whole, and a resume checks it as it checks any; it then drops the store's
 checkpoints that the run no longer keeps. Rank 0 also copies the run files. A copy that fails
 says so in one warning line; the checkpoints on the nodes stay as they are.
+
+A store given by URL (--resume_from_checkpoint s3://...) is fetched before the resume: its newest
+whole checkpoint and the run files, into <output_dir>/resumed_from/ on each disk, once per disk
+(download).
 """
 
+import fcntl
 import json
 import logging
 import os
@@ -24,10 +29,46 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from dragon.checkpoint.catalog import MARKER, TAG_RE, list_checkpoints
+from dragon.checkpoint.catalog import MARKER, TAG_RE, is_complete, list_checkpoints
 from dragon.parallel.distributed import rank
 
 logger = logging.getLogger("dragon")
+FETCHED = "resumed_from"  # <output_dir>/resumed_from: a store's checkpoint fetched to resume
+
+
+def is_url(path: str) -> bool:
+    return "://" in path
+
+
+def download(url: str, output_dir: str) -> str:
+    """The store at `url` (a run's output directory, as StoreCopy writes it), its `latest`
+    checkpoint and run files fetched into <output_dir>/resumed_from once per disk (the ranks that
+    share it take turns under a file lock); returns that directory. ValueError in one line when
+    the store holds no complete checkpoint."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url)
+    root, local = root.rstrip("/"), os.path.join(output_dir, FETCHED)
+    try:
+        tag = fs.cat_file(f"{root}/checkpoints/latest").decode().strip()
+        marker = json.loads(fs.cat_file(f"{root}/checkpoints/{tag}/{MARKER}"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--resume_from_checkpoint {url}: no complete checkpoint there "
+                         f"({type(e).__name__}: {e})") from None
+    os.makedirs(os.path.join(local, "checkpoints"), exist_ok=True)
+    with open(os.path.join(local, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released as the file closes
+        tag_dir = os.path.join(local, "checkpoints", tag)
+        if is_complete(tag_dir):  # another rank of this disk fetched it
+            return local
+        for rel in [*marker["files"], MARKER]:  # the marker last: complete once all is in
+            os.makedirs(os.path.dirname(os.path.join(tag_dir, rel)), exist_ok=True)
+            fs.get_file(f"{root}/checkpoints/{tag}/{rel}", os.path.join(tag_dir, rel))
+        for path in fs.ls(f"{root}/checkpoints", detail=False):
+            name = path.rstrip("/").rsplit("/", 1)[-1]
+            if fs.isfile(path):
+                fs.get_file(path, os.path.join(local, "checkpoints", name))
+    return local
 
 
 class StoreCopy:
