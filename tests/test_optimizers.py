@@ -11,7 +11,7 @@ from conftest import TINY, bad_input_base, losses, run_recipe_in_process
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from dragon import BDHConfig, BDHForCausalLM
-from dragon.run.optim import parameter_groups
+from dragon.run.optim import lr_group_of, parameter_groups
 
 SCALES = ["--lr_scales", "embed=0.5,lm_head=0.25"]
 
@@ -36,6 +36,20 @@ def test_groups_scale_rates_by_pattern():
     groups = parameter_groups(gpt2, {"optimizer": {"params": {"lr": 2e-3}}}, args_of())
     assert len(groups) == 1 and "lr" not in groups[0]
     assert len(groups[0]["params"]) == len(list(gpt2.parameters()))
+
+
+def test_muon_groups_set_no_rate_and_name_their_pattern():
+    """Under DeepSpeed's Muon a group's "lr" would set both of its halves, so the groups set
+    none (the LRSchedule does, per half) and carry their pattern in the one key Muon keeps, the
+    name; lr_group_of reads it back from a half's name, also where the pattern holds a dash."""
+    bdh = BDHForCausalLM(BDHConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=256))
+    cfg = {"optimizer": {"type": "muon", "params": {"lr": 3e-3}}}
+    groups = parameter_groups(bdh, cfg, args_of(lr_scales="embed=0.5,decoder=0.25"))
+    assert [g["name"] for g in groups] == ["lr_group=", "lr_group=decoder", "lr_group=embed"]
+    assert not any("lr" in g for g in groups)
+    assert lr_group_of({"name": "lr_group=decoder-muon-params", "use_muon": True}) == "decoder"
+    assert lr_group_of({"name": "lr_group=a-b-adam-params"}) == "a-b"
+    assert lr_group_of({"name": "muon-params"}) == ""
 
 
 def resumed_at_step_4(runs, name: str, out, tmp_path, extra: list[str]) -> list[dict]:
@@ -133,6 +147,24 @@ def test_muon_trains_zero2_on_2_ranks_and_resumes_exactly(runs, tmp_path):
     resumed = resumed_at_step_4(runs, "muon_resumed", out, tmp_path, muon)
     assert [m["step"] for m in resumed] == [5, 6, 7, 8]
     assert losses(resumed) == losses(full)[4:]
+
+
+def test_muon_with_lr_scales_scales_each_half_and_resumes_exactly(runs, tmp_path):
+    """--optimizer muon --lr_scales embed=0.5,decoder=0.25, ZeRO-2 on 2 ranks: the embedding
+    (AdamW) at 0.5 of lr, the decoder (Muon) at 0.25 of lr/muon, the encoders at lr/muon; the
+    losses fall; resumed at step 4, steps 5-8 repeat bit for bit with the same rates."""
+    extra = ["--optimizer", "muon", "--lr_scales", "embed=0.5,decoder=0.25"]
+    out, full, _ = runs("muon_scales", extra=extra)
+    logged = [m for m in full if "lr" in m]
+    assert len(logged) == 8
+    for m in logged:
+        assert m["lr/muon"] == pytest.approx(0.02 / 3e-3 * m["lr"], rel=1e-9)
+        assert m["lr/embed"] == pytest.approx(0.5 * m["lr"], rel=1e-12)
+        assert m["lr/muon/decoder"] == pytest.approx(0.25 * m["lr/muon"], rel=1e-12)
+    assert losses(full)[-1] < losses(full)[0] - 0.2
+    resumed = resumed_at_step_4(runs, "muon_scales_resumed", out, tmp_path, extra)
+    assert losses(resumed) == losses(full)[4:]
+    assert [m["lr/muon/decoder"] for m in resumed] == [m["lr/muon/decoder"] for m in full[4:]]
 
 
 def test_muon_trains_under_zero3(runs):

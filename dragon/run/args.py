@@ -151,7 +151,8 @@ class TrainingArguments:
     lr_scales: Optional[str] = _help(
         "Per-parameter learning rates: PATTERN=SCALE pairs, e.g. embed=0.5,lm_head=0.5; the "
         "first pattern (a regular expression) found in a parameter's name scales its rate "
-        "(metrics.jsonl: lr/PATTERN). Default: every parameter at --learning_rate.",
+        "(metrics.jsonl: lr/PATTERN; with Muon its matrices' lr/muon/PATTERN). Default: every "
+        "parameter at --learning_rate.",
         default=None)
     adam_beta1: float = _help("AdamW beta1.", default=0.9)
     adam_beta2: float = _help("AdamW beta2.", default=0.999)
@@ -299,9 +300,6 @@ class TrainingArguments:
         lr_scales(self.lr_scales)
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"--optimizer {self.optimizer!r}: valid are {', '.join(OPTIMIZERS)}")
-        if self.optimizer == "muon" and self.lr_scales:
-            raise ValueError(f"--lr_scales {self.lr_scales} with --optimizer muon is not "
-                             "supported yet; drop one of them")
 
     def __post_init__(self):
         positive = ("max_steps", "per_device_train_batch_size", "per_device_eval_batch_size",

@@ -210,10 +210,12 @@ class TrainingRun:
 
     def _rates(self) -> dict:
         """`lr`, the rate of the parameters at --learning_rate, lr/PATTERN for each group of
-        --lr_scales (dragon.run.optim.parameter_groups) and lr/muon for Muon's matrices."""
+        --lr_scales (dragon.run.optim.parameter_groups), lr/muon (lr/muon/PATTERN) for Muon's
+        matrices."""
         rates = {}
         for group in self.engine.optimizer.param_groups:
-            key = "lr/muon" if group.get("use_muon") else "lr/" + group.get("lr_group", "")
+            key = "/".join(["lr", *(["muon"] if group.get("use_muon") else []),
+                            group.get("lr_group", "")])
             rates.setdefault(key.rstrip("/"), group["lr"])
         rates.setdefault("lr", self.engine.get_lr()[0])
         return rates

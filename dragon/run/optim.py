@@ -20,18 +20,33 @@ def parameter_groups(model: torch.nn.Module, cfg: dict, args) -> list[dict]:
     scale (--lr_scales: the first pattern, a regular expression, found in a parameter's name
     sets its scale). Each group names its pattern ("lr_group", "" for the rest, first: the rate
     metrics.jsonl's `lr` shows); the rest's group sets no rate of its own, so the optimizer's
-    applies (Muon: each half its own)."""
+    applies. DeepSpeed's Muon splits each group into its Muon and AdamW halves, keeping only the
+    group's "name" (lr_group_of reads the pattern back), and each half's rate is set by the
+    LRSchedule (one "lr" here would set both halves)."""
     scales = lr_scales(args.lr_scales)
     peak_lr = cfg.get("optimizer", {}).get("params", {}).get("lr", args.learning_rate)
+    muon = str(cfg.get("optimizer", {}).get("type", "")).lower() == "muon"
     groups: dict[str, dict] = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
             pattern = next((k for k in scales if re.search(k, name)), "")
-            rate = {"lr": peak_lr * scales[pattern]} if pattern else {}
-            groups.setdefault(pattern, {"params": [], "lr_group": pattern, **rate})
+            rate = {"lr": peak_lr * scales[pattern]} if pattern and not muon else {}
+            label = {"name": MUON_GROUP + pattern} if muon and scales else {}
+            groups.setdefault(pattern, {"params": [], "lr_group": pattern, **rate, **label})
             groups[pattern]["params"].append(p)
     check_lr_scales(args, cfg, [n for n, _ in model.named_parameters()])
     return [groups[k] for k in sorted(groups)]
+
+
+MUON_GROUP = "lr_group="  # DeepSpeed's Muon names its halves "<name>-muon-params", "-adam-"
+
+
+def lr_group_of(group: dict) -> str:
+    """The --lr_scales pattern of an optimizer's parameter group ("" for the rest)."""
+    name = str(group.get("name", ""))
+    if "lr_group" not in group and name.startswith(MUON_GROUP):
+        return name.removeprefix(MUON_GROUP).rsplit("-", 2)[0]
+    return group.get("lr_group", "")
 
 
 class LRSchedule:
@@ -69,21 +84,27 @@ class LRSchedule:
         ).lr_lambdas[0]
 
     def __call__(self, optimizer: torch.optim.Optimizer) -> LambdaLR:
-        """The scheduler DeepSpeed steps (deepspeed.initialize calls this with its optimizer)."""
+        """The scheduler DeepSpeed steps (deepspeed.initialize calls this with its optimizer),
+        each group's peak at its scale of its half's rate (Muon's or the rest's)."""
+        for group in optimizer.param_groups:
+            group["lr_group"] = lr_group_of(group)  # Muon's halves: named back
+            group["lr"] = self._peak_of(group)
         self.scheduler = LambdaLR(optimizer, lambda step: self._factor(min(step, self.planned)))
         return self.scheduler
+
+    def _peak_of(self, group: dict) -> float:
+        base = self.settings["muon_lr"] if group.get("use_muon") else self.settings["lr"]
+        return float(base) * lr_scales(self.args.lr_scales).get(group.get("lr_group", ""), 1.0)
 
     def _apply_flags(self) -> None:
         """After a resume loaded the optimizer's and the scheduler's saved state: the peak rate
         and the optimizer's settings of the flags, the rate at the resumed step."""
-        scheduler, peak = self.scheduler, float(self.settings["lr"])
+        scheduler = self.scheduler
         factor = self._factor(min(scheduler.last_epoch, self.planned))
-        scales = lr_scales(self.args.lr_scales)
         kept = {k: tuple(v) if k == "betas" else v for k, v in self.settings.items()
                 if k in ("weight_decay", "betas", "eps", "momentum")}
         for group in scheduler.optimizer.param_groups:
-            base = float(self.settings["muon_lr"]) if group.get("use_muon") else peak
-            rate = base * scales.get(group.get("lr_group", ""), 1.0)
+            rate = self._peak_of(group)
             group.update(initial_lr=rate, lr=rate * factor,
                          **{k: v for k, v in kept.items() if k in group})
         scheduler.base_lrs = [g["initial_lr"] for g in scheduler.optimizer.param_groups]
