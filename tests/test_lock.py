@@ -126,27 +126,34 @@ def test_another_hosts_lock_is_broken_only_by_break_lock(monkeypatch, tmp_path, 
     assert json.loads((out / "dragon.lock").read_text())["pid"] == os.getpid()
 
 
-@pytest.mark.parametrize("recipe, config, extra, env, why", [
-    ("recipes/pretrain_pipeline.py", "pipeline_zero0.json", ["--pipeline_stages", "2"],
-     {"WORLD_SIZE": "2"}, "the pipeline recipe's export reads every stage's files from one "
-     "directory"),
-    ("recipes/pretrain.py", "zero2.json", ["--diloco_islands", "2", "--diloco_inner_steps", "2"],
-     {"WORLD_SIZE": "2"},
-     "each DiLoCo island already keeps its own directory (island<i>/): run one island per node "
-     "with --diloco_island_index"),
+LOCAL = ["--checkpoint_storage", "local"]
+KEEP_SHARED = "; keep the checkpoints on storage every node shares (--checkpoint_storage shared)"
+DILOCO = ["--diloco_islands", "2", "--diloco_inner_steps", "2"]
+
+
+@pytest.mark.parametrize("recipe, config, extra, env, refused", [
+    ("recipes/pretrain_pipeline.py", "pipeline_zero0.json", [*LOCAL, "--pipeline_stages", "2"],
+     {"WORLD_SIZE": "2"}, "--checkpoint_storage local: the pipeline recipe's export reads every "
+     "stage's files from one directory" + KEEP_SHARED),
+    ("recipes/pretrain.py", "zero2.json", [*LOCAL, *DILOCO], {"WORLD_SIZE": "2"},
+     "--checkpoint_storage local: each DiLoCo island already keeps its own directory "
+     "(island<i>/): run one island per node with --diloco_island_index" + KEEP_SHARED),
+    ("recipes/pretrain_accelerate.py", "zero2.json", LOCAL, {},
+     "recipes/pretrain_accelerate.py: not with --checkpoint_storage local (save_state writes "
+     "every node's files into one directory); recipes/pretrain.py takes it"),
     ("recipes/pretrain.py", "zero2.json", ["--checkpoint_storage", "nfs"], {},
-     None),
-], ids=["pipeline", "diloco", "unknown"])
-def test_node_local_storage_where_it_cannot_work_is_refused(monkeypatch, tmp_path, text_file,
-                                                            recipe, config, extra, env, why):
-    """--checkpoint_storage local is refused in one line before any work where a recipe keeps
-    files that one directory must hold; an unknown storage names the valid ones."""
-    storage = [] if why is None else ["--checkpoint_storage", "local"]
+     "--checkpoint_storage='nfs': valid are shared, local"),
+    ("recipes/pretrain.py", "zero2.json", ["--checkpoint_copy_to", "nope://bucket/run"], {},
+     "--checkpoint_copy_to nope://bucket/run: fsspec cannot open it (Protocol not known: nope)"),
+    ("recipes/pretrain.py", "zero2.json", ["--checkpoint_copy_to", "/store", *DILOCO],
+     {"WORLD_SIZE": "2"}, "--checkpoint_copy_to /store: not with DiLoCo islands yet (each "
+     "island saves its own directory); copy the island directories with your own tool"),
+], ids=["pipeline", "diloco", "accelerate", "unknown", "bad-store", "diloco-copy"])
+def test_storage_a_recipe_cannot_keep_is_refused(monkeypatch, tmp_path, text_file, recipe,
+                                                 config, extra, env, refused):
+    """--checkpoint_storage local and --checkpoint_copy_to are refused in one line before any
+    work where a recipe keeps files that one directory must hold, or the store cannot open."""
     line = run_recipe_in_process(monkeypatch, recipe, [
-        *bad_input_base(config, tmp_path / "run", text_file), *storage, *extra], env)
-    if why is None:
-        assert line == "error: --checkpoint_storage='nfs': valid are shared, local"
-    else:
-        assert line == (f"error: --checkpoint_storage local: {why}; keep the checkpoints on "
-                        "storage every node shares (--checkpoint_storage shared)")
-    assert not (tmp_path / "run").exists()
+        *bad_input_base(config, tmp_path / "run", text_file), *extra], env)
+    assert line == f"error: {refused}"
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -33,7 +33,7 @@ from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
 from dragon.checkpoint.background_saves import BackgroundSaves
 from dragon.checkpoint.catalog import last_complete
-from dragon.checkpoint.node_local import agree_on_tag, uses_node_local_storage
+from dragon.checkpoint.node_local import agree_on_tag, names_a_tag, uses_node_local_storage
 from dragon.checkpoint.reshape import converted_tag
 from dragon.checkpoint.save_hook import Stateful, attach_save_hook
 from dragon.errors import TrainingFailed
@@ -176,12 +176,15 @@ class Checkpointer:
         """The checkpoint a resume would take now, or "none"."""
         return last_complete(self.save_dir)
 
-    def agreed(self, target: Optional[ResumeTarget], named: bool) -> Optional[ResumeTarget]:
+    def agreed(self, target: Optional[ResumeTarget], resume: Optional[str]
+               ) -> Optional[ResumeTarget]:
         """`target`, or where each node keeps its own checkpoints, the one that every node holds
-        (a collective there: dragon.checkpoint.node_local). `named`: the user named its tag."""
+        (a collective there: dragon.checkpoint.node_local); `resume`: --resume_from_checkpoint
+        as given."""
         if not uses_node_local_storage(self.engine):
             return target
-        tag = agree_on_tag(self.save_dir, target and (target.load_dir, target.tag), named)
+        tag = agree_on_tag(self.save_dir, target and (target.load_dir, target.tag),
+                           names_a_tag(resume))
         if tag is None or (target is not None and target.tag == tag):
             return target
         return replace(target, tag=tag) if target else ResumeTarget(self.save_dir, tag)

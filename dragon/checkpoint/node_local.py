@@ -23,7 +23,8 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from dragon.checkpoint.catalog import MARKER, damage_of, is_complete, list_checkpoints
+from dragon.checkpoint.catalog import MARKER, TAG_RE, damage_of, is_complete, list_checkpoints
+from dragon.checkpoint.store_copy import check_store
 from dragon.errors import InputRefused
 
 logger = logging.getLogger("dragon")
@@ -35,19 +36,36 @@ def node_leader() -> int:
     return int(os.environ.get("RANK", "0")) - int(os.environ.get("LOCAL_RANK", "0"))
 
 
-def set_storage(args: Any, ds_config: dict, refused: Optional[str]) -> None:
+def set_storage(args: Any, ds_config: dict, refused: Optional[str],
+                not_copied: Optional[str] = None) -> None:
     """Set DeepSpeed's use_node_local_storage for --checkpoint_storage local (a JSON that sets it
     asks for local storage too); ValueError in one line where `refused`, the recipe's reason it
-    cannot keep node-local checkpoints, is given."""
-    section = ds_config.setdefault("checkpoint", {})
-    if section.get("use_node_local_storage"):
+    cannot keep node-local checkpoints, is given, or `not_copied`, why it cannot copy them, with
+    --checkpoint_copy_to (and when that store cannot be opened)."""
+    if args.checkpoint_copy_to:
+        if not_copied:
+            raise ValueError(f"--checkpoint_copy_to {args.checkpoint_copy_to}: {not_copied}")
+        check_store(args.checkpoint_copy_to)
+    section = ds_config.get("checkpoint", {})
+    by_json = bool(section.get("use_node_local_storage"))
+    if by_json:
         args.checkpoint_storage = LOCAL
     if args.checkpoint_storage != LOCAL:
         return
     if refused:
-        raise ValueError(f"--checkpoint_storage local: {refused}; keep the checkpoints on storage "
-                         "every node shares (--checkpoint_storage shared)")
-    section["use_node_local_storage"] = True
+        asked = ("the DeepSpeed JSON's checkpoint.use_node_local_storage" if by_json
+                 else "--checkpoint_storage local")
+        raise ValueError(f"{asked}: {refused}; keep the checkpoints on storage every node "
+                         "shares (--checkpoint_storage shared)")
+    ds_config.setdefault("checkpoint", {})["use_node_local_storage"] = True
+
+
+def names_a_tag(resume: Optional[str]) -> bool:
+    """Whether --resume_from_checkpoint names one checkpoint (a tag, or a tag's directory)
+    rather than a run's newest (auto, latest, a run's directory)."""
+    if resume in (None, "auto", "latest"):
+        return False
+    return os.sep not in resume or bool(TAG_RE.match(os.path.basename(os.path.normpath(resume))))
 
 
 def ranks_on_this_node() -> list[int]:
@@ -73,18 +91,28 @@ def agree_on_tag(save_dir: str, target: Optional[tuple[str, str]], named: bool) 
     """The checkpoint of save_dir that every rank resumes from when each node keeps its own
     (a collective): the newest one every node holds whole, or the one a `named` resume names.
     `target`: this rank's (load_dir, tag) as preflight resolved it, None for a fresh start.
-    None: nothing to agree on, `target` stands. InputRefused on every rank when no checkpoint
-    fits while some node holds one, or when a node's directory holds other ranks' files."""
-    if not dist.is_initialized() or (
-            target is not None and os.path.abspath(target[0]) != os.path.abspath(save_dir)):
-        return None  # a resume from elsewhere (a store every node reads) is the same everywhere
+    None: nothing to agree on, `target` stands (a resume from elsewhere, checked to be one
+    checkpoint on every rank). InputRefused on every rank when no checkpoint fits while some
+    node holds one, or when a node's directory holds other ranks' files."""
+    if not dist.is_initialized():
+        return None
+    elsewhere = target is not None and os.path.abspath(target[0]) != os.path.abspath(save_dir)
     views: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(views, (node_leader(), socket.gethostname(), _whole(save_dir)))
-    nodes = {leader: (host, whole) for leader, host, whole in views}
+    dist.all_gather_object(views, (node_leader(), socket.gethostname(), _whole(save_dir),
+                                   target and target[1], elsewhere))
+    if any(view[4] for view in views):  # every rank's from elsewhere: one and the same tag
+        tags = sorted({str(view[3]) for view in views})
+        if len(tags) > 1 or not all(view[4] for view in views):
+            raise InputRefused(f"--resume_from_checkpoint: the nodes resolved different "
+                               f"checkpoints ({', '.join(tags)}); the store changed while they "
+                               "read it: start them again")
+        return None
+    nodes = {leader: (host, whole) for leader, host, whole, _, _ in views}
     if not any(whole for _, whole in nodes.values()):
         return None  # a first start on every node
     common = set.intersection(*(set(whole) for _, whole in nodes.values()))
-    if not common or (named and target is not None and target[1] not in common):
+    asked = {view[3] for view in views if view[3] is not None} if named else set()
+    if not common or (asked and not asked <= common):
         held = "; ".join(f"the node of rank {leader} ({host}): "
                          f"{', '.join(sorted(whole, key=whole.get)) or 'none'}"
                          for leader, (host, whole) in sorted(nodes.items()))
@@ -92,8 +120,8 @@ def agree_on_tag(save_dir: str, target: Optional[tuple[str, str]], named: bool) 
             f"--checkpoint_storage local: no checkpoint in {save_dir} is whole on every node "
             f"({held}); start each node on the disk it saved to, or resume every node from a "
             "copy (--resume_from_checkpoint <the --checkpoint_copy_to store>)")
-    whole = nodes[node_leader()][1]
-    tag = target[1] if named and target else max(common, key=whole.get)
+    whole = nodes[min(nodes)][1]
+    tag = min(asked) if asked else max(common, key=lambda t: (whole[t], t))
     _check_ranks_held(os.path.join(save_dir, tag), views)
     if (target is None or target[1] != tag) and node_leader() == int(os.environ.get("RANK", 0)):
         logger.warning(f"{save_dir}: {target[1] if target else 'no checkpoint'} on this node, "

@@ -40,6 +40,18 @@ def is_url(path: str) -> bool:
     return "://" in path
 
 
+def check_store(dest: str) -> None:
+    """ValueError in one line when fsspec cannot open `dest` (an unknown protocol, or one whose
+    package is not installed, e.g. s3fs for s3://)."""
+    import fsspec
+
+    try:
+        fsspec.core.url_to_fs(dest)
+    except (ImportError, ValueError) as e:
+        raise ValueError(f"--checkpoint_copy_to {dest}: fsspec cannot open it "
+                         f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+
+
 def download(url: str, output_dir: str) -> str:
     """The store at `url` (a run's output directory, as StoreCopy writes it), its `latest`
     checkpoint and run files fetched into <output_dir>/resumed_from once per disk (the ranks that
@@ -61,13 +73,17 @@ def download(url: str, output_dir: str) -> str:
         tag_dir = os.path.join(local, "checkpoints", tag)
         if is_complete(tag_dir):  # another rank of this disk fetched it
             return local
-        for rel in [*marker["files"], MARKER]:  # the marker last: complete once all is in
-            os.makedirs(os.path.dirname(os.path.join(tag_dir, rel)), exist_ok=True)
-            fs.get_file(f"{root}/checkpoints/{tag}/{rel}", os.path.join(tag_dir, rel))
-        for path in fs.ls(f"{root}/checkpoints", detail=False):
-            name = path.rstrip("/").rsplit("/", 1)[-1]
-            if fs.isfile(path):
-                fs.get_file(path, os.path.join(local, "checkpoints", name))
+        try:
+            for path in fs.ls(f"{root}/checkpoints", detail=False):  # the run files first
+                if fs.isfile(path):
+                    name = path.rstrip("/").rsplit("/", 1)[-1]
+                    fs.get_file(path, os.path.join(local, "checkpoints", name))
+            for rel in [*marker["files"], MARKER]:  # the marker last: complete once all is in
+                os.makedirs(os.path.dirname(os.path.join(tag_dir, rel)), exist_ok=True)
+                fs.get_file(f"{root}/checkpoints/{tag}/{rel}", os.path.join(tag_dir, rel))
+        except OSError as e:
+            raise ValueError(f"--resume_from_checkpoint {url}: fetching {tag} into {local} "
+                             f"failed ({type(e).__name__}: {e})") from None
     return local
 
 
@@ -86,10 +102,12 @@ class StoreCopy:
     def start(self, save_dir: str, tag: str, step: int, files: Optional[dict]) -> None:
         """Begin copying checkpoint `tag` of save_dir (a collective). `files`: the manifest this
         rank's marker lists, None on a rank that wrote no marker."""
-        shares: list[Any] = [files]
+        mine_now = (files, time.time_ns())  # rank 0's time names this save in the store
+        shares: list[Any] = [mine_now]
         if dist.is_initialized():
             shares = [None] * dist.get_world_size()
-            dist.all_gather_object(shares, files)
+            dist.all_gather_object(shares, mine_now)
+        save_id, shares = shares[0][1], [listed for listed, _ in shares]
         owner: dict[str, int] = {}
         for r, listed in enumerate(shares):
             for rel in sorted(listed or {}):
@@ -100,7 +118,7 @@ class StoreCopy:
         merged = {rel: shares[r][rel] for rel, r in owner.items()}
         mine = sorted(rel for rel, r in owner.items() if r == rank())
         kept = list(list_checkpoints(save_dir))
-        job = (save_dir, tag, step, mine, merged, sorted(set(owner.values())), kept)
+        job = (save_dir, tag, step, mine, merged, sorted(set(owner.values())), kept, save_id)
         self.thread = threading.Thread(target=self._copy, args=job, name="dragon-store-copy",
                                        daemon=True)
         self.thread.start()
@@ -112,7 +130,7 @@ class StoreCopy:
             self.thread = None
 
     def _copy(self, save_dir: str, tag: str, step: int, mine: list[str], merged: dict,
-              copiers: list[int], kept: list[str]) -> None:
+              copiers: list[int], kept: list[str], save_id: int) -> None:
         remote = f"{self.root}/checkpoints/{tag}"
         try:
             self._remove(f"{remote}/{MARKER}")  # the tag is incomplete until all of it is new
@@ -121,9 +139,9 @@ class StoreCopy:
                 self._put(os.path.join(save_dir, tag, rel), f"{remote}/{rel}")
             if rank() == 0:
                 self._copy_run_files(save_dir)
-            part = {rel: merged[rel] for rel in mine}
+            part = {"save": save_id, "files": {rel: merged[rel] for rel in mine}}
             self._write(f"{remote}/copied/{rank()}.json", json.dumps(part))
-            if all(self.fs.exists(f"{remote}/copied/{r}.json") for r in copiers):
+            if all(self._part_of(f"{remote}/copied/{r}.json") == save_id for r in copiers):
                 marker = {"step": step, "tag": tag, "time": time.time(), "files": merged}
                 self._write(f"{remote}/{MARKER}", json.dumps(marker))
                 self._write(f"{self.root}/checkpoints/latest", tag)
@@ -140,6 +158,14 @@ class StoreCopy:
     def _write(self, remote: str, text: str) -> None:
         self.fs.makedirs(remote.rsplit("/", 1)[0], exist_ok=True)
         self.fs.pipe_file(remote, text.encode())
+
+    def _part_of(self, remote: str) -> Optional[int]:
+        """The save a copying rank's part belongs to (None: not there yet); a part left by an
+        interrupted copy of an earlier save of the same tag is another save's."""
+        try:
+            return json.loads(self.fs.cat_file(remote)).get("save")
+        except (OSError, ValueError):
+            return None
 
     def _remove(self, remote: str) -> None:
         if self.fs.exists(remote):

@@ -32,6 +32,10 @@ def check_accelerate_inputs(inputs) -> None:
          "not an accelerate save (this recipe resumes its own checkpoint_<step>)"),
         (target is not None and bool(target.reshaped),
          f"a resume on another layout ({target and target.reshaped})"),
+        (args.checkpoint_storage == "local", "--checkpoint_storage local (save_state writes "
+         "every node's files into one directory)"),
+        (bool(args.checkpoint_copy_to), "--checkpoint_copy_to (its checkpoint_<step> layout is "
+         "not copied)"),
     ]
     for refuse, what in refused:
         if refuse:

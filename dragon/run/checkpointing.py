@@ -50,8 +50,8 @@ def resumed_run(built, inputs: RecipeInputs, topology: Topology, data: RunData,
     """The TrainingRun from --resume_from_checkpoint's step (0 without one), moved on to the live
     islands' step when this island joins them (--diloco_join); then the island's first rank
     (each node's, on node-local disks) writes the run's files beside the checkpoints."""
-    named = inputs.train.resume_from_checkpoint not in (None, "auto", "latest")
-    target = checkpointer.agreed(inputs.resume_target(topology.island), named)
+    target = checkpointer.agreed(inputs.resume_target(topology.island),
+                                 inputs.train.resume_from_checkpoint)
     step = checkpointer.resume(target) if target else 0
     run = TrainingRun(built.engine, inputs, built.config, topology, data, built.dp_world, step,
                       outer)

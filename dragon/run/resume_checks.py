@@ -125,16 +125,16 @@ def check_reshape(
 def check_storage(args: TrainingArguments, ds_config: dict, pipeline: bool,
                   diloco: DiLoCoArguments) -> None:
     """--checkpoint_storage into the DeepSpeed config; ValueError in one line where this launch
-    cannot keep its checkpoints on node-local disks."""
-    set_storage(args, ds_config, _why_shared(pipeline, diloco))
+    cannot keep its checkpoints on node-local disks, or copy them (--checkpoint_copy_to)."""
+    not_copied = ("not with DiLoCo islands yet (each island saves its own directory); copy the "
+                  "island directories with your own tool") if diloco.enabled else None
+    set_storage(args, ds_config, _why_shared(pipeline, diloco), not_copied)
 
 
 def _why_shared(pipeline: bool, diloco: DiLoCoArguments) -> Optional[str]:
     """Why this launch cannot keep its checkpoints on node-local disks, or None."""
     if pipeline:
         return "the pipeline recipe's export reads every stage's files from one directory"
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED"):
-        return "accelerate's save_state writes one directory for every node"
     if diloco.enabled:
         return ("each DiLoCo island already keeps its own directory (island<i>/): run one "
                 "island per node with --diloco_island_index")
