@@ -340,6 +340,29 @@ def test_an_island_lost_during_the_exchange_is_left_out_of_a_retry(
             assert a[key] == b[key], (a["step"], key)
 
 
+def test_an_island_lost_before_its_group_forms_is_waited_for_no_longer_than_a_decision(
+        tmp_path, text_file, store):
+    """Island 1 of 2 dies in outer step 2 (step 8) after the quorum's decision and before it
+    forms its group, so it never connects: island 0's group gives up waiting for it within the
+    quorum timeout (5 s) and DECISION_SLACK, not within --dist_timeout (300 s), and the retry
+    trains on alone to the end."""
+    out = tmp_path / "run"
+    env = {"DRAGON_FAULT_EXIT_BEFORE_GROUP": "2", "DRAGON_FAULT_ISLAND": "1"}
+    procs = [start(i, 2, out, text_file, store, env, ["--dist_timeout", "300"])
+             for i in (0, 1)]
+    stdout, stderr = procs[0].communicate(timeout=240)  # before the bound: 300 s and more
+    procs[1].wait(timeout=60)
+    assert procs[0].returncode == 0 and procs[1].returncode != 0, stderr[-3000:]
+    assert ("outer step 2: the exchange among the quorum's islands failed (wait timeout after "
+            "15000ms") in stderr, stderr[-3000:]
+    assert [m["outer_quorum"] for m in outer(out, 0)] == [2, 1, 1, 1]
+    rows = {m["step"]: m["time"] for m in read_jsonl(out / "island0" / "metrics.jsonl")
+            if "loss" in m}
+    waited = rows[8] - rows[7]  # step 8's row is written after its outer step
+    print(f"island 0 waited {waited:.1f} s for the island that never connected")
+    assert waited < 5 + 10 + 20, waited
+
+
 def test_fewer_islands_than_the_minimum_end_the_run(tmp_path, text_file, store):
     """--diloco_min_islands 2 of 2: island 1 dies in outer step 2 (step 8) after the quorum
     formed; island 0's retry finds itself alone and ends the run with one line naming the flag

@@ -45,7 +45,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from dragon.diloco.quorum import PREFIX, MissedRound, Quorum, step_key
+from dragon.diloco.quorum import DECISION_SLACK, PREFIX, MissedRound, Quorum, step_key
 from dragon.errors import IslandLost, JoinRefused
 from dragon.parallel.topology import Topology
 
@@ -219,9 +219,11 @@ class ElasticIslands:
             return members, None, joiners, late
         store = dist.PrefixStore(f"{step_key(outer_step, attempt)}/rank{t.island_rank}",
                                  self.store)
-        try:
-            group = dist.ProcessGroupGloo(store, members.index(t.island), len(members),
-                                          self.timeout)
+        try:  # the rendezvous waits as long as a decision may take: a member that died after
+            # the decision never connects, and the others retry without it within that bound
+            meet = timedelta(seconds=self.decisions.quorum_timeout + DECISION_SLACK)
+            group = dist.ProcessGroupGloo(store, members.index(t.island), len(members), meet)
+            group._set_default_timeout(self.timeout)  # an exchange: as long as a link needs
         except RuntimeError as e:  # a member lost before the group formed
             group = e
         if _on_any_rank(isinstance(group, RuntimeError)):  # the island's ranks act as one
@@ -250,9 +252,9 @@ class ElasticIslands:
                 self.decisions.succeeded(outer_step, retry)  # tells one that failed alone
                 return done
             except RuntimeError as e:  # gloo: a member's connection closed, or the timeout
-                among = quorum[0] if quorum is not None else "the quorum"
+                among = f"islands {quorum[0]}" if quorum is not None else "the quorum's islands"
                 logger.warning(
-                    f"outer step {outer_step}: the exchange among islands {among} failed "
+                    f"outer step {outer_step}: the exchange among {among} failed "
                     f"({str(e).splitlines()[0][:160]}); retrying without the lost island"
                 )
             # The failed group's connections close, so that a member still waiting in it (one

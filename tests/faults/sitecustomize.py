@@ -12,6 +12,9 @@ job_env adds it when a test sets a DRAGON_FAULT_* variable); dragon itself carri
   background write (--save_async) is in flight for as long as a test needs.
 - DRAGON_FAULT_EXIT_OUTER_STEP=2 and DRAGON_FAULT_ISLAND=i: island i's processes exit at once
   (os._exit) in elastic outer step 2, after its quorum formed and before the exchange.
+- DRAGON_FAULT_EXIT_BEFORE_GROUP=2 and DRAGON_FAULT_ISLAND=i: island i's processes exit at once
+  in elastic outer step 2 after its quorum is decided, before it forms its group (so that the
+  others' group waits for an island that never connects).
 - DRAGON_FAULT_LATE=1:2:8,0:3:6: island 1 reaches elastic outer step 2 eight seconds late,
   island 0 outer step 3 six seconds late (each sleeps before its round).
 - DRAGON_FAULT_HOLD_JOIN=<path>: a joiner's first round, its quorum formed, writes <path>.held
@@ -149,6 +152,29 @@ def _dying_island(steps: set[int]) -> None:
     OuterRuntime.exchange = dying_exchange
 
 
+def _dying_before_group(steps: set[int]) -> None:
+    """The island exits as it is about to form the gloo group of an elastic round of one of
+    `steps` (each round notes its outer step; no other group is formed during a round)."""
+    import torch.distributed as dist
+
+    from dragon.diloco.membership import ElasticIslands
+
+    run_round, make_group, at = ElasticIslands.run_round, dist.ProcessGroupGloo, {}
+    island = int(os.environ.get("DRAGON_FAULT_ISLAND", "0"))
+
+    def noting_round(self, outer_step, *args, **kwargs):
+        at["step"], at["island"] = outer_step, self.topology.island
+        return run_round(self, outer_step, *args, **kwargs)
+
+    def dying_group(*args, **kwargs):
+        if at.get("step") in steps and at.get("island") == island:
+            os._exit(1)
+        return make_group(*args, **kwargs)
+
+    ElasticIslands.run_round = noting_round
+    dist.ProcessGroupGloo = dying_group
+
+
 def _late_islands(entries: str) -> None:
     """Island i sleeps s seconds before its own round of outer step k, for each i:k:s."""
     from dragon.diloco.membership import ElasticIslands
@@ -233,6 +259,8 @@ if _steps("HOLD_SAVE_STEP"):
     _held_saves(_steps("HOLD_SAVE_STEP"))
 if _steps("EXIT_OUTER_STEP"):
     _dying_island(_steps("EXIT_OUTER_STEP"))
+if _steps("EXIT_BEFORE_GROUP"):
+    _dying_before_group(_steps("EXIT_BEFORE_GROUP"))
 if os.environ.get("DRAGON_FAULT_LATE"):
     _late_islands(os.environ["DRAGON_FAULT_LATE"])
 if os.environ.get("DRAGON_FAULT_HOLD_JOIN"):
