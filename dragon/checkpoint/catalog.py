@@ -108,6 +108,14 @@ def has_complete(save_dir: str) -> bool:
     return any(is_complete(os.path.join(save_dir, n)) for n in list_checkpoints(save_dir))
 
 
+def whole_checkpoints(save_dir: str, checksums: bool = False) -> dict[str, int]:
+    """{name: step} of the complete checkpoints under save_dir whose files match their marker
+    (sizes; with `checksums` the CRC-32s too)."""
+    return {n: s for n, s in list_checkpoints(save_dir).items()
+            if is_complete(os.path.join(save_dir, n))
+            and damage_of(os.path.join(save_dir, n), checksums) is None}
+
+
 def list_checkpoints(save_dir: str) -> dict[str, int]:
     """{name: step} of the checkpoint dirs under save_dir, complete or not, in either layout."""
     found: dict[str, int] = {}

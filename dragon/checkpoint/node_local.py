@@ -11,7 +11,7 @@ loading another rank's shard.
 
 Nodes can disagree on their newest checkpoint (a node killed between its marker and another
 node's), so a resume agrees before anything loads: every node resumes the newest checkpoint that
-every node holds whole (agree_on_resume). --checkpoint_copy_to copies each checkpoint to a store
+every node holds whole (agree_on_tag). --checkpoint_copy_to copies each checkpoint to a store
 that other nodes can read (dragon.checkpoint.store_copy).
 """
 
@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from dragon.checkpoint.catalog import MARKER, TAG_RE, damage_of, is_complete, list_checkpoints
+from dragon.checkpoint.catalog import MARKER, TAG_RE, whole_checkpoints
 from dragon.checkpoint.store_copy import check_store
 from dragon.errors import InputRefused
 
@@ -98,7 +98,7 @@ def agree_on_tag(save_dir: str, target: Optional[tuple[str, str]], named: bool) 
         return None
     elsewhere = target is not None and os.path.abspath(target[0]) != os.path.abspath(save_dir)
     views: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(views, (node_leader(), socket.gethostname(), _whole(save_dir),
+    dist.all_gather_object(views, (node_leader(), socket.gethostname(), whole_checkpoints(save_dir),
                                    target and target[1], elsewhere))
     if any(view[4] for view in views):  # every rank's from elsewhere: one and the same tag
         tags = sorted({str(view[3]) for view in views})
@@ -127,13 +127,6 @@ def agree_on_tag(save_dir: str, target: Optional[tuple[str, str]], named: bool) 
         logger.warning(f"{save_dir}: {target[1] if target else 'no checkpoint'} on this node, "
                        f"{tag} whole on every node: resuming {tag}")
     return tag
-
-
-def _whole(save_dir: str) -> dict[str, int]:
-    """{tag: step} of the complete checkpoints in save_dir whose files match their marker."""
-    return {name: step for name, step in list_checkpoints(save_dir).items()
-            if is_complete(os.path.join(save_dir, name))
-            and damage_of(os.path.join(save_dir, name)) is None}
 
 
 def _check_ranks_held(tag_dir: str, views: list) -> None:

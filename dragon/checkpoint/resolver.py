@@ -16,7 +16,8 @@ import sys
 
 from dragon.checkpoint.catalog import (ACCEL_RE, NoWholeCheckpoint, damage_of,
                                        find_resume_checkpoint, is_complete, list_checkpoints,
-                                       load_dir_and_tag, looks_like_tag_dir, run_files_dir)
+                                       load_dir_and_tag, looks_like_tag_dir, run_files_dir,
+                                       whole_checkpoints)
 from dragon.checkpoint.retention import RetentionPolicy
 from dragon.checkpoint.store_copy import download, is_url
 from dragon.history import MetricHistory, metrics_path
@@ -96,11 +97,9 @@ def _resolve(path: str, checkpoint: str, metric: str, weights_only: bool = True
         ) from None
     if checkpoint == "latest":
         return f"{found}, the one a resume takes", latest
-    complete = {n: s for n, s in list_checkpoints(save_dir).items()
-                if is_complete(os.path.join(save_dir, n))
-                and damage_of(os.path.join(save_dir, n), checksums=True) is None}
     history = MetricHistory(metrics_path(path)).load()
-    best = RetentionPolicy(metric_for_best_model=metric).best(complete, history)
+    best = RetentionPolicy(metric_for_best_model=metric).best(
+        whole_checkpoints(save_dir, checksums=True), history)
     if not best:
         return f"{found}, none with {metric}: the latest", latest
     return f"{found}, the best by {metric}", os.path.join(*load_dir_and_tag(save_dir, best))

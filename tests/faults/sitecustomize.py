@@ -32,6 +32,7 @@ import errno
 import functools
 import os
 import time
+from typing import Callable
 
 
 def _steps(name: str) -> set[int]:
@@ -129,49 +130,51 @@ def _held_saves(steps: set[int]) -> None:
     TorchCheckpointEngine.save = held_save
 
 
-def _dying_island(steps: set[int]) -> None:
-    """The island exits as it starts an exchange of an elastic round of one of `steps`: each
-    round notes its outer step, each exchange (dragon.diloco.runtime) reads it."""
-    from dragon.diloco.membership import ElasticIslands
-    from dragon.diloco.runtime import OuterRuntime
-
-    run_round, exchange = ElasticIslands.run_round, OuterRuntime.exchange
-    island = int(os.environ.get("DRAGON_FAULT_ISLAND", "0"))
-
-    def noting_round(self, outer_step, *args, **kwargs):
-        self.fault_outer_step = outer_step
-        return run_round(self, outer_step, *args, **kwargs)
-
-    def dying_exchange(self, *args, **kwargs):
-        outer_step = getattr(self.membership, "fault_outer_step", None)
-        if outer_step in steps and self.topology.island == island:
-            os._exit(1)
-        return exchange(self, *args, **kwargs)
-
-    ElasticIslands.run_round = noting_round
-    OuterRuntime.exchange = dying_exchange
-
-
-def _dying_before_group(steps: set[int]) -> None:
-    """The island exits as it is about to form the gloo group of an elastic round of one of
-    `steps` (each round notes its outer step; no other group is formed during a round)."""
-    import torch.distributed as dist
-
+def _dying_in_round(steps: set[int]) -> Callable[[], None]:
+    """A check that exits the island DRAGON_FAULT_ISLAND names when called during its elastic
+    round of one of `steps` (each round notes its outer step)."""
     from dragon.diloco.membership import ElasticIslands
 
-    run_round, make_group, at = ElasticIslands.run_round, dist.ProcessGroupGloo, {}
+    run_round, at = ElasticIslands.run_round, {}
     island = int(os.environ.get("DRAGON_FAULT_ISLAND", "0"))
 
     def noting_round(self, outer_step, *args, **kwargs):
         at["step"], at["island"] = outer_step, self.topology.island
         return run_round(self, outer_step, *args, **kwargs)
 
-    def dying_group(*args, **kwargs):
+    def die_if_due() -> None:
         if at.get("step") in steps and at.get("island") == island:
             os._exit(1)
-        return make_group(*args, **kwargs)
 
     ElasticIslands.run_round = noting_round
+    return die_if_due
+
+
+def _dying_island(steps: set[int]) -> None:
+    """The island exits as it starts an exchange (dragon.diloco.runtime) of an elastic round of
+    one of `steps`."""
+    from dragon.diloco.runtime import OuterRuntime
+
+    exchange, die_if_due = OuterRuntime.exchange, _dying_in_round(steps)
+
+    def dying_exchange(self, *args, **kwargs):
+        die_if_due()
+        return exchange(self, *args, **kwargs)
+
+    OuterRuntime.exchange = dying_exchange
+
+
+def _dying_before_group(steps: set[int]) -> None:
+    """The island exits as it is about to form the gloo group of an elastic round of one of
+    `steps` (no other group is formed during a round)."""
+    import torch.distributed as dist
+
+    make_group, die_if_due = dist.ProcessGroupGloo, _dying_in_round(steps)
+
+    def dying_group(*args, **kwargs):
+        die_if_due()
+        return make_group(*args, **kwargs)
+
     dist.ProcessGroupGloo = dying_group
 
 
