@@ -25,6 +25,7 @@ from dragon.checkpoint.retention import RetentionPolicy
 from dragon.checkpoint.save_hook import attach_retention
 from dragon.checkpoint.writes import GuardedCheckpointEngine, GuardedWrites
 from dragon.parallel.deepspeed_fixes import (
+    clip_gradients_not_muon_updates,
     guard_checkpoint_writes,
     norm_on_every_rank,
     set_global_steps,
@@ -313,3 +314,51 @@ def test_a_zero_run_without_muon_imports_deepspeed_muon_compiled_unless_skipped(
     assert not bare["before"] and bare["muon"] and bare["inductor"]
     assert fixed["before"] and fixed["muon"] and not fixed["inductor"]
     assert fixed["weights"] == bare["weights"]
+
+
+class OneMatrix(torch.nn.Module):
+    """One 16 x 16 matrix, which DeepSpeed's Muon tags for Muon (2-D, not an embedding)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = torch.nn.Parameter(torch.randn(16, 16) * 0.1)
+
+    def forward(self, x):
+        return (x @ self.w).pow(2).mean()
+
+
+def muon_step_length(stage: int, clip: float, fixed: bool = False) -> float:
+    """How far one Muon step (lr 0.02) moves OneMatrix's weight under ZeRO `stage` with
+    "gradient_clipping" `clip` (`fixed`: the config through clip_gradients_not_muon_updates).
+    The raw gradient's norm is far below 1, so a clip of the gradient changes nothing."""
+    model = OneMatrix()
+    before = model.w.detach().clone()
+    config = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**6,
+              "gradient_clipping": clip, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "Muon", "params": {"lr": 0.02, "momentum": 0.95}}}
+    if stage == 3:
+        config["zero_optimization"]["reduce_scatter"] = False  # DeepSpeed's Muon refuses it
+    if fixed:
+        assert clip_gradients_not_muon_updates(config) == (clip if stage else 0.0)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=config)
+    torch.manual_seed(1)
+    engine.backward(engine(torch.randn(4, 16) * 0.1))
+    engine.step()
+    with deepspeed.zero.GatheredParameters([engine.module.w], enabled=stage == 3):
+        return float((engine.module.w.detach() - before).norm())
+
+
+def test_zero_clips_muon_s_update_by_its_own_norm_unless_the_clip_is_turned_off():
+    """ZeRO-1, 2 and 3 clip Muon's orthogonalised update, whose norm here is ~1.8, so a clip at
+    1.0 shortens a step whose gradient is far below it; ZeRO-0 clips the gradient and moves as
+    far with the clip as without. clip_gradients_not_muon_updates turns ZeRO's clip off (the
+    step is then the unclipped one, ==) and leaves ZeRO-0's on."""
+    unclipped = muon_step_length(0, 0.0)
+    assert muon_step_length(0, 1.0, fixed=True) == unclipped
+    for stage in (1, 2, 3):
+        assert muon_step_length(stage, 0.0) == pytest.approx(unclipped, rel=1e-5)
+        assert muon_step_length(stage, 1.0) < 0.6 * unclipped, f"ZeRO-{stage} no longer clips " \
+            "Muon's update: clip_gradients_not_muon_updates can go"
+        assert muon_step_length(stage, 1.0, fixed=True) == muon_step_length(stage, 0.0)

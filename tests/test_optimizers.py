@@ -7,13 +7,20 @@ import shutil
 from types import SimpleNamespace
 
 import pytest
-from conftest import TINY, bad_input_base, losses, run_recipe_in_process
+from conftest import PIPE_X2, TINY, bad_input_base, losses, run_recipe_in_process
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from dragon import BDHConfig, BDHForCausalLM
+from dragon.checkpoint import universal
 from dragon.run.optim import lr_group_of, parameter_groups
 
 SCALES = ["--lr_scales", "embed=0.5,lm_head=0.25"]
+MUON = ["--optimizer", "muon"]
+# DeepSpeed's Muon iterates Newton-Schulz in half precision (deepspeed's ns_compute_dtype), where a
+# last-bit difference in a gradient summed in another order can round another way: layouts that
+# sum in another order agree to 10 times the fp32 bound (conftest.LOSS_ATOL), those that sum in
+# the same order bit for bit.
+MUON_ATOL = 2e-4
 
 
 def args_of(**kwargs):
@@ -52,13 +59,14 @@ def test_muon_groups_set_no_rate_and_name_their_pattern():
     assert lr_group_of({"name": "muon-params"}) == ""
 
 
-def resumed_at_step_4(runs, name: str, out, tmp_path, extra: list[str]) -> list[dict]:
+def resumed_at_step_4(runs, name: str, out, tmp_path, extra: list[str], **run) -> list[dict]:
     """The run in `out` restarted from its step-4 checkpoint alone in a new directory: its
-    metrics."""
+    metrics (`run`: the run's other conftest.Runs arguments)."""
     resumed_out = tmp_path / "resumed"
     shutil.copytree(out / "checkpoints" / "step4", resumed_out / "checkpoints" / "step4")
     (resumed_out / "checkpoints" / "latest").write_text("step4")
-    return runs(name, out=resumed_out, extra=[*extra, "--resume_from_checkpoint", "latest"])[1]
+    return runs(name, out=resumed_out, extra=[*extra, "--resume_from_checkpoint", "latest"],
+                **run)[1]
 
 
 def test_lr_scales_are_logged_at_every_step_and_resume_exactly(runs, tmp_path):
@@ -136,15 +144,14 @@ def test_muon_trains_zero2_on_2_ranks_and_resumes_exactly(runs, tmp_path):
     the Muon rate (lr/muon: 0.02 of the schedule's peak of 1), AdamW the embedding and the head
     at --learning_rate (lr); the losses are finite and fall; resumed at step 4, steps 5-8
     repeat bit for bit."""
-    muon = ["--optimizer", "muon"]
-    out, full, _ = runs("muon", extra=muon)
+    out, full, _ = runs("muon", extra=MUON)
     logged = [m for m in full if "lr" in m]
     assert len(logged) == 8
     for m in logged:
         assert m["lr/muon"] == pytest.approx(0.02 / 3e-3 * m["lr"], rel=1e-9)
     assert all(math.isfinite(x) for x in losses(full))
     assert losses(full)[-1] < losses(full)[0] - 0.2
-    resumed = resumed_at_step_4(runs, "muon_resumed", out, tmp_path, muon)
+    resumed = resumed_at_step_4(runs, "muon_resumed", out, tmp_path, MUON)
     assert [m["step"] for m in resumed] == [5, 6, 7, 8]
     assert losses(resumed) == losses(full)[4:]
 
@@ -170,11 +177,59 @@ def test_muon_with_lr_scales_scales_each_half_and_resumes_exactly(runs, tmp_path
 def test_muon_trains_under_zero3(runs):
     """ZeRO-3 (DeepSpeed's Muon takes it without reduce-scatter, which dragon turns off): the
     losses are finite and fall, lr/muon at its rate."""
-    _, metrics, _ = runs("muon_zero3", config="zero3.json", extra=["--optimizer", "muon"])
+    _, metrics, _ = runs("muon_zero3", config="zero3.json", extra=MUON)
     assert all(math.isfinite(x) for x in losses(metrics))
     assert losses(metrics)[-1] < losses(metrics)[0] - 0.1
     assert all(m["lr/muon"] == pytest.approx(0.02 / 3e-3 * m["lr"], rel=1e-9)
                for m in metrics if "lr" in m)
+
+
+def zero0_muon_unclipped(runs) -> list[float]:
+    """The losses of Muon without ZeRO on 2 ranks, with no gradient clipping."""
+    return losses(runs("muon_zero0_unclipped", config="zero0.json",
+                       extra=[*MUON, "--max_grad_norm", "0"])[1])
+
+
+def test_muon_under_zero_steps_as_without_zero_with_no_clipping(runs):
+    """DeepSpeed's ZeRO clips Muon's orthogonalised update instead of the gradient
+    (tests/test_deepspeed_fixes.py), so under ZeRO-1/2/3 dragon turns the clip off and says so
+    in one line: ZeRO-2 then steps as ZeRO-0 without a clip, bit for bit (the same sums), and
+    ZeRO-3 within the half-precision bound (its own partitioned sums)."""
+    _, zero2, proc = runs("muon", extra=MUON)
+    assert "--optimizer muon under ZeRO-2: DeepSpeed would clip Muon's orthogonalised update " \
+        "rather than the gradient, so the clip at 1 (--max_grad_norm) is turned off" in proc.stderr
+    reference = zero0_muon_unclipped(runs)
+    assert losses(zero2) == reference
+    zero3 = losses(runs("muon_zero3", config="zero3.json", extra=MUON)[1])
+    assert zero3 == pytest.approx(reference, abs=MUON_ATOL)
+
+
+def test_muon_in_the_pipeline_steps_as_the_plain_model_and_resumes_exactly(runs, tmp_path):
+    """A 2-stage ZeRO-0 pipeline under Muon (no clip, as the reference) against the plain model
+    on 2 ranks: the same losses within the half-precision bound (the tied block's gradient is
+    summed across stages); resumed at step 4, steps 5-8 repeat bit for bit."""
+    pipe = dict(PIPE_X2, extra=[*PIPE_X2["extra"], *MUON, "--max_grad_norm", "0"])
+    out, full, _ = runs("muon_pipe", **pipe)
+    assert losses(full) == pytest.approx(zero0_muon_unclipped(runs), abs=MUON_ATOL)
+    assert any(m.get("lr/muon") for m in full)
+    resumed = resumed_at_step_4(runs, "muon_pipe_resumed", out, tmp_path, pipe["extra"],
+                                config=pipe["config"], script=pipe["script"])
+    assert losses(resumed) == losses(full)[4:]
+
+
+def test_muon_onto_another_layout_is_refused_as_deepspeed_cannot_carry_it(
+        monkeypatch, runs, tmp_path, text_file):
+    """DeepSpeed's universal checkpoint reads Adam's moments from every group and finds none in
+    Muon's (a KeyError: once it converts the checkpoint, the refusal can go); so a resume of a
+    Muon run on another layout is refused in one line, before any process group starts."""
+    out, _, _ = runs("muon", extra=MUON)
+    with pytest.raises(KeyError, match="exp_avg"):
+        universal.from_deepspeed(str(out / "checkpoints" / "step8"), str(tmp_path / "universal"))
+    base = bad_input_base("zero1.json", out, text_file)
+    line = run_recipe_in_process(monkeypatch, "recipes/pretrain.py", [
+        *base, *TINY, *MUON, "--resume_from_checkpoint", "latest"])
+    assert "--optimizer muon from a checkpoint of another layout: DeepSpeed's universal " \
+        "checkpoint does not carry Muon's momentum" in line, line
 
 
 def test_muon_with_another_optimizer_in_the_json_is_refused(monkeypatch, tmp_path, text_file):

@@ -95,6 +95,26 @@ def guard_checkpoint_writes(engine: DeepSpeedEngine, guard: CheckpointEngine) ->
     engine.checkpoint_engine = guard
 
 
+def clip_gradients_not_muon_updates(config: dict) -> float:
+    """Turn DeepSpeed's gradient clipping off where a ZeRO optimizer runs Muon; return the clip
+    norm it would have applied (0: none to turn off).
+
+    DeepSpeed's ZeRO-1/2 (deepspeed/runtime/zero/stage_1_and_2.py: get_flat_partition) and ZeRO-3
+    (stage3.py: _apply_muon_to_accumulated_grads) write Muon's orthogonalised update in place of
+    the gradient before step() takes the global norm and clips (deepspeedai/DeepSpeed#8439). So
+    "gradient_clipping" divides every Muon step by the norm of the update itself, a number the
+    matrices' shapes set rather than the gradient, and the AdamW half's gradients by the same
+    factor: the run trains at a fraction of its learning rate, and the logged grad_norm is the
+    update's. Without ZeRO (stage 0) torch's clip sees the raw gradient before Muon does, and
+    stays on."""
+    muon = str(config.get("optimizer", {}).get("type", "")).lower() == "muon"
+    clip = float(config.get("gradient_clipping", 0.0) or 0.0)
+    if not muon or config.get("zero_optimization", {}).get("stage", 0) == 0 or clip == 0:
+        return 0.0
+    config["gradient_clipping"] = 0.0
+    return clip
+
+
 DEEPSPEED_MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
 
 

@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import secrets
+import warnings
 from typing import Any
 
 AUTO = "auto"
@@ -174,6 +175,13 @@ def _muon(cfg: dict, args) -> None:
                        ("muon_lr", args.muon_learning_rate), ("momentum", args.muon_momentum),
                        ("betas", [args.adam_beta1, args.adam_beta2]), ("eps", args.adam_epsilon)):
         _fill(params, key, value)
+    from dragon.parallel.deepspeed_fixes import clip_gradients_not_muon_updates  # imports deepspeed
+
+    dropped = clip_gradients_not_muon_updates(cfg)
+    if dropped:
+        warnings.warn(f"--optimizer muon under ZeRO-{zero['stage']}: DeepSpeed would clip "
+                      "Muon's orthogonalised update rather than the gradient, so the clip at "
+                      f"{dropped:g} (--max_grad_norm) is turned off; ZeRO-0 clips the gradient")
 
 
 def wandb_run_id(args) -> str:

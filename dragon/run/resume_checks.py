@@ -90,10 +90,12 @@ def _check_groups_reshape(args: TrainingArguments, stage: int) -> None:
     universal checkpoint gives every parameter group the first group's settings
     (stage3.py: load_hp_checkpoint_state_from_checkpoint_dir_stage3), and a resume of two groups
     onto ZeRO-3 diverged from the run not stopped at its second step even with the settings put
-    back. Muon's state is untested through the universal form."""
+    back. DeepSpeed 0.19.8's universal form carries Adam's two moments only
+    (deepspeed/checkpoint/ds_to_universal.py: extract_zero_shards), not Muon's momentum."""
     if args.optimizer == "muon":
-        raise ValueError("--optimizer muon from a checkpoint of another layout is not supported "
-                         "yet; resume on the layout it was saved with")
+        raise ValueError("--optimizer muon from a checkpoint of another layout: DeepSpeed's "
+                         "universal checkpoint does not carry Muon's momentum; resume on the "
+                         "layout it was saved with")
     if stage == 3 and args.lr_scales:
         raise ValueError(f"--lr_scales {args.lr_scales} on ZeRO-3 from a checkpoint of another "
                          "layout: DeepSpeed's ZeRO-3 universal load does not keep several "
