@@ -1,5 +1,6 @@
 """The training time a save costs, synchronous against --save_async
-(dragon.checkpoint.background_saves).
+(dragon.checkpoint.background_saves), and --save_async with --checkpoint_copy_to
+(dragon.checkpoint.store_copy).
 
     python benchmarks/save_async.py [--mult 512] [--n_layer 1] [--steps 10] [--repeats 6]
 
@@ -9,15 +10,17 @@ optimizer, so that a synchronous save takes seconds here), saved through dragon'
 retention hook as the recipes save. The asynchronous saves' writer process is started with the
 engine, as a recipe starts it with its Checkpointer, and one untimed save of each kind comes first
 (the writer's shared buffer is allocated at the first save). Windows of --steps training steps
-are then timed three ways, --repeats times, each mode first in turn: no save, a synchronous save
+are then timed four ways, --repeats times, each mode first in turn: no save, a synchronous save
 at the window's start, an asynchronous save at its start (polled after every step, and waited for
-at the window's end, so that a write that outlasts the window is counted). Each window starts on a
-settled machine (os.sync(), then --settle seconds idle). A save's cost is its median window less
-the median no-save window: a synchronous save's own time varies from save to save (the page cache
-it fills comes from memory the machine may have handed back), and the fastest windows would pick
-its cheapest save against the luckiest no-save window; that estimate is printed too. The
-asynchronous cost is also given as a ratio of the synchronous one, with how long the save call
-itself held the step (median) and the load average around the run.
+at the window's end, so that a write that outlasts the window is counted), and an asynchronous
+save copied to a store once it completes (a directory on the same disk, standing in for a shared
+file system: the copy's thread, waited for at the window's end, is what it costs training). Each
+window starts on a settled machine (os.sync(), then --settle seconds idle). A save's cost is its
+median window less the median no-save window: a synchronous save's own time varies from save to
+save (the page cache it fills comes from memory the machine may have handed back), and the
+fastest windows would pick its cheapest save against the luckiest no-save window; that estimate
+is printed too. The asynchronous costs are also given as ratios of the synchronous one, with how
+long the save call itself held the step (median) and the load average around the run.
 """
 
 import argparse
@@ -38,6 +41,7 @@ from dragon.checkpoint.background_saves import BackgroundSaves  # noqa: E402
 from dragon.checkpoint.checkpointer import Checkpointer  # noqa: E402
 from dragon.checkpoint.retention import RetentionPolicy  # noqa: E402
 from dragon.checkpoint.save_hook import attach_retention  # noqa: E402
+from dragon.checkpoint.store_copy import StoreCopy  # noqa: E402
 from dragon.model.bdh import BDHConfig, BDHForCausalLM  # noqa: E402
 
 CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
@@ -60,11 +64,13 @@ def train_step(engine, batch) -> None:
 
 
 def window(engine, batch, checkpointer, steps: int, mode: str, background: BackgroundSaves,
-           settle: float = 0.0) -> tuple[float, float, float]:
+           copy: StoreCopy, settle: float = 0.0) -> tuple[float, float, float]:
     """(seconds of the window, seconds the save call itself took, seconds waited at its end for
-    the write still in flight)."""
-    # the same engine and Checkpointer save both ways (Checkpointer(save_async=...) sets this)
-    checkpointer.hook.background = background if mode == "async" else None
+    the write and the copy still in flight)."""
+    # the same engine and Checkpointer save every way (Checkpointer(save_async=...) and
+    # attach_retention(copy_to=...) set these)
+    checkpointer.hook.background = background if mode in ("async", "copy") else None
+    checkpointer.hook.copy = copy if mode == "copy" else None
     os.sync()  # no window pays for the page cache writeback of an earlier window's save
     time.sleep(settle)  # nor for the kernel's work after it (freed pages handed back to the host)
     began = time.perf_counter()
@@ -97,22 +103,23 @@ def main() -> None:
         attach_retention(engine, RetentionPolicy(1, None),
                          history_path=os.path.join(tmp, "metrics.jsonl"))
         checkpointer = Checkpointer(engine, os.path.join(tmp, "checkpoints"))
+        copy = StoreCopy(os.path.join(tmp, "store"), tmp)
         for _ in range(3):
             train_step(engine, batch)
-        for mode in ("sync", "async"):  # untimed
-            window(engine, batch, checkpointer, 1, mode, background)
-        times = {"none": [], "sync": [], "async": []}
-        calls, waits = {"sync": [], "async": []}, []
+        for mode in ("sync", "async", "copy"):  # untimed
+            window(engine, batch, checkpointer, 1, mode, background, copy)
+        times = {"none": [], "sync": [], "async": [], "copy": []}
+        calls, waits = {"sync": [], "async": [], "copy": []}, {"async": [], "copy": []}
         for repeat in range(args.repeats):
-            modes = list(times)[repeat % 3:] + list(times)[:repeat % 3]  # no mode always first
-            for mode in modes:
+            k = repeat % len(times)
+            for mode in list(times)[k:] + list(times)[:k]:  # no mode always first
                 seconds, call, waited = window(engine, batch, checkpointer, args.steps, mode,
-                                               background, args.settle)
+                                               background, copy, args.settle)
                 times[mode].append(seconds)
                 if mode in calls:
                     calls[mode].append(call)
-                if mode == "async":
-                    waits.append(waited)
+                if mode in waits:
+                    waits[mode].append(waited)
         size = sum(os.path.getsize(os.path.join(parent, name))
                    for parent, _, names in os.walk(os.path.join(tmp, "checkpoints"))
                    for name in names if name.endswith(".pt"))
@@ -128,13 +135,16 @@ def main() -> None:
         print(f"{mode} windows: " + " ".join(f"{t:.2f}" for t in seconds))
     print("| save | call returns after | training time lost per save | lost / synchronous |")
     print("|---|---|---|---|")
-    for mode, name in (("sync", "synchronous (baseline)"), ("async", "--save_async (ours)")):
+    for mode, name in (("sync", "synchronous (baseline)"), ("async", "--save_async (ours)"),
+                       ("copy", "--save_async --checkpoint_copy_to (ours)")):
         print(f"| {name} | {statistics.median(calls[mode]):.2f} s | {lost[mode]:.2f} s "
               f"| {lost[mode] / lost['sync']:.2f} |")
-    print(f"fastest windows instead: {fastest['sync']:.2f} s and {fastest['async']:.2f} s lost, "
-          f"{fastest['async'] / fastest['sync']:.2f}")
-    print(f"the asynchronous windows waited {statistics.median(waits):.2f} s (median) at their end "
-          "for the write still in flight")
+    print("fastest windows instead: " + ", ".join(
+        f"{mode} {fastest[mode]:.2f} s lost ({fastest[mode] / fastest['sync']:.2f})"
+        for mode in calls))
+    for mode, waited in waits.items():
+        print(f"the {mode} windows waited {statistics.median(waited):.2f} s (median) at their "
+              "end for the work still in flight")
 
 
 if __name__ == "__main__":
