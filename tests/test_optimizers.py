@@ -232,6 +232,16 @@ def test_muon_onto_another_layout_is_refused_as_deepspeed_cannot_carry_it(
         "checkpoint does not carry Muon's momentum" in line, line
 
 
+def test_muon_on_a_bf16_zero0_pipeline_is_refused(monkeypatch, tmp_path, text_file):
+    """DeepSpeed's bf16 optimizer, which a bf16 ZeRO-0 pipeline runs, raises on Muon: one line
+    before any work instead (ZeRO-1 pipelines and every bf16 ZeRO recipe take it)."""
+    base = bad_input_base("pipeline_zero0.json", tmp_path, text_file)
+    line = run_recipe_in_process(monkeypatch, "recipes/pretrain_pipeline.py", [
+        *base, *MUON, "--bf16", "true", "--pipeline_stages", "2"], {"WORLD_SIZE": "2"})
+    assert line == "error: --optimizer muon with --bf16 on a ZeRO-0 pipeline: DeepSpeed's bf16 " \
+        "optimizer does not take Muon in a pipeline; use ds_configs/pipeline_zero1.json or fp32"
+
+
 def test_muon_with_another_optimizer_in_the_json_is_refused(monkeypatch, tmp_path, text_file):
     line = refusal_with_json(monkeypatch, tmp_path, text_file, {"optimizer": {
         "type": "SGD", "params": {"lr": "auto"}}}, ["--optimizer", "muon"])

@@ -42,6 +42,10 @@ def preflight(pipeline: bool = False) -> RecipeInputs:
                 f"--deepspeed {args.deepspeed}: ZeRO stage {zero_stage(ds_config)} cannot shard a "
                 "pipeline's gradients; use stage 0 or 1 (ds_configs/pipeline_zero*.json)"
             )
+        if pipeline and layout.bf16 and args.optimizer == "muon" and layout.zero_stage == 0:
+            raise ValueError(  # BF16_Optimizer.__init__ (deepspeed/runtime/bf16_optimizer.py)
+                "--optimizer muon with --bf16 on a ZeRO-0 pipeline: DeepSpeed's bf16 optimizer "
+                "does not take Muon in a pipeline; use ds_configs/pipeline_zero1.json or fp32")
         check_storage(args, ds_config, pipeline, diloco)
         train_set, valid_set, tokenizer = load_data(data_args, args, dp_world * islands)
         config = model_config(model_args, tokenizer.vocab_size, data_args.block_size + 1,
