@@ -24,6 +24,7 @@ from conftest import (
 )
 
 from dragon import BDHForCausalLM
+from dragon.checkpoint.catalog import is_complete
 from dragon.diloco.arguments import DiLoCoArguments
 from dragon.diloco.outer import DiLoCo
 from dragon.diloco.sparse import topk_encode
@@ -640,6 +641,34 @@ def test_delayed_mode_resumes_exactly(runs, tmp_path):
         assert [m["step"] for m in resumed[i]] == [5, 6, 7, 8]
         assert losses(resumed[i]) == losses(full[i])[4:]
         assert [m.get("outer_sum") for m in resumed[i]] == [m.get("outer_sum") for m in full[i][4:]]
+
+
+def test_islands_copied_to_a_store_resume_from_it_exactly(runs, tmp_path):
+    """2 delayed islands with --checkpoint_copy_to STORE: the store is laid out as the output
+    directory, each island's checkpoints whole in <store>/island<i> with `latest` and its
+    metrics. With the step-8 copies gone and `latest` at step4 (the store of a run lost after
+    step 4's copy), the same command with --resume_from_checkpoint file://STORE in a fresh
+    directory fetches each island's copy and resumes it: steps 5-8 repeat bit for bit."""
+    store = tmp_path / "store"
+    extra = [*DILOCO_DELAYED["extra"], "--checkpoint_copy_to", str(store)]
+    full_out = islands_run(runs, "diloco_copied", config="zero0.json", extra=extra)
+    full = [island_metrics(full_out, i) for i in (0, 1)]
+    for i in (0, 1):
+        copied = store / f"island{i}"
+        assert (copied / "checkpoints" / "latest").read_text() == "step8"
+        assert is_complete(str(copied / "checkpoints" / "step8"))
+        assert is_complete(str(copied / "checkpoints" / "step4"))
+        assert (copied / "metrics.jsonl").is_file()
+        shutil.rmtree(copied / "checkpoints" / "step8")
+        (copied / "checkpoints" / "latest").write_text("step4")
+    resumed_out = tmp_path / "resumed"
+    islands_run(runs, "diloco_copied_resumed", config="zero0.json", out=resumed_out,
+                extra=[*extra, "--resume_from_checkpoint", f"file://{store}"])
+    for i in (0, 1):
+        assert (resumed_out / f"island{i}" / "resumed_from" / "checkpoints" / "step4").is_dir()
+        resumed = island_metrics(resumed_out, i)
+        assert [m["step"] for m in resumed] == [5, 6, 7, 8]
+        assert losses(resumed) == losses(full[i])[4:]
 
 
 def resume_islands_at_step_4(runs, name, full_out, tmp_path, config, extra) -> list[list]:

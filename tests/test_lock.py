@@ -145,10 +145,7 @@ DILOCO = ["--diloco_islands", "2", "--diloco_inner_steps", "2"]
      "--checkpoint_storage='nfs': valid are shared, local"),
     ("recipes/pretrain.py", "zero2.json", ["--checkpoint_copy_to", "nope://bucket/run"], {},
      "--checkpoint_copy_to nope://bucket/run: fsspec cannot open it (Protocol not known: nope)"),
-    ("recipes/pretrain.py", "zero2.json", ["--checkpoint_copy_to", "/store", *DILOCO],
-     {"WORLD_SIZE": "2"}, "--checkpoint_copy_to /store: not with DiLoCo islands yet (each "
-     "island saves its own directory); copy the island directories with your own tool"),
-], ids=["pipeline", "diloco", "accelerate", "unknown", "bad-store", "diloco-copy"])
+], ids=["pipeline", "diloco", "accelerate", "unknown", "bad-store"])
 def test_storage_a_recipe_cannot_keep_is_refused(monkeypatch, tmp_path, text_file, recipe,
                                                  config, extra, env, refused):
     """--checkpoint_storage local and --checkpoint_copy_to are refused in one line before any

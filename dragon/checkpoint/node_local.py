@@ -36,15 +36,12 @@ def node_leader() -> int:
     return int(os.environ.get("RANK", "0")) - int(os.environ.get("LOCAL_RANK", "0"))
 
 
-def set_storage(args: Any, ds_config: dict, refused: Optional[str],
-                not_copied: Optional[str] = None) -> None:
+def set_storage(args: Any, ds_config: dict, refused: Optional[str]) -> None:
     """Set DeepSpeed's use_node_local_storage for --checkpoint_storage local (a JSON that sets it
     asks for local storage too); ValueError in one line where `refused`, the recipe's reason it
-    cannot keep node-local checkpoints, is given, or `not_copied`, why it cannot copy them, with
-    --checkpoint_copy_to (and when that store cannot be opened)."""
+    cannot keep node-local checkpoints, is given, and when the --checkpoint_copy_to store cannot
+    be opened."""
     if args.checkpoint_copy_to:
-        if not_copied:
-            raise ValueError(f"--checkpoint_copy_to {args.checkpoint_copy_to}: {not_copied}")
         check_store(args.checkpoint_copy_to)
     section = ds_config.get("checkpoint", {})
     by_json = bool(section.get("use_node_local_storage"))

@@ -301,12 +301,15 @@ class DiLoCoArguments:
         several = self.enabled and self.diloco_islands > 1
         return os.path.join(root, f"island{island}") if several else root
 
-    def resume_path(self, resume: str, save_dir: str) -> str:
-        """--resume_from_checkpoint for one island: 'latest', or the same tag in the island's
-        checkpoints.
-        """
+    def resume_path(self, resume: str, save_dir: str, island: int) -> str:
+        """--resume_from_checkpoint for island `island`: 'latest'; a run's output directory of
+        islands (a --checkpoint_copy_to store of them, by path or URL), whose island<i>; or the
+        same tag in the island's checkpoints."""
         if not self.enabled or self.diloco_islands == 1 or resume == "latest":
             return resume
+        own = self.output_dir(resume, island)
+        if "://" in resume or os.path.isdir(own):
+            return own
         return os.path.join(save_dir, os.path.basename(os.path.normpath(resume)))
 
     def _check_sparseloco(self) -> None:

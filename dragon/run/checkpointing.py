@@ -18,12 +18,13 @@ from dragon.run.loop import TrainingRun
 from dragon.run.metrics import RECORDED_METRICS
 
 
-def keep_checkpoints(engine: Any, inputs: RecipeInputs, run_dir: str) -> None:
-    """After every engine.save_checkpoint (accelerator.save_state calls it too): a completion
-    marker once every rank wrote its files, and pruning to the last --save_total_limit plus the
-    best by --metric_for_best_model; with --checkpoint_copy_to, its copy to the store."""
+def keep_checkpoints(engine: Any, inputs: RecipeInputs, island: int) -> None:
+    """After every engine.save_checkpoint of island `island` (accelerator.save_state calls it
+    too): a completion marker once every rank wrote its files, and pruning to the last
+    --save_total_limit plus the best by --metric_for_best_model; with --checkpoint_copy_to, its
+    copy to the store."""
     attach_retention(engine, inputs.train.retention_policy(), RECORDED_METRICS,
-                     metrics_path(run_dir), copy_to=inputs.train.checkpoint_copy_to)
+                     metrics_path(inputs.run_dir(island)), copy_to=inputs.copy_to(island))
 
 
 def run_checkpointer(built, save_dir: str, data: RunData, outer: Optional[Any],

@@ -62,6 +62,12 @@ class RecipeInputs:
         """
         return self.diloco.output_dir(self.train.output_dir, island)
 
+    def copy_to(self, island: int) -> Optional[str]:
+        """Where island `island`'s checkpoints are copied (--checkpoint_copy_to: the store laid
+        out as the output directory, so <store>/island<i> with several islands), or None."""
+        store = self.train.checkpoint_copy_to
+        return self.diloco.output_dir(store, island) if store else None
+
 
 def initial_model(inputs: RecipeInputs):
     """The starting weights, identical on every rank: a save_pretrained directory or a fresh init

@@ -51,7 +51,7 @@ def resume_targets(
             own = _with_checkpoints(root, island, save_dir)
             save_dir = own or _with_checkpoints(root, 0, save_dir) or save_dir
             regrouped[island] = (regroup_message(saved, launch, island, not own), not own)
-        targets[island] = resolve_resume(diloco.resume_path(resume, save_dir), save_dir)
+        targets[island] = resolve_resume(diloco.resume_path(resume, save_dir, island), save_dir)
     return targets, regrouped
 
 
@@ -127,10 +127,9 @@ def check_reshape(
 def check_storage(args: TrainingArguments, ds_config: dict, pipeline: bool,
                   diloco: DiLoCoArguments) -> None:
     """--checkpoint_storage into the DeepSpeed config; ValueError in one line where this launch
-    cannot keep its checkpoints on node-local disks, or copy them (--checkpoint_copy_to)."""
-    not_copied = ("not with DiLoCo islands yet (each island saves its own directory); copy the "
-                  "island directories with your own tool") if diloco.enabled else None
-    set_storage(args, ds_config, _why_shared(pipeline, diloco), not_copied)
+    cannot keep its checkpoints on node-local disks, or when the --checkpoint_copy_to store
+    cannot be opened."""
+    set_storage(args, ds_config, _why_shared(pipeline, diloco))
 
 
 def _why_shared(pipeline: bool, diloco: DiLoCoArguments) -> Optional[str]:

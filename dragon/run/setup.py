@@ -87,7 +87,7 @@ def set_up(build_engine: BuildEngine, pipeline: bool = False,
     check_every_rank_sees(run_dir, node_local=args.checkpoint_storage == "local")
     built = build_engine(inputs, run_dir)
     engine, save_dir = built.engine, os.path.join(run_dir, "checkpoints")
-    keep_checkpoints(engine, inputs, run_dir)  # retention around engine.save_checkpoint
+    keep_checkpoints(engine, inputs, topology.island)  # retention around engine.save_checkpoint
     outer = outer_loop(engine, inputs.diloco.config(), topology,  # None without DiLoCo
                        tokens_per_step(engine, built.dp_world, inputs.data.block_size))
     data_rank, data_world = topology.data_shard(built.dp_rank, built.dp_world)
