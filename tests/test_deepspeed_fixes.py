@@ -25,6 +25,7 @@ from dragon.checkpoint.retention import RetentionPolicy
 from dragon.checkpoint.save_hook import attach_retention
 from dragon.checkpoint.writes import GuardedCheckpointEngine, GuardedWrites
 from dragon.parallel.deepspeed_fixes import (
+    clip_as_configured,
     clip_gradients_not_muon_updates,
     guard_checkpoint_writes,
     norm_on_every_rank,
@@ -328,37 +329,75 @@ class OneMatrix(torch.nn.Module):
         return (x @ self.w).pow(2).mean()
 
 
-def muon_step_length(stage: int, clip: float, fixed: bool = False) -> float:
+# bf16 weights with fp32 gradient accumulation: under ZeRO-1 DeepSpeed's bf16 optimizer
+BF16_FP32_ACCUMULATION = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}
+
+
+def muon_step_length(stage: int, clip: float, fixed: bool = False, bf16: bool = False) -> float:
     """How far one Muon step (lr 0.02) moves OneMatrix's weight under ZeRO `stage` with
-    "gradient_clipping" `clip` (`fixed`: the config through clip_gradients_not_muon_updates).
-    The raw gradient's norm is far below 1, so a clip of the gradient changes nothing."""
+    "gradient_clipping" `clip` (`fixed`: the config through clip_gradients_not_muon_updates,
+    which must leave a clip on where it returns 0; `bf16`: BF16_FP32_ACCUMULATION). The raw
+    gradient's norm is far below 1, so a clip of the gradient changes nothing."""
     model = OneMatrix()
     before = model.w.detach().clone()
     config = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**6,
               "gradient_clipping": clip, "zero_optimization": {"stage": stage},
-              "optimizer": {"type": "Muon", "params": {"lr": 0.02, "momentum": 0.95}}}
+              "optimizer": {"type": "Muon", "params": {"lr": 0.02, "momentum": 0.95}},
+              **(BF16_FP32_ACCUMULATION if bf16 else {})}
     if stage == 3:
         config["zero_optimization"]["reduce_scatter"] = False  # DeepSpeed's Muon refuses it
     if fixed:
-        assert clip_gradients_not_muon_updates(config) == (clip if stage else 0.0)
+        dropped = clip_gradients_not_muon_updates(config)
+        assert (dropped, config["gradient_clipping"]) == ((0.0, clip) if stage == 0 or bf16
+                                                          else (clip, 0.0))
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=config)
     torch.manual_seed(1)
-    engine.backward(engine(torch.randn(4, 16) * 0.1))
+    x = torch.randn(4, 16) * 0.1
+    engine.backward(engine(x.bfloat16() if bf16 else x))
     engine.step()
     with deepspeed.zero.GatheredParameters([engine.module.w], enabled=stage == 3):
-        return float((engine.module.w.detach() - before).norm())
+        return float((engine.module.w.detach().float() - before).norm())
 
 
 def test_zero_clips_muon_s_update_by_its_own_norm_unless_the_clip_is_turned_off():
     """ZeRO-1, 2 and 3 clip Muon's orthogonalised update, whose norm here is ~1.8, so a clip at
     1.0 shortens a step whose gradient is far below it; ZeRO-0 clips the gradient and moves as
-    far with the clip as without. clip_gradients_not_muon_updates turns ZeRO's clip off (the
-    step is then the unclipped one, ==) and leaves ZeRO-0's on."""
+    far with the clip as without, as does ZeRO-1's bf16 optimizer (bf16 weights, fp32
+    accumulation). clip_gradients_not_muon_updates turns ZeRO's clip off (the step is then the
+    unclipped one, ==) and leaves the other two on."""
     unclipped = muon_step_length(0, 0.0)
     assert muon_step_length(0, 1.0, fixed=True) == unclipped
+    assert muon_step_length(1, 1.0, fixed=True, bf16=True) == muon_step_length(1, 0.0, bf16=True)
     for stage in (1, 2, 3):
         assert muon_step_length(stage, 0.0) == pytest.approx(unclipped, rel=1e-5)
         assert muon_step_length(stage, 1.0) < 0.6 * unclipped, f"ZeRO-{stage} no longer clips " \
             "Muon's update: clip_gradients_not_muon_updates can go"
         assert muon_step_length(stage, 1.0, fixed=True) == muon_step_length(stage, 0.0)
+
+
+def zero1_adamw(clip: float):
+    """A ZeRO-1 engine of a 2 x 1 linear model with torch's AdamW and `clip` as its
+    "gradient_clipping"."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    config = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**6,
+              "gradient_clipping": clip, "zero_optimization": {"stage": 1}}
+    return deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                                config=config)[0]
+
+
+def test_zero_takes_the_saved_clip_back_on_load_unless_set_as_configured(tmp_path):
+    """DeepSpeed's ZeRO-1 saves its clip norm with its state and takes it back on load, over the
+    loading engine's config: saved with a clip of 1.0 and loaded by an engine configured for
+    0.5, it clips at 1.0. clip_as_configured sets the configured 0.5 back."""
+    saved = zero1_adamw(1.0)
+    saved.backward(saved(torch.ones(1, 2)).sum())
+    saved.step()
+    saved.save_checkpoint(str(tmp_path), tag="t")
+    loaded = zero1_adamw(0.5)
+    loaded.load_checkpoint(str(tmp_path), tag="t")
+    assert loaded.optimizer.clip_grad == 1.0, "DeepSpeed keeps the configured clip on load: " \
+        "clip_as_configured can go"
+    clip_as_configured(loaded)
+    assert loaded.optimizer.clip_grad == 0.5

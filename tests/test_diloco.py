@@ -648,7 +648,8 @@ def test_islands_copied_to_a_store_resume_from_it_exactly(runs, tmp_path):
     directory, each island's checkpoints whole in <store>/island<i> with `latest` and its
     metrics. With the step-8 copies gone and `latest` at step4 (the store of a run lost after
     step 4's copy), the same command with --resume_from_checkpoint file://STORE in a fresh
-    directory fetches each island's copy and resumes it: steps 5-8 repeat bit for bit."""
+    directory fetches each island's copy and resumes it, and with the store's path each island
+    reads its own copy where it is: steps 5-8 repeat bit for bit."""
     store = tmp_path / "store"
     extra = [*DILOCO_DELAYED["extra"], "--checkpoint_copy_to", str(store)]
     full_out = islands_run(runs, "diloco_copied", config="zero0.json", extra=extra)
@@ -661,14 +662,18 @@ def test_islands_copied_to_a_store_resume_from_it_exactly(runs, tmp_path):
         assert (copied / "metrics.jsonl").is_file()
         shutil.rmtree(copied / "checkpoints" / "step8")
         (copied / "checkpoints" / "latest").write_text("step4")
-    resumed_out = tmp_path / "resumed"
-    islands_run(runs, "diloco_copied_resumed", config="zero0.json", out=resumed_out,
-                extra=[*extra, "--resume_from_checkpoint", f"file://{store}"])
+    fetched, by_path = tmp_path / "fetched", tmp_path / "by_path"
+    islands_run(runs, "diloco_copied_fetched", config="zero0.json", out=fetched,
+                extra=[*DILOCO_DELAYED["extra"], "--resume_from_checkpoint", f"file://{store}"])
+    islands_run(runs, "diloco_copied_by_path", config="zero0.json", out=by_path,
+                extra=[*DILOCO_DELAYED["extra"], "--resume_from_checkpoint", str(store)])
     for i in (0, 1):
-        assert (resumed_out / f"island{i}" / "resumed_from" / "checkpoints" / "step4").is_dir()
-        resumed = island_metrics(resumed_out, i)
-        assert [m["step"] for m in resumed] == [5, 6, 7, 8]
-        assert losses(resumed) == losses(full[i])[4:]
+        assert (fetched / f"island{i}" / "resumed_from" / "checkpoints" / "step4").is_dir()
+        assert not (by_path / f"island{i}" / "resumed_from").exists()
+        for out in (fetched, by_path):
+            resumed = island_metrics(out, i)
+            assert [m["step"] for m in resumed] == [5, 6, 7, 8]
+            assert losses(resumed) == losses(full[i])[4:]
 
 
 def resume_islands_at_step_4(runs, name, full_out, tmp_path, config, extra) -> list[list]:

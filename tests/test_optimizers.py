@@ -197,7 +197,8 @@ def test_muon_under_zero_steps_as_without_zero_with_no_clipping(runs):
     ZeRO-3 within the half-precision bound (its own partitioned sums)."""
     _, zero2, proc = runs("muon", extra=MUON)
     assert "--optimizer muon under ZeRO-2: DeepSpeed would clip Muon's orthogonalised update " \
-        "rather than the gradient, so the clip at 1 (--max_grad_norm) is turned off" in proc.stderr
+        "rather than the gradient, so the clip at 1 (--max_grad_norm, or the JSON's " \
+        "gradient_clipping) is turned off" in proc.stderr
     reference = zero0_muon_unclipped(runs)
     assert losses(zero2) == reference
     zero3 = losses(runs("muon_zero3", config="zero3.json", extra=MUON)[1])

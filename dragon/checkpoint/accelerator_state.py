@@ -17,6 +17,7 @@ import os
 from typing import Any
 
 from dragon.checkpoint.checkpointer import Checkpointer, ResumeTarget, Saved, Stateful
+from dragon.parallel.deepspeed_fixes import clip_as_configured
 from dragon.parallel.distributed import rank
 
 logger = logging.getLogger("dragon")
@@ -60,6 +61,7 @@ class AcceleratorCheckpointer(Checkpointer):
         """accelerator.load_state of `target` (DeepSpeed's engine, accelerate's RNG files), then
         this rank's copies of the run's state; returns the step it was saved at."""
         self.accelerator.load_state(target.load_dir)
+        clip_as_configured(self.engine)  # the run's --max_grad_norm, not the checkpoint's
         saved = Saved(os.path.join(target.load_dir, target.tag), 0, relaid=False, borrowed=False)
         progress = saved.rank_file(PROGRESS)
         if progress is None:

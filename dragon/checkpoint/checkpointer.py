@@ -37,6 +37,7 @@ from dragon.checkpoint.node_local import agree_on_tag, names_a_tag, uses_node_lo
 from dragon.checkpoint.reshape import converted_tag
 from dragon.checkpoint.save_hook import Stateful, attach_save_hook
 from dragon.errors import TrainingFailed
+from dragon.parallel.deepspeed_fixes import clip_as_configured
 from dragon.parallel.distributed import all_reduce_values, rank
 from dragon.parallel.neurons import universal_share_group
 
@@ -228,14 +229,18 @@ def load_engine(engine, load_dir: str, tag: str) -> tuple[Optional[str], dict]:
     """engine.load_checkpoint. DeepSpeed's bf16 optimizer outside ZeRO (a bf16 pipeline on
     ZeRO-0) is handed the model states' optimizer dict where it takes a list of its data-parallel
     ranks' files and fails; such an engine loads everything else first, then its optimizer's own
-    files (or the universal folder) as under ZeRO."""
+    files (or the universal folder) as under ZeRO. The gradient clip is then the run's own, not
+    the checkpoint's (dragon.parallel.deepspeed_fixes.clip_as_configured)."""
     if engine.zero_optimization() or not isinstance(engine.optimizer, BF16_Optimizer):
-        return engine.load_checkpoint(load_dir, tag=tag)
-    path, client_state = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=False)
-    if path is not None:
-        engine._load_zero_checkpoint(load_dir, tag)
-        if engine.load_universal_checkpoint():  # the bf16 weights from the loaded fp32 masters
-            engine.optimizer.update_lp_params()
+        path, client_state = engine.load_checkpoint(load_dir, tag=tag)
+    else:
+        path, client_state = engine.load_checkpoint(load_dir, tag=tag,
+                                                    load_optimizer_states=False)
+        if path is not None:
+            engine._load_zero_checkpoint(load_dir, tag)
+            if engine.load_universal_checkpoint():  # the bf16 weights from the fp32 masters
+                engine.optimizer.update_lp_params()
+    clip_as_configured(engine)
     return path, client_state
 
 

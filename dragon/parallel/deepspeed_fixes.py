@@ -106,13 +106,31 @@ def clip_gradients_not_muon_updates(config: dict) -> float:
     matrices' shapes set rather than the gradient, and the AdamW half's gradients by the same
     factor: the run trains at a fraction of its learning rate, and the logged grad_norm is the
     update's. Without ZeRO (stage 0) torch's clip sees the raw gradient before Muon does, and
-    stays on."""
+    so does DeepSpeed's bf16 optimizer, which ZeRO-1 runs for bf16 weights with fp32 gradient
+    accumulation (DeepSpeedEngine._do_optimizer_sanity_check): there the clip stays on."""
     muon = str(config.get("optimizer", {}).get("type", "")).lower() == "muon"
     clip = float(config.get("gradient_clipping", 0.0) or 0.0)
-    if not muon or config.get("zero_optimization", {}).get("stage", 0) == 0 or clip == 0:
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    bf16_optimizer = (stage == 1 and config.get("bf16", {}).get("enabled") is True
+                      and config.get("data_types", {}).get("grad_accum_dtype") == "fp32")
+    if not muon or stage == 0 or bf16_optimizer or clip == 0:
         return 0.0
     config["gradient_clipping"] = 0.0
     return clip
+
+
+def clip_as_configured(engine: DeepSpeedEngine) -> None:
+    """Set the optimizer's gradient clip back to the engine's config after a checkpoint load.
+
+    DeepSpeed's ZeRO-1/2 and bf16 optimizers save their clip norm with their state and take it
+    back on load (deepspeed/runtime/zero/stage_1_and_2.py: _load_global_state;
+    deepspeed/runtime/bf16_optimizer.py: _load_legacy_checkpoint), over the config's
+    "gradient_clipping": a resume with another --max_grad_norm would clip at the saved norm, and
+    so would a Muon run whose clip dragon turns off (clip_gradients_not_muon_updates) resumed
+    from a checkpoint saved with one. ZeRO-0 in fp32 and ZeRO-3 read the config at every step."""
+    optimizer = getattr(engine, "optimizer", None)
+    if optimizer is not None and hasattr(optimizer, "clip_grad"):
+        optimizer.clip_grad = engine.gradient_clipping()
 
 
 DEEPSPEED_MUON = "deepspeed.runtime.zero.muon.muon_optimizer"

@@ -181,7 +181,8 @@ def _muon(cfg: dict, args) -> None:
     if dropped:
         warnings.warn(f"--optimizer muon under ZeRO-{zero['stage']}: DeepSpeed would clip "
                       "Muon's orthogonalised update rather than the gradient, so the clip at "
-                      f"{dropped:g} (--max_grad_norm) is turned off; ZeRO-0 clips the gradient")
+                      f"{dropped:g} (--max_grad_norm, or the JSON's gradient_clipping) is "
+                      "turned off; ZeRO-0 clips the gradient")
 
 
 def wandb_run_id(args) -> str:

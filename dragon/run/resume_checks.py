@@ -41,7 +41,8 @@ def resume_targets(
     launch = diloco.diloco_islands if diloco.enabled else 1
     together = diloco.diloco_island_index is None  # every island's directory is here
     saved = saved_islands(root) if together else None
-    plain = resume == "latest" or os.sep not in resume  # a tag of this run, not a path
+    # a tag of this run, not a path (a directory here, e.g. a store of islands, is one)
+    plain = resume == "latest" or (os.sep not in resume and not os.path.isdir(resume))
     if plain and launch > 1 and saved == 1:
         _check_not_one_island(root, launch)
     targets, regrouped = {}, {}
