@@ -297,7 +297,9 @@ def test_a_late_island_of_the_recipe_lands_late_and_the_islands_end_identical(
 # delayed run, each rank redoing its share).
 LOST = {"sync": ("2", [], 1),
         "fragments": ("3", ["--diloco_mode", "delayed", "--diloco_fragments", "2"], 1),
-        "neurons": ("2", ["--diloco_mode", "delayed", "--neuron_parallel", "2"], 2)}
+        # 6 processes start: a quorum timeout that a loaded machine's slowest start fits in
+        "neurons": ("2", ["--diloco_mode", "delayed", "--neuron_parallel", "2",
+                          "--diloco_quorum_timeout", "20"], 2)}
 
 
 @pytest.mark.parametrize("mode", ["sync", "fragments",
