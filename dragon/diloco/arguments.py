@@ -5,6 +5,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from dragon.checkpoint.store_copy import is_url
 from dragon.diloco.landing import AUTO
 from dragon.diloco.pace import AUTO as PACE_AUTO
 from dragon.diloco.config import DiLoCoConfig
@@ -308,7 +309,7 @@ class DiLoCoArguments:
         if not self.enabled or self.diloco_islands == 1 or resume == "latest":
             return resume
         own = self.output_dir(resume, island)
-        if "://" in resume or os.path.isdir(own):
+        if is_url(resume) or os.path.isdir(own):
             return own
         return os.path.join(save_dir, os.path.basename(os.path.normpath(resume)))
 

@@ -95,6 +95,11 @@ def guard_checkpoint_writes(engine: DeepSpeedEngine, guard: CheckpointEngine) ->
     engine.checkpoint_engine = guard
 
 
+def names_muon(config: dict) -> bool:
+    """Whether a DeepSpeed config's optimizer is DeepSpeed's Muon (its type in any case)."""
+    return str(config.get("optimizer", {}).get("type", "")).lower() == "muon"
+
+
 def clip_gradients_not_muon_updates(config: dict) -> float:
     """Turn DeepSpeed's gradient clipping off where a ZeRO optimizer runs Muon; return the clip
     norm it would have applied (0: none to turn off).
@@ -108,12 +113,11 @@ def clip_gradients_not_muon_updates(config: dict) -> float:
     update's. Without ZeRO (stage 0) torch's clip sees the raw gradient before Muon does, and
     so does DeepSpeed's bf16 optimizer, which ZeRO-1 runs for bf16 weights with fp32 gradient
     accumulation (DeepSpeedEngine._do_optimizer_sanity_check): there the clip stays on."""
-    muon = str(config.get("optimizer", {}).get("type", "")).lower() == "muon"
     clip = float(config.get("gradient_clipping", 0.0) or 0.0)
     stage = config.get("zero_optimization", {}).get("stage", 0)
     bf16_optimizer = (stage == 1 and config.get("bf16", {}).get("enabled") is True
                       and config.get("data_types", {}).get("grad_accum_dtype") == "fp32")
-    if not muon or stage == 0 or bf16_optimizer or clip == 0:
+    if not names_muon(config) or stage == 0 or bf16_optimizer or clip == 0:
         return 0.0
     config["gradient_clipping"] = 0.0
     return clip
@@ -149,8 +153,7 @@ def skip_compiling_unused_muon(config: dict) -> None:
     with TorchDynamo disabled (TORCHDYNAMO_DISABLE=1 turns torch.compile into a no-op), and
     every later import finds it. A config that names Muon, or a process that imported it
     already, keeps DeepSpeed's compiled kernels."""
-    if (str(config.get("optimizer", {}).get("type", "")).lower() == "muon"
-            or DEEPSPEED_MUON in sys.modules):
+    if names_muon(config) or DEEPSPEED_MUON in sys.modules:
         return
     before = os.environ.get("TORCHDYNAMO_DISABLE")
     os.environ["TORCHDYNAMO_DISABLE"] = "1"

@@ -9,6 +9,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import get_scheduler
 
+from dragon.parallel.deepspeed_fixes import names_muon
 from dragon.parallel.distributed import rank
 from dragon.run.args import check_lr_scales, lr_scales
 
@@ -25,7 +26,7 @@ def parameter_groups(model: torch.nn.Module, cfg: dict, args) -> list[dict]:
     LRSchedule (one "lr" here would set both halves)."""
     scales = lr_scales(args.lr_scales)
     peak_lr = cfg.get("optimizer", {}).get("params", {}).get("lr", args.learning_rate)
-    muon = str(cfg.get("optimizer", {}).get("type", "")).lower() == "muon"
+    muon = names_muon(cfg)
     groups: dict[str, dict] = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
