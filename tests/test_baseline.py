@@ -6,7 +6,15 @@ import shutil
 
 import pytest
 import torch
-from conftest import LOSS_ATOL, losses, read_jsonl, run_tool
+from conftest import (
+    LOSS_ATOL,
+    TINY,
+    bad_input_base,
+    losses,
+    read_jsonl,
+    run_recipe_in_process,
+    run_tool,
+)
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -37,12 +45,45 @@ def test_a_baseline_of_the_bdh_s_size_trains_resumes_and_exports(model_type, run
                          extra=[*extra, "--resume_from_checkpoint", "latest"])
     assert [m["step"] for m in resumed] == [5, 6, 7, 8]
     assert losses(resumed) == losses(metrics)[4:]
+    # HF's Trainer's weight decay: norms' scales and biases in a group of their own at 0, kept
+    # at 0 by a resume with another --weight_decay, which the other group takes
+    assert saved_decays(out / "checkpoints" / "step8") == [("", True, 0.1), ("", False, 0.0)]
+    _, decayed, _ = runs(f"baseline_{model_type}_decay", out=tmp_path / "decay", extra=[
+        *extra, "--resume_from_checkpoint", str(out / "checkpoints" / "step4"),
+        "--weight_decay", "0.3"])
+    assert saved_decays(tmp_path / "decay" / "checkpoints" / "step8") == [
+        ("", True, 0.3), ("", False, 0.0)]
 
     job = run_tool("recipes/export.py", "--checkpoint", out / "checkpoints" / "step8",
                    "--output", tmp_path / "hf")
     assert job.returncode == 0, job.stderr[-3000:]
     ours, final = (load_file(d / "model.safetensors") for d in (tmp_path / "hf", out / "final"))
     assert ours.keys() == final.keys() and all(torch.equal(ours[k], final[k]) for k in ours)
+
+
+def saved_decays(tag_dir) -> list[tuple]:
+    """Each parameter group's pattern, whether it decays, and its weight decay, as a ZeRO-2
+    checkpoint's rank-0 optimizer file holds them."""
+    state = torch.load(tag_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)
+    groups = state["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]
+    return [(g["lr_group"], g["decays"], g["weight_decay"]) for g in groups]
+
+
+def test_a_baseline_checkpoint_of_one_group_is_refused(monkeypatch, runs, tmp_path, text_file):
+    """A baseline saved by a dragon whose optimizer had one group (before 0.3.0.dev0) does not
+    load into the two this one builds: one line, before any process group starts."""
+    out, _, _ = runs("baseline_gpt2", extra=["--model_type", "gpt2", "--match_params",
+                                               "--dropout", "0.1"])
+    old = tmp_path / "old"
+    shutil.copytree(out / "checkpoints", old / "checkpoints")
+    run_file = old / "checkpoints" / "run.json"
+    run_file.write_text(json.dumps(dict(json.loads(run_file.read_text()),
+                                        dragon_version="0.2.0")))
+    line = run_recipe_in_process(monkeypatch, "recipes/pretrain.py", [
+        *bad_input_base("zero2.json", old, text_file), *TINY, "--model_type", "gpt2",
+        "--match_params", "--resume_from_checkpoint", "latest"])
+    assert f"--model_type gpt2: {old / 'checkpoints' / 'step8'} was saved by dragon 0.2.0, " \
+        "whose optimizer holds one parameter group" in line, line
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ then what the fix makes of it. A test that fails at its first part says that Dee
 behaves so: the fix can go (and its caller with it).
 """
 
+import contextlib
 import errno
 import json
 import os
@@ -19,6 +20,7 @@ from conftest import REPO, free_port, job_env
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
+from dragon.checkpoint import universal
 from dragon.checkpoint.catalog import is_complete, read_latest
 from dragon.checkpoint.checkpointer import Checkpointer
 from dragon.checkpoint.retention import RetentionPolicy
@@ -27,6 +29,7 @@ from dragon.checkpoint.writes import GuardedCheckpointEngine, GuardedWrites
 from dragon.parallel.deepspeed_fixes import (
     clip_as_configured,
     clip_gradients_not_muon_updates,
+    groups_kept_through_a_load,
     guard_checkpoint_writes,
     norm_on_every_rank,
     set_global_steps,
@@ -401,3 +404,43 @@ def test_zero_takes_the_saved_clip_back_on_load_unless_set_as_configured(tmp_pat
         "clip_as_configured can go"
     clip_as_configured(loaded)
     assert loaded.optimizer.clip_grad == 0.5
+
+
+def two_groups(stage: int, universal: bool = False):
+    """A ZeRO-`stage` engine of two linear layers with torch's AdamW over two groups: the first
+    at weight decay 0.1 and lr 0.1, the second at 0 and 0.05; loading a universal checkpoint
+    where `universal`."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    groups = [{"params": list(model[0].parameters()), "weight_decay": 0.1, "lr": 0.1},
+              {"params": list(model[1].parameters()), "weight_decay": 0.0, "lr": 0.05}]
+    config = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**6,
+              "zero_optimization": {"stage": stage},
+              **({"checkpoint": {"load_universal": True}} if universal else {})}
+    return deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups),
+                                config=config)[0]
+
+
+def test_zero3_universal_load_shares_the_first_group_s_settings_and_step_unless_kept(tmp_path):
+    """DeepSpeed's ZeRO-3 load of a universal checkpoint gives every group the first saved
+    group's settings and every group's state one `step` tensor, which Adam then advances once per
+    group: one step later the second group counts 3 steps where it took 2.
+    groups_kept_through_a_load keeps each group's own settings and step."""
+    saved = two_groups(2)
+    train_step(saved, torch.ones(1, 4))
+    saved.save_checkpoint(str(tmp_path / "zero2"), tag="t")
+    universal.from_deepspeed(str(tmp_path / "zero2" / "t"), str(tmp_path / "universal" / "t"))
+
+    def step_counts(fixed: bool) -> list[float]:
+        loaded = two_groups(3, universal=True)
+        with groups_kept_through_a_load(loaded) if fixed else contextlib.nullcontext():
+            loaded.load_checkpoint(str(tmp_path / "universal"), tag="t")
+        settings = [(g["weight_decay"], g["lr"]) for g in loaded.optimizer.param_groups]
+        assert settings == ([(0.1, 0.1), (0.0, 0.05)] if fixed else [(0.1, 0.1)] * 2), \
+            "DeepSpeed's ZeRO-3 universal load keeps each group's settings: the fix can go"
+        train_step(loaded, torch.ones(1, 4))
+        return [float(s["step"]) for s in loaded.optimizer.optimizer.state.values()]
+
+    assert step_counts(fixed=False) == [3.0, 3.0], \
+        "DeepSpeed's ZeRO-3 universal load gives each group its own step: the fix can go"
+    assert step_counts(fixed=True) == [2.0, 2.0]

@@ -37,7 +37,7 @@ from dragon.checkpoint.node_local import agree_on_tag, names_a_tag, uses_node_lo
 from dragon.checkpoint.reshape import converted_tag
 from dragon.checkpoint.save_hook import Stateful, attach_save_hook
 from dragon.errors import TrainingFailed
-from dragon.parallel.deepspeed_fixes import clip_as_configured
+from dragon.parallel.deepspeed_fixes import clip_as_configured, groups_kept_through_a_load
 from dragon.parallel.distributed import all_reduce_values, rank
 from dragon.parallel.neurons import universal_share_group
 
@@ -232,7 +232,8 @@ def load_engine(engine, load_dir: str, tag: str) -> tuple[Optional[str], dict]:
     files (or the universal folder) as under ZeRO. The gradient clip is then the run's own, not
     the checkpoint's (dragon.parallel.deepspeed_fixes.clip_as_configured)."""
     if engine.zero_optimization() or not isinstance(engine.optimizer, BF16_Optimizer):
-        path, client_state = engine.load_checkpoint(load_dir, tag=tag)
+        with groups_kept_through_a_load(engine):
+            path, client_state = engine.load_checkpoint(load_dir, tag=tag)
     else:
         path, client_state = engine.load_checkpoint(load_dir, tag=tag,
                                                     load_optimizer_states=False)

@@ -10,6 +10,8 @@ project promises rather than a workaround.
 import importlib
 import os
 import sys
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
@@ -135,6 +137,36 @@ def clip_as_configured(engine: DeepSpeedEngine) -> None:
     optimizer = getattr(engine, "optimizer", None)
     if optimizer is not None and hasattr(optimizer, "clip_grad"):
         optimizer.clip_grad = engine.gradient_clipping()
+
+
+@contextmanager
+def groups_kept_through_a_load(engine: DeepSpeedEngine) -> Iterator[None]:
+    """Around a checkpoint load: give each optimizer parameter group back its own settings and
+    its own step count where DeepSpeed's ZeRO-3 universal load shares them.
+
+    DeepSpeed's ZeRO-3 load of a universal checkpoint
+    (deepspeed/runtime/zero/stage3.py: load_hp_checkpoint_state_from_checkpoint_dir_stage3)
+    copies the first saved group's settings into every group ("the hyperparameters of each
+    parameter should be the same"), so each group's rate, weight decay and name become the
+    first's; and it gives every sub-group's state one and the same `step` tensor, which torch's
+    Adam adds one to in place for each sub-group it steps, so that a model of several groups
+    counts several steps per step (Adam's bias correction goes wrong from the first). The
+    groups' settings as built are put back (the LR schedule's load then sets the rates), and
+    each state gets a `step` of its own. Other loads restore each group from its own saved
+    group and are left as they are."""
+    optimizer = getattr(engine, "optimizer", None)
+    universal_zero3 = (engine.zero_optimization_stage() == 3 and optimizer is not None
+                       and engine.load_universal_checkpoint())
+    built = [{k: v for k, v in g.items() if k not in ("params", "step")}
+             for g in optimizer.param_groups] if universal_zero3 else []
+    yield
+    if not universal_zero3:
+        return
+    for group, settings in zip(optimizer.param_groups, built):
+        group.update(settings)
+    for state in optimizer.optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
 
 
 DEEPSPEED_MUON = "deepspeed.runtime.zero.muon.muon_optimizer"

@@ -8,6 +8,7 @@ from typing import Callable, Optional
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import get_scheduler
+from transformers.trainer_pt_utils import get_parameter_names
 
 from dragon.parallel.deepspeed_fixes import names_muon
 from dragon.parallel.distributed import rank
@@ -19,35 +20,57 @@ logger = logging.getLogger("dragon")
 def parameter_groups(model: torch.nn.Module, cfg: dict, args) -> list[dict]:
     """The model's trainable parameters in the groups the optimizer steps, one per learning-rate
     scale (--lr_scales: the first pattern, a regular expression, found in a parameter's name
-    sets its scale). Each group names its pattern ("lr_group", "" for the rest, first: the rate
-    metrics.jsonl's `lr` shows); the rest's group sets no rate of its own, so the optimizer's
-    applies. DeepSpeed's Muon splits each group into its Muon and AdamW halves, keeping only the
-    group's "name" (lr_group_of reads the pattern back), and each half's rate is set by the
-    LRSchedule (one "lr" here would set both halves)."""
+    sets its scale) and, within that, one of the parameters HF's Trainer does not decay (norm
+    scales and biases: decayed_names) at weight decay 0. Each group names its pattern
+    ("lr_group", "" for the rest, first: the rate metrics.jsonl's `lr` shows) and whether it
+    decays; the rest's group sets no rate of its own, so the optimizer's applies. DeepSpeed's
+    Muon splits each group into its Muon and AdamW halves, keeping only the group's "name" and
+    weight decay (lr_group_of and decays read the pattern back), and each half's rate is set by
+    the LRSchedule (one "lr" here would set both halves)."""
     scales = lr_scales(args.lr_scales)
     peak_lr = cfg.get("optimizer", {}).get("params", {}).get("lr", args.learning_rate)
     muon = names_muon(cfg)
-    groups: dict[str, dict] = {}
+    decayed = decayed_names(model)
+    groups: dict[tuple[str, bool], dict] = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
             pattern = next((k for k in scales if re.search(k, name)), "")
-            rate = {"lr": peak_lr * scales[pattern]} if pattern and not muon else {}
-            label = {"name": MUON_GROUP + pattern} if muon and scales else {}
-            groups.setdefault(pattern, {"params": [], "lr_group": pattern, **rate, **label})
-            groups[pattern]["params"].append(p)
+            decays_ = name in decayed
+            if (pattern, not decays_) not in groups:
+                rate = {"lr": peak_lr * scales[pattern]} if pattern and not muon else {}
+                off = {} if decays_ else {"weight_decay": 0.0}
+                label = ({"name": (NO_DECAY if not decays_ else "") + MUON_GROUP + pattern}
+                         if muon and (scales or not decays_) else {})
+                groups[pattern, not decays_] = {"params": [], "lr_group": pattern,
+                                                "decays": decays_, **rate, **off, **label}
+            groups[pattern, not decays_]["params"].append(p)
     check_lr_scales(args, cfg, [n for n, _ in model.named_parameters()])
     return [groups[k] for k in sorted(groups)]
 
 
+def decayed_names(model: torch.nn.Module) -> set[str]:
+    """The parameters HF's Trainer decays (transformers.Trainer.get_decay_parameter_names, whose
+    rule this is: every parameter but those of a LayerNorm and those whose name says bias or
+    norm); imported from transformers.trainer, that would cost every rank half a second."""
+    return set(get_parameter_names(model, [torch.nn.LayerNorm], HF_NO_DECAY))
+
+
+HF_NO_DECAY = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
 MUON_GROUP = "lr_group="  # DeepSpeed's Muon names its halves "<name>-muon-params", "-adam-"
+NO_DECAY = "no_decay:"  # before MUON_GROUP in the name of a group Muon splits
 
 
 def lr_group_of(group: dict) -> str:
     """The --lr_scales pattern of an optimizer's parameter group ("" for the rest)."""
-    name = str(group.get("name", ""))
+    name = str(group.get("name", "")).removeprefix(NO_DECAY)
     if "lr_group" not in group and name.startswith(MUON_GROUP):
         return name.removeprefix(MUON_GROUP).rsplit("-", 2)[0]
     return group.get("lr_group", "")
+
+
+def decays(group: dict) -> bool:
+    """Whether an optimizer's parameter group decays at --weight_decay (a Muon half: its name)."""
+    return group.get("decays", not str(group.get("name", "")).startswith(NO_DECAY))
 
 
 class LRSchedule:
@@ -88,7 +111,7 @@ class LRSchedule:
         """The scheduler DeepSpeed steps (deepspeed.initialize calls this with its optimizer),
         each group's peak at its scale of its half's rate (Muon's or the rest's)."""
         for group in optimizer.param_groups:
-            group["lr_group"] = lr_group_of(group)  # Muon's halves: named back
+            group.update(lr_group=lr_group_of(group), decays=decays(group))  # Muon's halves
             group["lr"] = self._peak_of(group)
         self.scheduler = LambdaLR(optimizer, lambda step: self._factor(min(step, self.planned)))
         return self.scheduler
@@ -108,6 +131,8 @@ class LRSchedule:
             rate = self._peak_of(group)
             group.update(initial_lr=rate, lr=rate * factor,
                          **{k: v for k, v in kept.items() if k in group})
+            if not decays(group):
+                group["weight_decay"] = 0.0
         scheduler.base_lrs = [g["initial_lr"] for g in scheduler.optimizer.param_groups]
         scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
 

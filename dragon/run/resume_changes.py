@@ -6,10 +6,13 @@ the global batch the one its DeepSpeed files record."""
 import json
 import os
 
+from packaging.version import Version
+
 from dragon.checkpoint.card import RUN_FILE
 from dragon.checkpoint.catalog import list_checkpoints, run_files_dir
 from dragon.checkpoint.reshape import saved_layout
 from dragon.run.args import lr_scales
+from dragon.version import __version__
 
 SCHEDULE = "the schedule takes it from there, over the steps it was planned for"
 SCHEDULE_FLAGS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "min_lr_ratio")
@@ -39,7 +42,8 @@ def resume_changes(inputs) -> list[str]:
     resolved to its resume targets); ValueError in one line for a change a resume cannot make."""
     ours, lines = inputs.arguments(), []
     for load_dir, tag in inputs.resume.values():
-        saved = _saved_arguments(run_files_dir(os.path.join(load_dir, tag)))
+        saved, version = _saved_run(run_files_dir(os.path.join(load_dir, tag)))
+        _check_baseline_groups(saved, version, os.path.join(load_dir, tag))
         at = f"step {list_checkpoints(load_dir).get(tag, tag)}"
         changed = {k: saved[k] for k in ours if k in saved and saved[k] != ours[k]}
         for key in REFUSED:
@@ -97,10 +101,23 @@ def _batch_line(inputs, load_dir: str, tag: str, changed: dict, at: str) -> list
             "`tokens` counts what each step trains"]
 
 
-def _saved_arguments(save_dir: str) -> dict:
+def _saved_run(save_dir: str) -> tuple[dict, str]:
+    """The saved run's arguments and the dragon version that wrote it (run.json)."""
     path = os.path.join(save_dir, RUN_FILE)
     if not os.path.isfile(path):  # a checkpoint written outside the recipes
-        return {}
+        return {}, __version__
     with open(path) as f:
-        return json.load(f).get("arguments", {})
+        run = json.load(f)
+    return run.get("arguments", {}), run.get("dragon_version", __version__)
 
+
+NO_DECAY_GROUPS = "0.3.0.dev0"  # since then a baseline's norms and biases have a group
+
+
+def _check_baseline_groups(saved: dict, version: str, tag_dir: str) -> None:
+    model_type = saved.get("model_type", "bdh")
+    if model_type != "bdh" and Version(version) < Version(NO_DECAY_GROUPS):
+        raise ValueError(f"--model_type {model_type}: {tag_dir} was saved by dragon {version}, "
+                         "whose optimizer holds one parameter group, where this one decays no "
+                         "norm or bias (a group of its own); resume it with dragon "
+                         f"{version}, or start from its export with --model_name_or_path")

@@ -86,21 +86,14 @@ def _with_checkpoints(root: str, island: int, launch_dir: str) -> Optional[str]:
     return None
 
 
-def _check_groups_reshape(args: TrainingArguments, stage: int) -> None:
-    """What a resume onto another layout cannot carry yet. DeepSpeed 0.19.8's ZeRO-3 load of a
-    universal checkpoint gives every parameter group the first group's settings
-    (stage3.py: load_hp_checkpoint_state_from_checkpoint_dir_stage3), and a resume of two groups
-    onto ZeRO-3 diverged from the run not stopped at its second step even with the settings put
-    back. DeepSpeed 0.19.8's universal form carries Adam's two moments only
-    (deepspeed/checkpoint/ds_to_universal.py: extract_zero_shards), not Muon's momentum."""
+def _check_muon_reshape(args: TrainingArguments) -> None:
+    """What a resume onto another layout cannot carry: DeepSpeed 0.19.8's universal form carries
+    Adam's two moments only (deepspeed/checkpoint/ds_to_universal.py: extract_zero_shards), not
+    Muon's momentum."""
     if args.optimizer == "muon":
         raise ValueError("--optimizer muon from a checkpoint of another layout: DeepSpeed's "
                          "universal checkpoint does not carry Muon's momentum; resume on the "
                          "layout it was saved with")
-    if stage == 3 and args.lr_scales:
-        raise ValueError(f"--lr_scales {args.lr_scales} on ZeRO-3 from a checkpoint of another "
-                         "layout: DeepSpeed's ZeRO-3 universal load does not keep several "
-                         "parameter groups; resume on the layout it was saved with, or on ZeRO-1/2")
 
 
 def check_reshape(
@@ -119,7 +112,7 @@ def check_reshape(
             if diloco.enabled:
                 check_diloco_state(os.path.join(load_dir, tag), saved.neurons)
             reshaped[island] = message
-            _check_groups_reshape(args, launch.zero_stage)
+            _check_muon_reshape(args)
             if launch.zero_stage > 0 or (launch.pipeline and launch.bf16):  # ZeRO-0: its form
                 ds_config.setdefault("checkpoint", {})["load_universal"] = True
     return reshaped
