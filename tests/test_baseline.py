@@ -91,8 +91,10 @@ def test_a_baseline_trains_under_diloco(runs, tmp_path):
     """The transformer baselines under DiLoCo, as BDH: one island whose outer step is the
     identity (lr 1, no momentum) trains as plain GPT-2 does (within 2e-5); 2 Llama islands
     with 2 bf16 fragments in delayed mode (a parameter BDH has not is cut into equal runs of its
-    values) learn, end on identical weights, and resume on ZeRO-3 islands with the losses of
-    the run not stopped (within 2e-5: bf16 rounds each value alone, whatever the partition)."""
+    values) and the embedding at half the rate (--lr_scales, with the norms undecayed: 4 groups)
+    learn, end on identical weights, and resume on ZeRO-3 islands with the losses of the run not
+    stopped (within 2e-5: bf16 rounds each value alone, whatever the partition) and each group's
+    rate."""
     gpt2 = ["--model_type", "gpt2", "--match_params", "--dropout", "0.1"]
     _, plain, _ = runs("baseline_gpt2", extra=gpt2)
     _, outer, _ = runs("baseline_gpt2_one_island", extra=[
@@ -103,7 +105,8 @@ def test_a_baseline_trains_under_diloco(runs, tmp_path):
 
     llama = ["--model_type", "llama", "--match_params", "--diloco_islands", "2",
              "--diloco_inner_steps", "4", "--diloco_fragments", "2", "--diloco_mode", "delayed",
-             "--diloco_compress", "bf16", "--diloco_checksum", "--diloco_outer_momentum", "0.3"]
+             "--diloco_compress", "bf16", "--diloco_checksum", "--diloco_outer_momentum", "0.3",
+             "--lr_scales", "embed=0.5"]
     out, _, _ = runs("baseline_llama_islands", nproc=2, extra=llama)
     metrics = [read_jsonl(out / f"island{i}" / "metrics.jsonl") for i in (0, 1)]
     assert losses(metrics[0])[-1] < losses(metrics[0])[0] - 0.3
@@ -126,3 +129,5 @@ def test_a_baseline_trains_under_diloco(runs, tmp_path):
     for island in (0, 1):
         assert [m["step"] for m in again[island] if "loss" in m] == [5, 6, 7, 8]
         assert losses(again[island]) == pytest.approx(losses(metrics[island])[4:], abs=LOSS_ATOL)
+        for m in [*metrics[island], *again[island]]:  # its 4 groups: 2 scales, decayed or not
+            assert "loss" not in m or m["lr/embed"] == pytest.approx(0.5 * m["lr"], rel=1e-12)
