@@ -71,7 +71,9 @@ def saved_decays(tag_dir) -> list[tuple]:
 
 def test_a_baseline_checkpoint_of_one_group_is_refused(monkeypatch, runs, tmp_path, text_file):
     """A baseline saved by a dragon whose optimizer had one group (before 0.3.0.dev0) does not
-    load into the two this one builds: one line, before any process group starts."""
+    load into the two this one builds: one line, before any process group starts; so is one
+    whose run.json names no version (written before it did). A baseline's two groups do not go
+    onto ZeRO-0 from another layout (dragon's conversion holds one group): one line too."""
     out, _, _ = runs("baseline_gpt2", extra=["--model_type", "gpt2", "--match_params",
                                                "--dropout", "0.1"])
     old = tmp_path / "old"
@@ -83,7 +85,18 @@ def test_a_baseline_checkpoint_of_one_group_is_refused(monkeypatch, runs, tmp_pa
         *bad_input_base("zero2.json", old, text_file), *TINY, "--model_type", "gpt2",
         "--match_params", "--resume_from_checkpoint", "latest"])
     assert f"--model_type gpt2: {old / 'checkpoints' / 'step8'} was saved by dragon 0.2.0, " \
-        "whose optimizer holds one parameter group" in line, line
+        "whose parameter groups differ from this one's" in line, line
+    run_file.write_text(json.dumps({k: v for k, v in json.loads(run_file.read_text()).items()
+                                    if k != "dragon_version"}))
+    line = run_recipe_in_process(monkeypatch, "recipes/pretrain.py", [
+        *bad_input_base("zero2.json", old, text_file), *TINY, "--model_type", "gpt2",
+        "--match_params", "--resume_from_checkpoint", "latest"])
+    assert "was saved by dragon 0, whose parameter groups differ" in line, line
+    line = run_recipe_in_process(monkeypatch, "recipes/pretrain.py", [
+        *bad_input_base("zero0.json", out, text_file), *TINY, "--model_type", "gpt2",
+        "--match_params", "--resume_from_checkpoint", "latest"])
+    assert "--model_type gpt2 (its norms and biases: a group without decay) from a checkpoint " \
+        "of another layout, with ZeRO-0 (now)" in line, line
 
 
 @pytest.mark.slow

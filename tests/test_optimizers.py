@@ -116,6 +116,18 @@ def test_lr_scales_resume_on_zero3_from_another_layout_with_the_same_losses(runs
     assert [m["lr/lm_head"] for m in resumed] == [m["lr/lm_head"] for m in full[4:]]
 
 
+def test_lr_scales_onto_zero0_from_another_layout_is_refused(monkeypatch, runs, text_file):
+    """dragon's ZeRO-0 conversion holds one parameter group: one line, before any process group
+    starts."""
+    out, _, _ = runs("lr_scales", extra=SCALES)
+    line = run_recipe_in_process(monkeypatch, "recipes/pretrain.py", [
+        *bad_input_base("zero0.json", out, text_file), *TINY, *SCALES,
+        "--resume_from_checkpoint", "latest"])
+    assert "--lr_scales embed=0.5,lm_head=0.25 from a checkpoint of another layout, with ZeRO-0 " \
+        "(now): a resume of several parameter groups onto another layout goes between " \
+        "ZeRO-1/2/3 layouts" in line, line
+
+
 def test_a_resume_with_other_patterns_is_refused(monkeypatch, runs, tmp_path, text_file):
     """The checkpoint's optimizer state holds the groups of its patterns: one line, before any
     process group starts."""

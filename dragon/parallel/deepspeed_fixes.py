@@ -151,13 +151,14 @@ def groups_kept_through_a_load(engine: DeepSpeedEngine) -> Iterator[None]:
     first's; and it gives every sub-group's state one and the same `step` tensor, which torch's
     Adam adds one to in place for each sub-group it steps, so that a model of several groups
     counts several steps per step (Adam's bias correction goes wrong from the first). The
-    groups' settings as built are put back (the LR schedule's load then sets the rates), and
-    each state gets a `step` of its own. Other loads restore each group from its own saved
-    group and are left as they are."""
+    groups' settings as built are put back but for their rates, which stay the loaded ones
+    (dragon's LR schedule sets each group's on its own load; a DeepSpeed JSON's scheduler sets
+    one rate for all), and each state gets a `step` of its own. Other loads restore each group
+    from its own saved group and are left as they are."""
     optimizer = getattr(engine, "optimizer", None)
     universal_zero3 = (engine.zero_optimization_stage() == 3 and optimizer is not None
                        and engine.load_universal_checkpoint())
-    built = [{k: v for k, v in g.items() if k not in ("params", "step")}
+    built = [{k: v for k, v in g.items() if k not in ("params", "step", "lr", "initial_lr")}
              for g in optimizer.param_groups] if universal_zero3 else []
     yield
     if not universal_zero3:

@@ -6,7 +6,7 @@ the global batch the one its DeepSpeed files record."""
 import json
 import os
 
-from packaging.version import Version
+from packaging.version import InvalidVersion, Version
 
 from dragon.checkpoint.card import RUN_FILE
 from dragon.checkpoint.catalog import list_checkpoints, run_files_dir
@@ -102,22 +102,29 @@ def _batch_line(inputs, load_dir: str, tag: str, changed: dict, at: str) -> list
 
 
 def _saved_run(save_dir: str) -> tuple[dict, str]:
-    """The saved run's arguments and the dragon version that wrote it (run.json)."""
+    """The saved run's arguments and the dragon version that wrote it (run.json; "0" for one
+    written before run.json named it)."""
     path = os.path.join(save_dir, RUN_FILE)
     if not os.path.isfile(path):  # a checkpoint written outside the recipes
         return {}, __version__
     with open(path) as f:
         run = json.load(f)
-    return run.get("arguments", {}), run.get("dragon_version", __version__)
+    return run.get("arguments", {}), str(run.get("dragon_version") or "0")
 
 
-NO_DECAY_GROUPS = "0.3.0.dev0"  # since then a baseline's norms and biases have a group
+NO_DECAY_GROUPS = Version("0.3.0.dev0")  # since then a baseline's norms and biases have a group
 
 
 def _check_baseline_groups(saved: dict, version: str, tag_dir: str) -> None:
     model_type = saved.get("model_type", "bdh")
-    if model_type != "bdh" and Version(version) < Version(NO_DECAY_GROUPS):
+    if model_type == "bdh":
+        return
+    try:
+        older = Version(version) < NO_DECAY_GROUPS
+    except InvalidVersion:
+        older = True
+    if older:
         raise ValueError(f"--model_type {model_type}: {tag_dir} was saved by dragon {version}, "
-                         "whose optimizer holds one parameter group, where this one decays no "
-                         "norm or bias (a group of its own); resume it with dragon "
-                         f"{version}, or start from its export with --model_name_or_path")
+                         "whose parameter groups differ from this one's (its norms and biases "
+                         "now form a group without weight decay); resume it with dragon "
+                         f"{version}, or start a fresh run")

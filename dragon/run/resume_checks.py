@@ -86,19 +86,34 @@ def _with_checkpoints(root: str, island: int, launch_dir: str) -> Optional[str]:
     return None
 
 
-def _check_muon_reshape(args: TrainingArguments) -> None:
-    """What a resume onto another layout cannot carry: DeepSpeed 0.19.8's universal form carries
+def _check_groups_reshape(args: TrainingArguments, model_type: str, saved: Layout,
+                          launch: Layout) -> None:
+    """What a resume onto another layout cannot carry. DeepSpeed 0.19.8's universal form carries
     Adam's two moments only (deepspeed/checkpoint/ds_to_universal.py: extract_zero_shards), not
-    Muon's momentum."""
+    Muon's momentum. Several parameter groups (--lr_scales; a baseline's norms and biases) go
+    between ZeRO-1/2/3 layouts of whole models, whose universal loads match group to group;
+    dragon's conversions to and from ZeRO-0, pipeline stages and neuron shares hold one group."""
     if args.optimizer == "muon":
         raise ValueError("--optimizer muon from a checkpoint of another layout: DeepSpeed's "
                          "universal checkpoint does not carry Muon's momentum; resume on the "
                          "layout it was saved with")
+    groups = (f"--lr_scales {args.lr_scales}" if args.lr_scales else
+              f"--model_type {model_type} (its norms and biases: a group without decay)"
+              if model_type != "bdh" else None)
+    one_group_only = [f"{what} ({side})" for side, layout in (("saved", saved), ("now", launch))
+                      for what, holds in (("ZeRO-0", layout.zero_stage == 0),
+                                          ("pipeline stages", layout.pipeline),
+                                          ("neuron shares", layout.neurons > 1)) if holds]
+    if groups and one_group_only:
+        raise ValueError(f"{groups} from a checkpoint of another layout, with "
+                         f"{', '.join(one_group_only)}: a resume of several parameter groups "
+                         "onto another layout goes between ZeRO-1/2/3 layouts without pipeline "
+                         "stages or neuron shares; resume on the layout it was saved with")
 
 
 def check_reshape(
     resume: dict, ds_config: dict, layout: Layout, diloco: DiLoCoArguments,
-    args: TrainingArguments,
+    args: TrainingArguments, model_type: str,
 ) -> dict[int, str]:
     """island -> the line a resume on another layout prints (dragon.checkpoint.reshape; `layout`:
     this launch's); switches the engine to DeepSpeed's universal checkpoint loading when one
@@ -112,7 +127,7 @@ def check_reshape(
             if diloco.enabled:
                 check_diloco_state(os.path.join(load_dir, tag), saved.neurons)
             reshaped[island] = message
-            _check_muon_reshape(args)
+            _check_groups_reshape(args, model_type, saved, launch)
             if launch.zero_stage > 0 or (launch.pipeline and launch.bf16):  # ZeRO-0: its form
                 ds_config.setdefault("checkpoint", {})["load_universal"] = True
     return reshaped
@@ -222,6 +237,6 @@ def check_resume(inputs, config) -> None:
     check_resume_sizes(config, inputs.resume)
     check_resume_fragments(inputs.resume, diloco)
     inputs.reshaped = check_reshape(inputs.resume, inputs.ds_config, inputs.layout, diloco,
-                                    args)
+                                    args, config.model_type)
     inputs.resume_changes = resume_changes(inputs)  # settings that differ: applied, or refused
     take_locks(args, diloco)  # last: it creates the island directories
