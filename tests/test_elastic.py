@@ -295,11 +295,12 @@ def test_a_late_island_of_the_recipe_lands_late_and_the_islands_end_identical(
 # of H 4, each landing a step after its sync; outer step 3 is fragment 0's sync at step 4 (1:
 # fragment 1's at step 2, 2: its landing at step 3). Neurons: delayed islands of K=2 shares (the
 # delayed run, each rank redoing its share).
-LOST = {"sync": ("2", [], 1),
-        "fragments": ("3", ["--diloco_mode", "delayed", "--diloco_fragments", "2"], 1),
-        # 6 processes start: a quorum timeout that a loaded machine's slowest start fits in
-        "neurons": ("2", ["--diloco_mode", "delayed", "--neuron_parallel", "2",
-                          "--diloco_quorum_timeout", "20"], 2)}
+# Three islands start at once: a quorum timeout that a loaded machine's slowest start fits in
+# (one that starts later than that is out of the run from outer step 0)
+STARTS = ["--diloco_quorum_timeout", "20"]
+LOST = {"sync": ("2", ["--diloco_mode", "sync", *STARTS], 1),
+        "fragments": ("3", ["--diloco_mode", "delayed", "--diloco_fragments", "2", *STARTS], 1),
+        "neurons": ("2", ["--diloco_mode", "delayed", "--neuron_parallel", "2", *STARTS], 2)}
 
 
 @pytest.mark.parametrize("mode", ["sync", "fragments",
@@ -317,7 +318,7 @@ def test_an_island_lost_during_the_exchange_is_left_out_of_a_retry(
     out = tmp_path / "run"
     dies_at, flags, ranks = LOST[mode]
     env = {"DRAGON_FAULT_EXIT_OUTER_STEP": dies_at, "DRAGON_FAULT_ISLAND": "2"}
-    extra = [*(flags or ["--diloco_mode", mode]), "--diloco_outer_momentum", "0.3"]
+    extra = [*flags, "--diloco_outer_momentum", "0.3"]
     procs = [start(i, 3, out, text_file, store, env, extra, ranks=ranks) for i in (0, 1, 2)]
     for proc in procs[:2]:
         stdout, stderr = proc.communicate(timeout=600)
