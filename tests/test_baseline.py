@@ -82,25 +82,24 @@ def test_a_baseline_checkpoint_of_one_group_is_refused(monkeypatch, runs, tmp_pa
     onto ZeRO-0 from another layout (dragon's conversion holds one group): one line too."""
     out, _, _ = runs("baseline_gpt2", extra=["--model_type", "gpt2", "--match_params",
                                                "--dropout", "0.1"])
+
+    def refusal(config: str, run_dir) -> str:
+        return run_recipe_in_process(monkeypatch, "recipes/pretrain.py", [
+            *bad_input_base(config, run_dir, text_file), *TINY, "--model_type", "gpt2",
+            "--match_params", "--resume_from_checkpoint", "latest"])
+
     old = tmp_path / "old"
     shutil.copytree(out / "checkpoints", old / "checkpoints")
     run_file = old / "checkpoints" / "run.json"
-    run_file.write_text(json.dumps(dict(json.loads(run_file.read_text()),
-                                        dragon_version="0.2.0")))
-    line = run_recipe_in_process(monkeypatch, "recipes/pretrain.py", [
-        *bad_input_base("zero2.json", old, text_file), *TINY, "--model_type", "gpt2",
-        "--match_params", "--resume_from_checkpoint", "latest"])
+    run = json.loads(run_file.read_text())
+    run_file.write_text(json.dumps(dict(run, dragon_version="0.2.0")))
+    line = refusal("zero2.json", old)
     assert f"--model_type gpt2: {old / 'checkpoints' / 'step8'} was saved by dragon 0.2.0, " \
         "whose parameter groups differ from this one's" in line, line
-    run_file.write_text(json.dumps({k: v for k, v in json.loads(run_file.read_text()).items()
-                                    if k != "dragon_version"}))
-    line = run_recipe_in_process(monkeypatch, "recipes/pretrain.py", [
-        *bad_input_base("zero2.json", old, text_file), *TINY, "--model_type", "gpt2",
-        "--match_params", "--resume_from_checkpoint", "latest"])
+    run_file.write_text(json.dumps({k: v for k, v in run.items() if k != "dragon_version"}))
+    line = refusal("zero2.json", old)
     assert "was saved by dragon 0, whose parameter groups differ" in line, line
-    line = run_recipe_in_process(monkeypatch, "recipes/pretrain.py", [
-        *bad_input_base("zero0.json", out, text_file), *TINY, "--model_type", "gpt2",
-        "--match_params", "--resume_from_checkpoint", "latest"])
+    line = refusal("zero0.json", out)
     assert "--model_type gpt2 (its norms and biases: a group without decay) from a checkpoint " \
         "of another layout, with ZeRO-0 (now)" in line, line
 

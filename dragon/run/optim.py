@@ -35,15 +35,16 @@ def parameter_groups(model: torch.nn.Module, cfg: dict, args) -> list[dict]:
     for name, p in model.named_parameters():
         if p.requires_grad:
             pattern = next((k for k in scales if re.search(k, name)), "")
-            decays_ = name in decayed
-            if (pattern, not decays_) not in groups:
+            undecayed = name not in decayed
+            key = (pattern, undecayed)  # sorted: the rest's decaying group first
+            if key not in groups:
                 rate = {"lr": peak_lr * scales[pattern]} if pattern and not muon else {}
-                off = {} if decays_ else {"weight_decay": 0.0}
-                label = ({"name": (NO_DECAY if not decays_ else "") + MUON_GROUP + pattern}
-                         if muon and (scales or not decays_) else {})
-                groups[pattern, not decays_] = {"params": [], "lr_group": pattern,
-                                                "decays": decays_, **rate, **off, **label}
-            groups[pattern, not decays_]["params"].append(p)
+                off = {"weight_decay": 0.0} if undecayed else {}
+                label = ({"name": (NO_DECAY if undecayed else "") + MUON_GROUP + pattern}
+                         if muon and (scales or undecayed) else {})
+                groups[key] = {"params": [], "lr_group": pattern, "decays": not undecayed,
+                               **rate, **off, **label}
+            groups[key]["params"].append(p)
     check_lr_scales(args, cfg, [n for n, _ in model.named_parameters()])
     return [groups[k] for k in sorted(groups)]
 
