@@ -2,6 +2,7 @@
 several islands on every engine: equivalences, identical weights across islands, resume,
 compression."""
 
+import copy
 import json
 import math
 import shutil
@@ -107,9 +108,23 @@ def test_outer_nesterov_step_equals_hand_computation():
     )
 
 
+def format_3(outer: DiLoCo) -> dict:
+    """A plain DiLoCo state as dragon saved it before it saved by parameter name (format 3:
+    every vector flat over the rank's values)."""
+    fragment, x = outer.fragments[0], outer.fragments[0].in_flight
+    flight = {"average": x.exchange.result().clone(), "lands_at": x.lands_at,
+              "synced_at": x.synced_at, "delta": x.delta.clone(), "contributed": x.contributed,
+              "share": x.share}
+    return {"version": 3, "outer_step": outer.outer_step, "mode": outer.mode,
+            "numels": outer.numels, "fragments": 1, "cut": "interleaved", "segments": None,
+            "neuron_share": (0, 1), "peak_bytes": outer.runtime.report.peak_bytes, "pace": None,
+            "fragment": [{"outer": fragment.outer.clone(), "residual": None, "in_flight": flight,
+                          "optimizer": copy.deepcopy(fragment.optimizer.state_dict())}]}
+
+
 def format_2(state: dict, sizes: list[int]) -> dict:
-    """A plain DiLoCo state as dragon saved it before fragments owned their state (format 2;
-    format 1 is the same keys without "version")."""
+    """Format 3's plain DiLoCo `state` as dragon saved it before fragments owned their state
+    (format 2; format 1 is the same keys without "version")."""
     fragment, flight = state["fragment"][0], state["fragment"][0]["in_flight"]
     moments = fragment["optimizer"]["state"].get(0, {})
     per_tensor = {i: {k: (v.split(sizes)[i] if torch.is_tensor(v) and v.dim() else v)
@@ -124,9 +139,9 @@ def format_2(state: dict, sizes: list[int]) -> dict:
             "peak_bytes": state["peak_bytes"]}
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_a_state_of_an_older_format_resumes_exactly_and_a_newer_one_is_refused(version):
-    """A delayed-mode state with momentum and an average in flight, saved in format 1 or 2,
+    """A delayed-mode state with momentum and an average in flight, saved in format 1, 2 or 3,
     loads and trains on bit for bit as the same state in today's format; a state of a later
     format is refused in one line."""
     args = DiLoCoArguments(diloco_inner_steps=2, diloco_mode="delayed",
@@ -134,7 +149,9 @@ def test_a_state_of_an_older_format_resumes_exactly_and_a_newer_one_is_refused(v
     outer = toy_outer_loop(args, 4)
     state = outer.state_dict()
     assert state["version"] == STATE_VERSION
-    older = format_2(state, [t.numel() for t in outer.weights.tensors()])
+    older = format_3(outer)
+    if version < 3:
+        older = format_2(older, [t.numel() for t in outer.weights.tensors()])
     if version == 1:
         del older["version"]
     resumed = []

@@ -289,7 +289,8 @@ def test_a_diloco_checkpoint_holds_theta_outer(made):
 
     tag = made["diloco"] / "island0" / "checkpoints" / "step8"
     state = torch.load(tag / "diloco_state_0.pt", weights_only=False)
-    outer = torch.cat([f["outer"] for f in state["fragment"]]).double()
+    outer = torch.cat([t for pieces in state["named"]["outer"].values()
+                       for _, _, t in pieces]).double()
     model = model_from_checkpoint(str(tag))
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
     for ours, theirs in ((weights.sum(), outer.sum()), (weights.pow(2).sum(), outer.pow(2).sum())):

@@ -14,8 +14,9 @@ one exists; the others restore none, so their dropout masks differ from the unin
 
 A run of DiLoCo islands resumes by another number of islands (saved_islands, regroup_message):
 each island that was saved continues from its own checkpoint and a new one from island 0's. An
-island resumed on another layout gets its outer state (theta_outer, the outer optimizer's
-moments, the average in flight) laid out for its new partition (dragon.diloco.state.laid_out_state).
+island resumed on another layout reads its outer state (theta_outer, the outer optimizer's
+moments, the average in flight), saved by parameter name, for its new partition from every saved
+rank's (dragon.diloco.state.joined_state).
 
 A ZeRO-0 checkpoint on another number of ranks loads as it is (one file). A ZeRO-0 pipeline
 checkpoint becomes a plain model's ZeRO-0 checkpoint and back (dragon.checkpoint.pipeline_files),

@@ -376,7 +376,7 @@ class DiLoCo:
         is in flight), or one of a run without DiLoCo (the outer loop starts afresh)."""
         self.runtime.check_same_step(saved.step)
         state = resumable_state(saved, saved_state.STATE_FILE, lambda tag_dir: (
-            saved_state.laid_out_state(tag_dir, self.weights, self.numels, self.F)))
+            saved_state.joined_state(tag_dir, self.weights, self.numels)))
         if state is None:
             self.restart()
             return

@@ -1,59 +1,64 @@
-"""DiLoCo's state in a checkpoint (diloco_state_<rank>.pt), and its re-layout for another
-partition of the weights (data-parallel size, ZeRO stage, neuron shares).
+"""DiLoCo's state in a checkpoint (diloco_state_<rank>.pt), saved by parameter name.
 
-Format 3: the outer step, the mode, the partition (`segments`: where this rank's flat values sit
-in the model's parameters, by name; `neuron_share`) and, per fragment, theta_outer, the outer
-optimizer's state, what top-k kept back and the exchange in flight, each a vector over the
-fragment's values. A re-layout puts every saved rank's vectors back in place in the model's
-parameters by name and cuts them again for this rank, as the model's weights are. Formats 1
-and 2 (plain DiLoCo's tensors, or streaming DiLoCo's fragments side by side) load as format 3.
+Format 4: the outer step, the mode, the cut and, per fragment, what is not a vector over its
+values (the outer optimizer's step and settings, when its exchange in flight lands). Every vector
+the fragments own (theta_outer, the outer optimizer's moments, what top-k kept back, the average
+in flight and this island's delta in it) is saved as the universal checkpoint saves the model's
+weights: by parameter name, {name: [(neuron share, offset in the flattened parameter, values)]}.
+A rank loads by its own pieces of the parameters (MasterWeights.segments), from its own file or,
+on another layout, from every rank's: the same cut either way, with a sharded parameter's neuron
+shares joined and cut again as the model's are (dragon.parallel.neurons). Formats 1 to 3 (flat
+vectors over a rank's values) load as format 4.
 """
 
 import copy
-import functools
 import glob
 import math
 import os
-from types import SimpleNamespace
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from dragon.diloco.exchange import FinishedExchange
 from dragon.diloco.fragment import Fragment, InFlight
 from dragon.diloco.fragment_cut import RUNS, fragment_ids
-from dragon.parallel.neurons import SHARDED, share_of
+from dragon.parallel.neurons import SHARDED, join_shares, share_of
 
 STATE_FILE = "diloco_state"  # <tag dir>/diloco_state_<rank>.pt
-STATE_VERSION = 3
+STATE_VERSION = 4
+NAMED = "named"  # in a fragment's in-flight state: its vector is saved by name
 
 
 def of_outer_loop(loop) -> dict:
     """The state of a dragon.diloco.outer.DiLoCo (its exchanges in flight waited for)."""
-    weights = loop.weights
-    return {
-        "version": STATE_VERSION, "outer_step": loop.outer_step, "mode": loop.mode,
-        "numels": loop.numels, "fragments": loop.F, "cut": loop.cut,
-        "segments": getattr(weights, "segments", lambda: None)(),
-        "neuron_share": getattr(weights, "neuron_share", lambda: (0, 1))(),
+    return _by_name({
+        "outer_step": loop.outer_step, "mode": loop.mode, "numels": loop.numels,
+        "fragments": loop.F, "cut": loop.cut, "segments": _segments(loop.weights, loop.numels),
+        "neuron_share": getattr(loop.weights, "neuron_share", lambda: (0, 1))(),
         "fragment": [_of_fragment(f) for f in loop.fragments],
         "peak_bytes": loop.runtime.report.peak_bytes,
         "pace": None if loop.pace is None else loop.pace.state_dict(),  # unequal islands
-    }
+    }, loop.fragments[0].ids)
 
 
 def load_outer_loop(loop, state: dict) -> None:
-    """Load a DiLoCo's state (of_outer_loop's, saved on this rank's layout or laid out for it)."""
-    state = current(state, getattr(loop.weights, "shapes", dict)())
-    check_fits(state, loop.F, loop.mode, loop.numels)
+    """Load a DiLoCo's state: this rank's own (of_outer_loop's), or every rank's of another
+    layout joined by joined_state."""
+    weights = loop.weights
+    state = current(state, _shapes(weights, loop.numels), _segments(weights, loop.numels))
+    check_fits(state, loop.F, loop.mode)
     if loop.F > 1 and state["cut"] != loop.cut:  # saved before the cut was interleaved
         loop.cut = state["cut"]
-        ids = fragment_ids(loop.weights.segments(), loop.weights.shapes(), loop.numels, loop.F,
-                           loop.cut)
+        ids = fragment_ids(weights.segments(), weights.shapes(), loop.numels, loop.F, loop.cut)
         for fragment in loop.fragments:
             fragment.ids = ids
-    for fragment, saved in zip(loop.fragments, state["fragment"]):
-        load_fragment(fragment, saved)
+    share = getattr(weights, "neuron_share", lambda: (0, 1))()
+    cut = _Cut(state, _segments(weights, loop.numels), loop.numels, share,
+               getattr(weights, "config", None))
+    vectors = {key: cut.flat(pieces) for key, pieces in state[NAMED].items()}
+    for fragment, rest in zip(loop.fragments, state["fragment"]):
+        load_fragment(fragment, _with_vectors(rest, {k: fragment.of(v) for k, v in
+                                                     vectors.items()}))
     loop.outer_step = state["outer_step"]
     if loop.pace is not None:
         loop.pace.load_state_dict(state.get("pace"))  # absent: saved with equal islands
@@ -91,28 +96,156 @@ def load_fragment(fragment: Fragment, saved: dict) -> None:
         x["lands_at"], x["synced_at"], x["delta"], x["contributed"], x["share"])
 
 
-def check_fits(state: dict, fragments: int, mode: str, numels: list[int]) -> None:
-    """ValueError in one line unless this rank's saved `state` fits an outer loop of `fragments`
-    fragments in `mode` over master tensors of `numels` values."""
-    saved = (state.get("fragments", 1), state["mode"], state["numels"])
-    if saved != (fragments, mode, numels):
+def _vectors_and_rest(fragment: dict) -> tuple[dict, dict]:
+    """(the vectors over its values by key, the rest) of a fragment's state (_of_fragment's)."""
+    numel, optimizer = fragment["outer"].numel(), dict(fragment["optimizer"])
+    state = optimizer["state"].get(0, {})
+    vectors = {"optimizer." + k: v for k, v in state.items()
+               if torch.is_tensor(v) and v.numel() == numel}
+    if optimizer["state"]:
+        optimizer["state"] = {0: {k: v for k, v in state.items() if "optimizer." + k not in
+                                  vectors}}
+    vectors.update(outer=fragment["outer"], residual=fragment["residual"])
+    flight = fragment["in_flight"]
+    if flight is not None:
+        flight = dict(flight)
+        for key in ("average", "delta"):
+            if torch.is_tensor(flight[key]):
+                vectors[key], flight[key] = flight[key], NAMED
+    return ({k: v for k, v in vectors.items() if v is not None},
+            {"optimizer": optimizer, "in_flight": flight})
+
+
+def _with_vectors(rest: dict, vectors: dict) -> dict:
+    """A fragment's state (_of_fragment's) from its rest and its vectors by key."""
+    optimizer = dict(rest["optimizer"])
+    if optimizer["state"]:
+        optimizer["state"] = {0: dict(optimizer["state"][0], **{
+            k.removeprefix("optimizer."): v for k, v in vectors.items()
+            if k.startswith("optimizer.")})}
+    flight = rest["in_flight"]
+    if flight is not None:
+        flight = dict(flight, **{k: vectors[k] for k in ("average", "delta")
+                                 if flight[k] == NAMED})
+    return dict(rest, optimizer=optimizer, outer=vectors["outer"], in_flight=flight,
+                residual=vectors.get("residual"))
+
+
+def _by_name(state: dict, ids: Optional[torch.Tensor]) -> dict:
+    """Format 3's `state` (every fragment's vectors flat over the rank's values; `ids`: each
+    value's fragment, None: one fragment) in format 4."""
+    split = [_vectors_and_rest(f) for f in state["fragment"]]
+    numels, segments, j = state["numels"], state["segments"], state["neuron_share"][0]
+    named = {}
+    for key in sorted({k for vectors, _ in split for k in vectors}):
+        flat = torch.zeros(sum(numels))
+        for f, (vectors, _) in enumerate(split):
+            if key in vectors:
+                values = vectors[key].to("cpu", torch.float32).reshape(-1)
+                flat = values if ids is None else flat.index_put_((ids == f,), values)
+        named[key] = {}
+        for pieces, tensor in zip(segments, flat.split(numels)):
+            for name, at, offset, count in pieces:
+                named[key].setdefault(name, []).append((j, at, tensor[offset:offset + count]))
+    kept = {k: v for k, v in state.items() if k not in ("numels", "segments", "fragment")}
+    return dict(kept, version=STATE_VERSION, fragment=[r for _, r in split], **{NAMED: named})
+
+
+class _Cut:
+    """This rank's values (of master tensors `numels` laid out as `segments`, of neuron share
+    `share` = (index, K) of a BDH `config`) out of vectors saved by name."""
+
+    def __init__(self, state: dict, segments: list, numels: list[int],
+                 share: tuple[int, int], config):
+        self.segments, self.numels, self.share, self.config = segments, numels, share, config
+        self.saved_k = state["neuron_share"][1]
+
+    def flat(self, named: dict) -> torch.Tensor:
+        out, base = torch.zeros(sum(self.numels)), 0
+        for pieces, numel in zip(self.segments, self.numels):
+            for name, at, offset, count in pieces:
+                out[base + offset:base + offset + count] = self._values(named, name, at, count)
+            base += numel
+        return out
+
+    def _values(self, named: dict, name: str, at: int, count: int) -> torch.Tensor:
+        pieces = named.get(name, [])
+        if name not in SHARDED or self.share[1] * self.saved_k == 1:
+            pieces = [p for p in pieces if p[0] == min(p[0] for p in pieces)]
+        elif self.saved_k == self.share[1]:
+            pieces = [p for p in pieces if p[0] == self.share[0]]
+        else:  # another count of shares: join them and cut this rank's share
+            pieces = [(0, 0, self._share(name, pieces))]
+        values, end = [], at  # replicas of the same values are read once
+        for _, start, t in sorted(pieces, key=lambda p: p[1]):
+            if start <= end < min(start + t.numel(), at + count):
+                values.append(t[end - start:min(start + t.numel(), at + count) - start])
+                end = start + (end - start) + values[-1].numel()
+        if end != at + count:
+            raise ValueError(f"DiLoCo state holds {end - at} of the {count} values of {name} "
+                             f"from offset {at} on; resume on the model it was saved with")
+        return torch.cat(values) if values else torch.zeros(0)
+
+    def _share(self, name: str, pieces: list) -> torch.Tensor:
+        c = self.config
+        whole = torch.empty((c.n_head * c.n_neurons, c.n_embd) if name.endswith("decoder") else
+                            (c.n_head, c.n_embd, c.n_neurons), device="meta")
+        shares = []
+        for j in range(self.saved_k):
+            shape = share_of(name, whole, c, j, self.saved_k).shape
+            values = torch.zeros(math.prod(shape))
+            for _, at, piece in (p for p in pieces if p[0] == j):
+                values[at:at + piece.numel()] = piece
+            shares.append({name: values.view(shape)})
+        return share_of(name, join_shares(shares, c)[name], c, *self.share).reshape(-1)
+
+
+def _segments(weights, numels: list[int]) -> list:
+    """Where the master tensors' values sit in the model (weights without names: one piece of
+    a parameter named by its index per tensor)."""
+    if hasattr(weights, "segments"):
+        return weights.segments()
+    return [[(str(i), 0, 0, n)] for i, n in enumerate(numels)]
+
+
+def _shapes(weights, numels: list[int]) -> dict:
+    return weights.shapes() if hasattr(weights, "shapes") else {
+        str(i): (n,) for i, n in enumerate(numels)}
+
+
+def check_fits(state: dict, fragments: int, mode: str) -> None:
+    """ValueError in one line unless the saved `state` fits an outer loop of `fragments`
+    fragments in `mode`."""
+    saved = (state.get("fragments", 1), state["mode"])
+    if saved != (fragments, mode):
         raise ValueError(
-            f"DiLoCo state of --diloco_fragments {saved[0]} --diloco_mode {saved[1]} over "
-            f"{len(saved[2])} tensors does not fit --diloco_fragments {fragments} --diloco_mode "
-            f"{mode} over {len(numels)} on this layout; resume with --diloco_fragments "
-            f"{saved[0]} --diloco_mode {saved[1]} on the model, ZeRO stage and island size it was "
-            "saved with")
+            f"DiLoCo state of --diloco_fragments {saved[0]} --diloco_mode {saved[1]} does not "
+            f"fit --diloco_fragments {fragments} --diloco_mode {mode}; resume with "
+            f"--diloco_fragments {saved[0]} --diloco_mode {saved[1]}")
 
 
-def current(state: dict, shapes: dict) -> dict:
-    """`state` in format 3 (`shapes`: the model's parameter shapes, for streaming DiLoCo's cut);
-    ValueError in one line for a format newer than this dragon's."""
+def current(state: dict, shapes: dict, segments: list) -> dict:
+    """`state` in format 4 (`shapes` and `segments`: this rank's, for a state of formats 1 to 3
+    saved on this layout without them); ValueError in one line for a format newer than this
+    dragon's."""
     version = state.get("version", 1)  # 1: saved before the field existed (format 2's keys)
     if version > STATE_VERSION:
         raise ValueError(f"DiLoCo state of format {version}: this dragon reads formats up to "
                          f"{STATE_VERSION}; resume with the dragon that saved it")
     if version == STATE_VERSION:
         return state
+    if version < 3:
+        state = _format_3(state, shapes)
+    state = dict(state, segments=state["segments"] or segments,
+                 neuron_share=state.get("neuron_share") or (0, 1))
+    ids = None if state["fragments"] == 1 else fragment_ids(
+        state["segments"], shapes, state["numels"], state["fragments"], state["cut"])
+    return _by_name(state, ids)
+
+
+def _format_3(state: dict, shapes: dict) -> dict:
+    """Format 1 or 2's `state` (plain DiLoCo's tensors, or streaming DiLoCo's fragments side by
+    side) in format 3."""
     if state.get("fragments", 1) == 1:
         fragments = [_plain_fragment(state)]
     else:
@@ -120,11 +253,9 @@ def current(state: dict, shapes: dict) -> dict:
                            state.get("cut", RUNS))
         fragments = [_streaming_fragment(state, f, ids == f) for f in range(state["fragments"])]
     kept = ("outer_step", "mode", "numels", "segments", "neuron_share")
-    return dict({k: state.get(k) for k in kept}, version=STATE_VERSION, fragment=fragments,
+    return dict({k: state.get(k) for k in kept}, version=3, fragment=fragments,
                 cut=state.get("cut", RUNS), fragments=state.get("fragments", 1),
                 peak_bytes=state.get("peak_bytes", 0), pace=None)
-
-
 def _plain_fragment(state: dict) -> dict:
     """Format 2's plain DiLoCo: one tensor per master tensor, and delayed mode's share and
     average in flight."""
@@ -170,8 +301,8 @@ def check_diloco_state(tag_dir: str, neurons: int = 1) -> list[str]:
     another layout (none: a run without DiLoCo); ValueError in one line for a state that does
     not say where its values sit in the model."""
     files, first = _state_files(tag_dir)
-    if first is not None and (first.get("segments") is None or
-                              (neurons > 1 and "neuron_share" not in first)):
+    if first is not None and NAMED not in first and (
+            first.get("segments") is None or (neurons > 1 and "neuron_share" not in first)):
         raise ValueError(f"--resume_from_checkpoint: {tag_dir} holds no DiLoCo state that says "
                          "where its values sit in the model; it resumes only on its own layout")
     return files
@@ -190,119 +321,16 @@ def saved_states(tag_dir: str) -> list[dict]:
             for f in check_diloco_state(tag_dir)]
 
 
-def laid_out_for(saved: list[dict], segments: list, numels: list[int], tensors_of,
-          share: tuple[int, int] = (0, 1), config=None) -> list[torch.Tensor]:
-    """Flat tensors that the ranks of another layout saved (tensors_of(state) -> one per master
-    tensor of that rank) laid out again for master tensors `segments` of `numels` values: each
-    flat tensor goes through the whole model's parameters. A state saved by neuron share j of K
-    (its "neuron_share") places its values of a sharded parameter through share j's cut, and
-    this rank (`share`, of a BDH `config`) takes its own share's."""
-    found: dict[str, dict[int, torch.Tensor]] = {}  # name -> {offset in it: piece}
-    whole: dict[str, torch.Tensor] = {}  # sharded names, placed in the whole parameter
-    bdh = hasattr(config, "n_neurons")  # a baseline's config has no neurons to share
-    dims = (config.n_head, config.n_embd, config.n_neurons) if bdh else None
-    for state in saved:
-        j, k = state.get("neuron_share", (0, 1))
-        for flat, pieces in zip(tensors_of(state), state["segments"]):
-            for name, at, offset, numel in pieces:
-                piece = flat[offset:offset + numel]
-                if k > 1 and name in SHARDED:
-                    if name not in whole:
-                        whole[name] = torch.zeros(math.prod(dims))
-                    whole[name][_share_index(name, dims, j, k)[at:at + numel]] = piece
-                else:
-                    found.setdefault(name, {})[at] = piece
-    whole.update((name, torch.cat([p[k] for k in sorted(p)])) for name, p in found.items())
-    out = [torch.zeros(n) for n in numels]
-    for flat, pieces in zip(out, segments):
-        for name, at, offset, numel in pieces:
-            if share[1] > 1 and name in SHARDED:
-                places = _share_index(name, dims, *share)[at:at + numel]
-                flat[offset:offset + numel] = whole[name][places]
-            else:
-                flat[offset:offset + numel] = whole[name][at:at + numel]
-    return out
-
-
-@functools.lru_cache(maxsize=8)
-def _share_index(name: str, dims: tuple[int, int, int], index: int, k: int) -> torch.Tensor:
-    """Where share `index` of `k` of the sharded parameter `name` of a BDH of (heads, n_embd,
-    neurons per head) `dims` sits in the flattened whole one, in the share's flattened order."""
-    nh, D, N = dims
-    shape = (nh * N, D) if name.endswith("decoder") else (nh, D, N)
-    places = torch.arange(nh * D * N).view(shape)
-    config = SimpleNamespace(n_head=nh, n_embd=D, n_neurons=N)
-    return share_of(name, places, config, index, k).reshape(-1)
-
-
-def laid_out_state(tag_dir: str, weights, numels: list[int], fragments: int
-                   ) -> Optional[dict]:
-    """This rank's state (format 3) for master tensors laid out as `weights` (MasterWeights)
-    lay theirs, from the states every rank of another layout saved in `tag_dir` (None: it has
-    none): every vector of every fragment put back in place in the model's parameters and cut
-    again for this rank."""
-    shapes = weights.shapes()
-    saved = [current(s, shapes) for s in saved_states(tag_dir)]
+def joined_state(tag_dir: str, weights, numels: list[int]) -> Optional[dict]:
+    """The states every rank of another layout saved in `tag_dir` as one, for master tensors
+    of `numels` values laid out as `weights` (MasterWeights) lay theirs (None: it has none)."""
+    shapes, segments = _shapes(weights, numels), _segments(weights, numels)
+    saved = [current(s, shapes, segments) for s in saved_states(tag_dir)]
     if not saved:
         return None
-    first, segments, share = saved[0], weights.segments(), weights.neuron_share()
-
-    def ids_of(segments_: list, numels_: list[int]) -> Optional[torch.Tensor]:
-        if fragments == 1:
-            return None
-        return fragment_ids(segments_, shapes, numels_, fragments, first["cut"])
-
-    ids, old = ids_of(segments, numels), {id(s): ids_of(s["segments"], s["numels"]) for s in saved}
-
-    def moved(vector_of: Callable[[dict], Optional[torch.Tensor]]) -> list:
-        """vector_of(a fragment's saved state), of every fragment, laid out for this rank."""
-        present = [vector_of(f) is not None for f in first["fragment"]]
-
-        def placed(state: dict) -> list[torch.Tensor]:
-            flat, cut = torch.zeros(sum(state["numels"])), old[id(state)]
-            for f, fragment in enumerate(state["fragment"]):
-                vector = vector_of(fragment)
-                if vector is not None and cut is None:
-                    flat = vector.float().reshape(-1)
-                elif vector is not None:
-                    flat[cut == f] = vector.float().reshape(-1)
-            return list(flat.split(state["numels"]))
-
-        if not any(present):
-            return [None] * fragments
-        whole = torch.cat(laid_out_for(saved, segments, numels, placed, share, weights.config))
-        return [(whole if ids is None else whole[ids == f]) if present[f] else None
-                for f in range(fragments)]
-
-    def optimizer_tensors(fragment: dict) -> dict:
-        return {k: v for k, v in fragment["optimizer"]["state"].get(0, {}).items()
-                if torch.is_tensor(v) and v.numel() == fragment["outer"].numel()}
-
-    keys = {k for f in first["fragment"] for k in optimizer_tensors(f)}
-    moments = {k: moved(lambda f, k=k: optimizer_tensors(f).get(k)) for k in keys}
-    flights = {k: moved(lambda f, k=k: _vector(f["in_flight"], k)) for k in ("average", "delta")}
-    outer, residual = moved(lambda f: f["outer"]), moved(lambda f: f["residual"])
-    vectors = {"outer": outer, "residual": residual, "moments": moments, "flights": flights}
-    laid = [_with_vectors(fragment, f, **vectors) for f, fragment in enumerate(first["fragment"])]
-    return dict(first, numels=numels, segments=segments, neuron_share=share, fragment=laid)
-
-
-def _with_vectors(fragment: dict, f: int, outer: list, residual: list, moments: dict,
-                  flights: dict) -> dict:
-    """Fragment f's saved state (the first saved rank's) with the vectors laid out for this
-    rank in place of its own."""
-    optimizer = dict(fragment["optimizer"])
-    if optimizer["state"]:
-        optimizer["state"] = {0: dict(optimizer["state"][0], **{
-            k: v[f] for k, v in moments.items() if v[f] is not None})}
-    flight = fragment["in_flight"]
-    if flight is not None:
-        flight = dict(flight, delta=flights["delta"][f], average=(
-            flight["average"] if isinstance(flight["average"], str) else flights["average"][f]))
-    return dict(fragment, outer=outer[f], residual=residual[f], optimizer=optimizer,
-                in_flight=flight)
-
-
-def _vector(flight: Optional[dict], key: str) -> Optional[torch.Tensor]:
-    value = None if flight is None else flight[key]
-    return value if torch.is_tensor(value) else None
+    named: dict = {}
+    for state in saved:
+        for key, by_name in state[NAMED].items():
+            for name, pieces in by_name.items():
+                named.setdefault(key, {}).setdefault(name, []).extend(pieces)
+    return dict(saved[0], **{NAMED: named})
