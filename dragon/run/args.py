@@ -11,7 +11,7 @@ from transformers import HfArgumentParser, SchedulerType
 from dragon.run.config_file import apply_config_file, split_config_file
 from dragon.run.faults import NAN_POLICIES, SAVE_FAILURES
 from dragon.run.metrics import GPU_PEAK_TFLOPS, RECORDED_METRICS
-from dragon.model.attention import DEFAULT_CHUNK_SIZE
+from dragon.run.profiler import profile_window
 from dragon.model.baseline import baseline_config, matched_config
 from dragon.model.bdh import BDHConfig
 from dragon.model.cost import parameter_count
@@ -22,23 +22,6 @@ from dragon.data.text import DataArguments
 
 def _help(text: str, **kwargs):
     return field(metadata={"help": text}, **kwargs)
-
-
-_WINDOW = re.compile(r"(\d+):(\d+)")
-
-
-def profile_window(text: str, max_steps: int) -> tuple[int, int]:
-    """(A, B) of --profile_steps A:B; a one-line ValueError unless 1 <= A <= B <= max_steps."""
-    match = _WINDOW.fullmatch(text.strip())
-    first, last = (int(match.group(1)), int(match.group(2))) if match else (0, 0)
-    if not 1 <= first <= last <= max_steps:
-        # YAML 1.1 reads an unquoted 2:3 as the base-60 number 123
-        quote = "; quote it in a YAML file (\"2:3\")" if text.strip().isdigit() else ""
-        raise ValueError(
-            f"--profile_steps {text!r}: valid is A:B, the first and last step to profile, "
-            f"1 <= A <= B <= --max_steps {max_steps} (e.g. 2:3){quote}"
-        )
-    return first, last
 
 
 def check_lr_scales(args, cfg: dict, names: list[str]) -> None:
@@ -97,7 +80,7 @@ class ModelArguments:
         default="auto",
     )
     attention_chunk_size: int = _help(
-        "Positions per chunk of the chunked form.", default=DEFAULT_CHUNK_SIZE
+        "Positions per chunk of the chunked form.", default=BDHConfig().attention_chunk_size
     )
 
     model_type: str = _help(

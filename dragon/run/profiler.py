@@ -5,14 +5,31 @@ Perfetto open), and after step B, on rank 0, a table of the operators that took 
 CPU time. A recipe makes one StepProfiler and calls its step() once at the end of every step."""
 
 import os
+import re
 from typing import Optional
 
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity, profile, tensorboard_trace_handler
 
-from dragon.run.args import profile_window
 
 TOP_OPERATORS = 10
+
+
+_WINDOW = re.compile(r"(\d+):(\d+)")
+
+
+def profile_window(text: str, max_steps: int) -> tuple[int, int]:
+    """(A, B) of --profile_steps A:B; a one-line ValueError unless 1 <= A <= B <= max_steps."""
+    match = _WINDOW.fullmatch(text.strip())
+    first, last = (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+    if not 1 <= first <= last <= max_steps:
+        # YAML 1.1 reads an unquoted 2:3 as the base-60 number 123
+        quote = "; quote it in a YAML file (\"2:3\")" if text.strip().isdigit() else ""
+        raise ValueError(
+            f"--profile_steps {text!r}: valid is A:B, the first and last step to profile, "
+            f"1 <= A <= B <= --max_steps {max_steps} (e.g. 2:3){quote}"
+        )
+    return first, last
 
 
 class StepProfiler:
