@@ -4,6 +4,7 @@ dragon.run.exits.run_recipe catches RunStopped once, and each recipe exits with 
 `end_process(run_recipe(main))`."""
 
 import os
+import warnings
 
 
 class RunStopped(Exception):
@@ -22,6 +23,12 @@ class RunStopped(Exception):
         if not self.exit_code:
             return 0
         return f"error: {self.reason}" if _reporting_rank() else self.exit_code
+
+
+def warn(message: str) -> None:
+    """warnings.warn(message) on the rank that reports, so that a launch says it once."""
+    if _reporting_rank():
+        warnings.warn(message, stacklevel=2)
 
 
 def _reporting_rank() -> bool:

@@ -75,14 +75,20 @@ def test_muon_groups_set_no_rate_and_name_their_pattern():
     assert lr_group_of({"name": "muon-params"}) == ""
 
 
-def resumed_at_step_4(runs, name: str, out, tmp_path, extra: list[str], **run) -> list[dict]:
-    """The run in `out` restarted from its step-4 checkpoint alone in a new directory: its
-    metrics (`run`: the run's other conftest.Runs arguments)."""
+def resumed_at_step_4(runs, name: str, out, tmp_path, extra: list[str], said: list = None,
+                      **run) -> list[dict]:
+    """The run in `out` restarted from its step-4 checkpoint (and its run.json) alone in a new
+    directory: its metrics (`said`: gets the lines it printed; `run`: the run's other
+    conftest.Runs arguments)."""
     resumed_out = tmp_path / "resumed"
     shutil.copytree(out / "checkpoints" / "step4", resumed_out / "checkpoints" / "step4")
     (resumed_out / "checkpoints" / "latest").write_text("step4")
-    return runs(name, out=resumed_out, extra=[*extra, "--resume_from_checkpoint", "latest"],
-                **run)[1]
+    shutil.copy(out / "checkpoints" / "run.json", resumed_out / "checkpoints")  # its flags
+    _, metrics, proc = runs(name, out=resumed_out,
+                            extra=[*extra, "--resume_from_checkpoint", "latest"], **run)
+    if said is not None:
+        said += (proc.stdout + proc.stderr).splitlines()
+    return metrics
 
 
 def test_lr_scales_are_logged_at_every_step_and_resume_exactly(runs, tmp_path):
@@ -173,8 +179,9 @@ def test_lr_scales_with_the_json_s_own_scheduler_is_refused(monkeypatch, tmp_pat
 def test_muon_trains_zero2_on_2_ranks_and_resumes_exactly(runs, tmp_path):
     """--optimizer muon, ZeRO-2 on 2 ranks: DeepSpeed's Muon steps BDH's encoders and decoder at
     the Muon rate (lr/muon: 0.02 of the schedule's peak of 1), AdamW the embedding and the head
-    at --learning_rate (lr); the losses are finite and fall; resumed at step 4, steps 5-8
-    repeat bit for bit."""
+    at --learning_rate (lr); the losses are finite and fall; resumed at step 4 with another
+    --max_grad_norm, which no clip under ZeRO applies (it says so), steps 5-8 repeat bit for
+    bit."""
     out, full, _ = runs("muon", extra=MUON)
     logged = [m for m in full if "lr" in m]
     assert len(logged) == 8
@@ -182,8 +189,14 @@ def test_muon_trains_zero2_on_2_ranks_and_resumes_exactly(runs, tmp_path):
         assert m["lr/muon"] == pytest.approx(0.02 / 3e-3 * m["lr"], rel=1e-9)
     assert all(math.isfinite(x) for x in losses(full))
     assert losses(full)[-1] < losses(full)[0] - 0.2
-    resumed = resumed_at_step_4(runs, "muon_resumed", out, tmp_path, MUON)
+    said = []
+    resumed = resumed_at_step_4(runs, "muon_resumed", out, tmp_path,
+                                [*MUON, "--max_grad_norm", "0.5"], said)
     assert [m["step"] for m in resumed] == [5, 6, 7, 8]
+    assert [line for line in said if line.startswith("resume: --max_grad_norm")] == [
+        "resume: --max_grad_norm 0.5 (the checkpoint's run: 1.0): no clip applies: under ZeRO "
+        "dragon turns DeepSpeed's off, as it would clip Muon's update rather than the gradient"]
+    assert sum("the clip at" in line for line in said) == 1  # said once, not per rank
     assert losses(resumed) == losses(full)[4:]
 
 

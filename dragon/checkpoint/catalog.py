@@ -6,10 +6,10 @@ resume starts. dragon.checkpoint.retention writes the markers and prunes by this
 import json
 import os
 import re
-import warnings
 from typing import Optional
 
 from dragon.checkpoint.verify import damage
+from dragon.errors import warn
 
 MARKER = "dragon_complete.json"
 # Layout (a): tag dirs in one save_dir (dragon's `step<N>`, DeepSpeed's default `global_step<N>`);
@@ -190,7 +190,7 @@ def find_resume_checkpoint(save_dir: str, checksums: bool = True) -> tuple[str, 
         problem = f"'latest' names {latest[:80]!r}, which is not a checkpoint here"
     else:
         problem = f"'latest' names {latest!r}, which is incomplete (no {MARKER})"
-    warnings.warn(
+    warn(
         f"resume: {save_dir}: {problem}; falling back to the newest whole checkpoint {name}"
     )
     return load_dir_and_tag(save_dir, name)

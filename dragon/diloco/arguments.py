@@ -1,7 +1,6 @@
 """DiLoCo's command-line arguments (--diloco_*), checked, and the DiLoCoConfig they give."""
 
 import os
-import warnings
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -9,6 +8,7 @@ from dragon.checkpoint.store_copy import is_url
 from dragon.diloco.landing import AUTO
 from dragon.diloco.pace import AUTO as PACE_AUTO
 from dragon.diloco.config import DiLoCoConfig
+from dragon.errors import warn
 
 
 def _help(text: str, **kwargs):
@@ -186,7 +186,7 @@ class DiLoCoArguments:
         eager = self.diloco_mode == "delayed" and self.diloco_fragments == 1
         if eager and self.diloco_outer_momentum > DELAYED_MOMENTUM:
             # benchmarks/README.md has the measurements behind the advice
-            warnings.warn(
+            warn(
                 f"--diloco_mode delayed with --diloco_outer_momentum {self.diloco_outer_momentum}: "
                 "momentum this high on one-step-late averages did worse in our benchmark; "
                 f"--diloco_outer_lr 1 --diloco_outer_momentum {DELAYED_MOMENTUM} did best"

@@ -5,8 +5,9 @@ import importlib.util
 import json
 import os
 import secrets
-import warnings
 from typing import Any
+
+from dragon.errors import warn
 
 AUTO = "auto"
 # --report_to name -> (DeepSpeed's monitor section, the package it needs, what dragon fills)
@@ -179,10 +180,10 @@ def _muon(cfg: dict, args) -> None:
 
     dropped = clip_gradients_not_muon_updates(cfg)
     if dropped:
-        warnings.warn(f"--optimizer muon under ZeRO-{zero['stage']}: DeepSpeed would clip "
-                      "Muon's orthogonalised update rather than the gradient, so the clip at "
-                      f"{dropped:g} (--max_grad_norm, or the JSON's gradient_clipping) is "
-                      "turned off; ZeRO-0 clips the gradient")
+        warn(f"--optimizer muon under ZeRO-{zero['stage']}: DeepSpeed would clip Muon's "
+             "orthogonalised update rather than the gradient, so the clip at "
+             f"{dropped:g} (--max_grad_norm, or the JSON's gradient_clipping) is turned off; "
+             "ZeRO-0 clips the gradient")
 
 
 def wandb_run_id(args) -> str:

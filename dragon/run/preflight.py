@@ -5,13 +5,12 @@ the run (dragon.run.inputs.RecipeInputs)."""
 
 import os
 import sys
-import warnings
 from dataclasses import replace
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from dragon.errors import InputRefused
+from dragon.errors import InputRefused, warn
 from dragon.model.baseline import is_bdh
 from dragon.parallel.ds_config import load_ds_config, resolve_ds_config, zero_stage
 from dragon.parallel.layout import launch_layout
@@ -100,7 +99,7 @@ def _check_baseline(model_type: str, args, diloco) -> None:
 def _warn_about_the_bubble(micro_batches: int, stages: int) -> None:
     if micro_batches < stages:
         bubble = (stages - 1) / (micro_batches + stages - 1)
-        warnings.warn(
+        warn(
             f"{micro_batches} micro-batches (gradient_accumulation_steps) for {stages} stages: "
             f"the pipeline bubble idles {bubble:.0%} of each step; use at least {stages}"
         )

@@ -62,10 +62,8 @@ def resume_changes(inputs) -> list[str]:
                              "holds other parameter groups; resume with the same patterns (their "
                              "scales may change)")
         lines += [f"resume: --{key} {ours[key]} (the checkpoint's run: {changed[key]}): "
-                  + (what.replace("from there", f"from {at}") if _in_effect(key, inputs) else
-                     "the DeepSpeed JSON's own optimizer or scheduler sets it, and the resumed "
-                     "run keeps the JSON's")
-                  for key, what in APPLIED.items() if key in changed]
+                  + _effect(key, inputs).replace("from there", f"from {at}")
+                  for key in APPLIED if key in changed]
         lines += _batch_line(inputs, load_dir, tag, changed, at)
     return list(dict.fromkeys(lines))  # once, where several islands resume alike
 
@@ -73,6 +71,18 @@ def resume_changes(inputs) -> list[str]:
 # flag -> where the resolved DeepSpeed JSON holds the value the run uses
 IN_JSON = {"learning_rate": ("lr", None), "weight_decay": ("weight_decay", None),
            "adam_beta1": ("betas", 0), "adam_beta2": ("betas", 1), "adam_epsilon": ("eps", None)}
+
+
+def _effect(key: str, inputs) -> str:
+    """What the resumed run does with the flag's new value."""
+    if key == "max_grad_norm" and inputs.train.optimizer == "muon" and \
+            not inputs.ds_config.get("gradient_clipping"):
+        return ("no clip applies: under ZeRO dragon turns DeepSpeed's off, as it would clip "
+                "Muon's update rather than the gradient")
+    if _in_effect(key, inputs):
+        return APPLIED[key]
+    return ("the DeepSpeed JSON's own optimizer or scheduler sets it, and the resumed run keeps "
+            "the JSON's")
 
 
 def _in_effect(key: str, inputs) -> bool:
