@@ -6,10 +6,13 @@ import io
 import json
 import os
 import runpy
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -24,13 +27,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+COMM_OP = ("from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; "
+           "ShareMemCommBuilder().load()")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def shm_comm_op():
     """Build DeepSpeed's CPU comm op once (~50 s on a new machine) before any job needs it."""
-    code = (
-        "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=600)
+    subprocess.run([sys.executable, "-c", COMM_OP], check=True, capture_output=True, timeout=600)
+
+
+SOAK_DIR = "DRAGON_TEST_SOAK_DIR"  # where pytest-xdist's controller runs the soak
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -38,34 +45,46 @@ def churn_soak(request, shm_comm_op, tmp_path_factory):
     """tests/test_churn.py's soak, started in the background as the session starts when its test
     is selected: five minutes of kills, its islands mostly resting in held steps, beside the
     other tests instead of after them. Its test runs last and waits for the verdict. Under
-    pytest-xdist every worker holds the whole collection, so the soak is the test's own work
-    there, scheduled first on one worker while the others go on."""
+    pytest-xdist the controller starts it (pytest_xdist_node_collection_finished), so that no
+    worker waits for it while there are other tests to run."""
     if XDIST or not any("soak_verdict" in item.fixturenames for item in request.session.items):
         yield None
         return
-    proc = start_soak(tmp_path_factory)
+    proc = start_soak(tmp_path_factory.mktemp("churn"))
     yield proc
     stop_soak(proc)  # the session ended before its test did
 
 
 @pytest.fixture
-def soak_verdict(churn_soak, tmp_path_factory) -> tuple[int, str]:
-    """The soak's exit status and what it printed, once it ends (started here under xdist)."""
-    proc = churn_soak or start_soak(tmp_path_factory)
+def soak_verdict(churn_soak) -> tuple[int, str]:
+    """The soak's exit status and what it printed, once it ends."""
+    if churn_soak is None:  # pytest-xdist: the controller's soak writes both into its folder
+        folder = Path(os.environ[SOAK_DIR])
+        for _ in range(1500):
+            if (folder / "returncode").exists():
+                break
+            time.sleep(1)
+        return int((folder / "returncode").read_text()), (folder / "output").read_text()
     try:
-        output = proc.communicate(timeout=1500)[0]
+        output = churn_soak.communicate(timeout=1500)[0]
     finally:
-        stop_soak(proc)
-    return proc.returncode, output
+        stop_soak(churn_soak)
+    return churn_soak.returncode, output
 
 
-def start_soak(tmp_path_factory) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, str(REPO / "tests/scripts/churn_soak.py"), "--minutes", "5",
-         "--out", str(tmp_path_factory.mktemp("churn"))],
-        cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )
+def start_soak(folder: Path, record: bool = False) -> subprocess.Popen:
+    """The soak under `folder`; `record`: its output and exit status written to files there
+    (what else is there to read them); else they come through a pipe."""
+    command = [sys.executable, str(REPO / "tests/scripts/churn_soak.py"), "--minutes", "5",
+               "--out", str(folder / "run")]
+    if record:
+        command = ["sh", "-c", '{ "$0" -c "$1" && shift && "$@"; } > output 2>&1; '
+                   "echo $? > returncode.tmp && mv returncode.tmp returncode",
+                   sys.executable, COMM_OP, *command]
+    return subprocess.Popen(command, cwd=folder if record else REPO, env=job_env(),
+                            stdout=None if record else subprocess.PIPE,
+                            stderr=None if record else subprocess.STDOUT, text=True,
+                            start_new_session=True)
 
 
 def stop_soak(proc: subprocess.Popen) -> None:
@@ -75,10 +94,32 @@ def stop_soak(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+_SOAK: dict = {}  # pytest-xdist's controller: the soak's folder and its process
+
+
+def pytest_configure(config):
+    """pytest-xdist's controller: a folder for the soak, named to the workers it starts."""
+    if not XDIST and getattr(config.option, "numprocesses", None):
+        _SOAK["folder"] = os.environ[SOAK_DIR] = tempfile.mkdtemp(prefix="dragon-soak-")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """pytest-xdist's controller starts the soak once a worker has collected its test."""
+    if "proc" not in _SOAK and any("test_churn.py::" in i for i in ids):
+        _SOAK["proc"] = start_soak(Path(_SOAK["folder"]), record=True)
+
+
+def pytest_unconfigure(config):
+    if "proc" in _SOAK:
+        stop_soak(_SOAK.pop("proc"))  # the session ended before the soak did
+    if "folder" in _SOAK:
+        shutil.rmtree(_SOAK.pop("folder"), ignore_errors=True)
+
+
 def pytest_collection_modifyitems(config, items):
-    """The soak's test last, as the soak runs beside every other test; under xdist first, so
-    that its worker spends the soak's minutes while the others run the rest."""
-    items.sort(key=lambda item: ("soak_verdict" in item.fixturenames) != XDIST)
+    """The soak's test last, as the soak runs beside every other test."""
+    items.sort(key=lambda item: "soak_verdict" in item.fixturenames)
 
 
 def free_port() -> int:

@@ -1,5 +1,6 @@
 """Churn: elastic islands SIGKILLed at random for minutes (tests/scripts/churn_soak.py, started
-in the background as the session starts: tests/conftest.py's churn_soak)."""
+in the background as the session starts, by pytest-xdist's controller under -n: tests/conftest.py's
+churn_soak); the test runs last and reads its verdict."""
 
 import re
 
