@@ -228,6 +228,31 @@ def test_any_torch_optimizer_as_outer_optimizer():
             torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def test_fragments_with_adam_as_outer_optimizer_load_as_they_were_saved():
+    """Two fragments, one of them a single value, each with an Adam outer optimizer: the state
+    saved after outer steps loads into a new outer loop with every fragment's theta_outer,
+    moments and step as they were (==)."""
+    args = DiLoCoArguments(diloco_inner_steps=2, diloco_fragments=2)
+    weights = toy.Weights(toy.initial_weights())
+    ids = torch.zeros(sum(t.numel() for t in weights.tensors()), dtype=torch.int8)
+    ids[3] = 1
+
+    def outer_loop(weights) -> DiLoCo:
+        return DiLoCo(weights, args.config(), Topology(), ids=ids,
+                      outer_optimizer=lambda params: torch.optim.Adam(params, lr=0.05))
+
+    outer = outer_loop(weights)
+    for step in range(1, 5):
+        inner_step(weights)
+        outer.maybe_outer_step(step)
+    again = outer_loop(toy.Weights([t.clone() for t in weights.tensors()]))
+    again.load_state_dict(outer.state_dict())
+    for mine, theirs in zip(again.fragments, outer.fragments):
+        assert torch.equal(mine.outer, theirs.outer)
+        a, b = (f.optimizer.state_dict()["state"][0] for f in (mine, theirs))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def int8_roundtrip(x: torch.Tensor, block: int, numels: list[int]) -> torch.Tensor:
     """The documented int8 code: scale = absmax / 127 per block (or tensor), q = round(x * (1 /
     scale)).

@@ -8,7 +8,8 @@ weights: by parameter name, {name: [(neuron share, offset in the flattened param
 A rank loads by its own pieces of the parameters (MasterWeights.segments), from its own file or,
 on another layout, from every rank's: the same cut either way, with a sharded parameter's neuron
 shares joined and cut again as the model's are (dragon.parallel.neurons). Formats 1 to 3 (flat
-vectors over a rank's values) load as format 4.
+vectors over a rank's values) load as format 4. With several fragments, a vector that only some
+hold (an average in flight) is saved over all values, 0 where it has none.
 """
 
 import copy
@@ -26,7 +27,7 @@ from dragon.parallel.neurons import SHARDED, join_shares, share_of
 
 STATE_FILE = "diloco_state"  # <tag dir>/diloco_state_<rank>.pt
 STATE_VERSION = 4
-NAMED = "named"  # in a fragment's in-flight state: its vector is saved by name
+NAMED = "named"  # the state's vectors by name; in a fragment's rest: this entry is one of them
 
 
 def of_outer_loop(loop) -> dict:
@@ -34,7 +35,7 @@ def of_outer_loop(loop) -> dict:
     return _by_name({
         "outer_step": loop.outer_step, "mode": loop.mode, "numels": loop.numels,
         "fragments": loop.F, "cut": loop.cut, "segments": _segments(loop.weights, loop.numels),
-        "neuron_share": getattr(loop.weights, "neuron_share", lambda: (0, 1))(),
+        "neuron_share": _neuron_share(loop.weights),
         "fragment": [_of_fragment(f) for f in loop.fragments],
         "peak_bytes": loop.runtime.report.peak_bytes,
         "pace": None if loop.pace is None else loop.pace.state_dict(),  # unequal islands
@@ -42,20 +43,19 @@ def of_outer_loop(loop) -> dict:
 
 
 def load_outer_loop(loop, state: dict) -> None:
-    """Load a DiLoCo's state: this rank's own (of_outer_loop's), or every rank's of another
-    layout joined by joined_state."""
-    weights = loop.weights
-    state = current(state, _shapes(weights, loop.numels), _segments(weights, loop.numels))
+    """Load a DiLoCo's state: this rank's own (of_outer_loop's, or of formats 1 to 3), or every
+    rank's of another layout merged by joined_state."""
+    weights, segments = loop.weights, _segments(loop.weights, loop.numels)
     check_fits(state, loop.F, loop.mode)
+    state = current(state, _shapes(weights, loop.numels), segments)
     if loop.F > 1 and state["cut"] != loop.cut:  # saved before the cut was interleaved
         loop.cut = state["cut"]
         ids = fragment_ids(weights.segments(), weights.shapes(), loop.numels, loop.F, loop.cut)
         for fragment in loop.fragments:
             fragment.ids = ids
-    share = getattr(weights, "neuron_share", lambda: (0, 1))()
-    cut = _Cut(state, _segments(weights, loop.numels), loop.numels, share,
+    cut = _Cut(state, segments, loop.numels, _neuron_share(weights),
                getattr(weights, "config", None))
-    vectors = {key: cut.flat(pieces) for key, pieces in state[NAMED].items()}
+    vectors = {key: cut.flat(key, pieces) for key, pieces in state[NAMED].items()}
     for fragment, rest in zip(loop.fragments, state["fragment"]):
         load_fragment(fragment, _with_vectors(rest, {k: fragment.of(v) for k, v in
                                                      vectors.items()}))
@@ -97,38 +97,36 @@ def load_fragment(fragment: Fragment, saved: dict) -> None:
 
 
 def _vectors_and_rest(fragment: dict) -> tuple[dict, dict]:
-    """(the vectors over its values by key, the rest) of a fragment's state (_of_fragment's)."""
-    numel, optimizer = fragment["outer"].numel(), dict(fragment["optimizer"])
-    state = optimizer["state"].get(0, {})
-    vectors = {"optimizer." + k: v for k, v in state.items()
-               if torch.is_tensor(v) and v.numel() == numel}
+    """(the vectors over its values by key, the rest, NAMED in their places) of a fragment's
+    state (_of_fragment's)."""
+    vectors = {"outer": fragment["outer"], "residual": fragment["residual"]}
+    optimizer, flight = dict(fragment["optimizer"]), fragment["in_flight"]
     if optimizer["state"]:
-        optimizer["state"] = {0: {k: v for k, v in state.items() if "optimizer." + k not in
-                                  vectors}}
-    vectors.update(outer=fragment["outer"], residual=fragment["residual"])
-    flight = fragment["in_flight"]
+        state = dict(optimizer["state"][0])  # moments over the values, not the step
+        for k, v in state.items():
+            if torch.is_tensor(v) and v.shape == fragment["outer"].shape:
+                vectors["optimizer." + k], state[k] = v, NAMED
+        optimizer["state"] = {0: state}
     if flight is not None:
         flight = dict(flight)
-        for key in ("average", "delta"):
-            if torch.is_tensor(flight[key]):
-                vectors[key], flight[key] = flight[key], NAMED
+        for k in ("average", "delta"):
+            if torch.is_tensor(flight[k]):
+                vectors[k], flight[k] = flight[k], NAMED
     return ({k: v for k, v in vectors.items() if v is not None},
             {"optimizer": optimizer, "in_flight": flight})
 
 
 def _with_vectors(rest: dict, vectors: dict) -> dict:
     """A fragment's state (_of_fragment's) from its rest and its vectors by key."""
-    optimizer = dict(rest["optimizer"])
+    def filled(entries: dict, prefix: str = "") -> dict:
+        return {k: vectors[prefix + k] if isinstance(v, str) and v == NAMED else v
+                for k, v in entries.items()}
+
+    optimizer, flight = dict(rest["optimizer"]), rest["in_flight"]
     if optimizer["state"]:
-        optimizer["state"] = {0: dict(optimizer["state"][0], **{
-            k.removeprefix("optimizer."): v for k, v in vectors.items()
-            if k.startswith("optimizer.")})}
-    flight = rest["in_flight"]
-    if flight is not None:
-        flight = dict(flight, **{k: vectors[k] for k in ("average", "delta")
-                                 if flight[k] == NAMED})
-    return dict(rest, optimizer=optimizer, outer=vectors["outer"], in_flight=flight,
-                residual=vectors.get("residual"))
+        optimizer["state"] = {0: filled(optimizer["state"][0], "optimizer.")}
+    return dict(rest, optimizer=optimizer, outer=vectors["outer"],
+                residual=vectors.get("residual"), in_flight=flight and filled(flight))
 
 
 def _by_name(state: dict, ids: Optional[torch.Tensor]) -> dict:
@@ -138,7 +136,7 @@ def _by_name(state: dict, ids: Optional[torch.Tensor]) -> dict:
     numels, segments, j = state["numels"], state["segments"], state["neuron_share"][0]
     named = {}
     for key in sorted({k for vectors, _ in split for k in vectors}):
-        flat = torch.zeros(sum(numels))
+        flat = None if ids is None else torch.zeros(sum(numels))  # F > 1: zeros where no vector
         for f, (vectors, _) in enumerate(split):
             if key in vectors:
                 values = vectors[key].to("cpu", torch.float32).reshape(-1)
@@ -160,44 +158,55 @@ class _Cut:
         self.segments, self.numels, self.share, self.config = segments, numels, share, config
         self.saved_k = state["neuron_share"][1]
 
-    def flat(self, named: dict) -> torch.Tensor:
+    def flat(self, key: str, named: dict) -> torch.Tensor:
+        """Vector `key` ({name: pieces}) over this rank's values (0 in ZeRO's padding)."""
         out, base = torch.zeros(sum(self.numels)), 0
         for pieces, numel in zip(self.segments, self.numels):
             for name, at, offset, count in pieces:
-                out[base + offset:base + offset + count] = self._values(named, name, at, count)
+                out[base + offset:base + offset + count] = self._values(
+                    key, named.get(name, []), name, at, count)
             base += numel
         return out
 
-    def _values(self, named: dict, name: str, at: int, count: int) -> torch.Tensor:
-        pieces = named.get(name, [])
-        if name not in SHARDED or self.share[1] * self.saved_k == 1:
-            pieces = [p for p in pieces if p[0] == min(p[0] for p in pieces)]
-        elif self.saved_k == self.share[1]:
-            pieces = [p for p in pieces if p[0] == self.share[0]]
-        else:  # another count of shares: join them and cut this rank's share
-            pieces = [(0, 0, self._share(name, pieces))]
+    def _values(self, key: str, pieces: list, name: str, at: int, count: int) -> torch.Tensor:
+        if name in SHARDED and self.saved_k != self.share[1]:  # join the shares, cut this one
+            pieces = [(0, 0, self._share(key, name, pieces))]
+        else:  # this rank's share of a sharded parameter; any one of a replicated one
+            j = self.share[0] if name in SHARDED else min((p[0] for p in pieces), default=0)
+            pieces = [p for p in pieces if p[0] == j]
         values, end = [], at  # replicas of the same values are read once
         for _, start, t in sorted(pieces, key=lambda p: p[1]):
             if start <= end < min(start + t.numel(), at + count):
                 values.append(t[end - start:min(start + t.numel(), at + count) - start])
                 end = start + (end - start) + values[-1].numel()
         if end != at + count:
-            raise ValueError(f"DiLoCo state holds {end - at} of the {count} values of {name} "
-                             f"from offset {at} on; resume on the model it was saved with")
+            _missing(key, name, end)
         return torch.cat(values) if values else torch.zeros(0)
 
-    def _share(self, name: str, pieces: list) -> torch.Tensor:
+    def _share(self, key: str, name: str, pieces: list) -> torch.Tensor:
         c = self.config
         whole = torch.empty((c.n_head * c.n_neurons, c.n_embd) if name.endswith("decoder") else
                             (c.n_head, c.n_embd, c.n_neurons), device="meta")
         shares = []
         for j in range(self.saved_k):
             shape = share_of(name, whole, c, j, self.saved_k).shape
-            values = torch.zeros(math.prod(shape))
+            values, found = torch.zeros(math.prod(shape)), torch.zeros(math.prod(shape), dtype=bool)
             for _, at, piece in (p for p in pieces if p[0] == j):
-                values[at:at + piece.numel()] = piece
+                values[at:at + piece.numel()], found[at:at + piece.numel()] = piece, True
+            if not found.all():
+                _missing(key, name, int((~found).nonzero()[0]))
             shares.append({name: values.view(shape)})
         return share_of(name, join_shares(shares, c)[name], c, *self.share).reshape(-1)
+
+
+def _missing(key: str, name: str, at: int) -> None:
+    raise ValueError(f"DiLoCo state: {key} lacks the values of {name} from offset {at} on; a "
+                     "rank's diloco_state file is missing, or the model is not the one it was "
+                     "saved with")
+
+
+def _neuron_share(weights) -> tuple[int, int]:
+    return getattr(weights, "neuron_share", lambda: (0, 1))()
 
 
 def _segments(weights, numels: list[int]) -> list:
@@ -225,19 +234,19 @@ def check_fits(state: dict, fragments: int, mode: str) -> None:
 
 
 def current(state: dict, shapes: dict, segments: list) -> dict:
-    """`state` in format 4 (`shapes` and `segments`: this rank's, for a state of formats 1 to 3
-    saved on this layout without them); ValueError in one line for a format newer than this
-    dragon's."""
+    """`state` in format 4 (`shapes`: this rank's parameters', for the fragments of formats 1 to
+    3; `segments`: this rank's, for such a state saved without them, on this layout);
+    ValueError in one line for a format newer than this dragon's."""
     version = state.get("version", 1)  # 1: saved before the field existed (format 2's keys)
     if version > STATE_VERSION:
         raise ValueError(f"DiLoCo state of format {version}: this dragon reads formats up to "
                          f"{STATE_VERSION}; resume with the dragon that saved it")
     if version == STATE_VERSION:
         return state
+    state = dict(state, segments=state.get("segments") or segments,
+                 neuron_share=state.get("neuron_share") or (0, 1))
     if version < 3:
         state = _format_3(state, shapes)
-    state = dict(state, segments=state["segments"] or segments,
-                 neuron_share=state.get("neuron_share") or (0, 1))
     ids = None if state["fragments"] == 1 else fragment_ids(
         state["segments"], shapes, state["numels"], state["fragments"], state["cut"])
     return _by_name(state, ids)
@@ -256,6 +265,8 @@ def _format_3(state: dict, shapes: dict) -> dict:
     return dict({k: state.get(k) for k in kept}, version=3, fragment=fragments,
                 cut=state.get("cut", RUNS), fragments=state.get("fragments", 1),
                 peak_bytes=state.get("peak_bytes", 0), pace=None)
+
+
 def _plain_fragment(state: dict) -> dict:
     """Format 2's plain DiLoCo: one tensor per master tensor, and delayed mode's share and
     average in flight."""
@@ -317,13 +328,15 @@ def saved_fragments_and_mode(tag_dir: str) -> Optional[tuple[int, str]]:
 
 def saved_states(tag_dir: str) -> list[dict]:
     """Every rank's DiLoCo state saved in `tag_dir`, each saying where its values sit."""
-    return [torch.load(f, map_location="cpu", weights_only=False)
+    return [torch.load(f, map_location="cpu", weights_only=False, mmap=True)
             for f in check_diloco_state(tag_dir)]
 
 
 def joined_state(tag_dir: str, weights, numels: list[int]) -> Optional[dict]:
-    """The states every rank of another layout saved in `tag_dir` as one, for master tensors
-    of `numels` values laid out as `weights` (MasterWeights) lay theirs (None: it has none)."""
+    """The states every rank of another layout saved in `tag_dir` merged into one, which
+    load_outer_loop cuts this rank's values from (None: it has none; `weights` and `numels`:
+    this rank's, for states of formats 1 to 3). An average in flight that one rank lost is
+    lost to all (its landing redoes it)."""
     shapes, segments = _shapes(weights, numels), _segments(weights, numels)
     saved = [current(s, shapes, segments) for s in saved_states(tag_dir)]
     if not saved:
@@ -333,4 +346,12 @@ def joined_state(tag_dir: str, weights, numels: list[int]) -> Optional[dict]:
         for key, by_name in state[NAMED].items():
             for name, pieces in by_name.items():
                 named.setdefault(key, {}).setdefault(name, []).extend(pieces)
-    return dict(saved[0], **{NAMED: named})
+    lost = [any(_lost(state["fragment"][f]) for state in saved)
+            for f in range(len(saved[0]["fragment"]))]
+    fragments = [dict(rest, in_flight=dict(rest["in_flight"], average="lost")) if gone else rest
+                 for rest, gone in zip(saved[0]["fragment"], lost)]
+    return dict(saved[0], fragment=fragments, **{NAMED: named})
+
+
+def _lost(rest: dict) -> bool:
+    return rest["in_flight"] is not None and rest["in_flight"]["average"] == "lost"
