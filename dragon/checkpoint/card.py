@@ -5,6 +5,7 @@ import json
 import os
 from dataclasses import asdict
 import sys
+import tempfile
 from typing import Optional
 
 from dragon.model.cost import parameter_count
@@ -40,12 +41,6 @@ def run_info(inputs, islands: int, dp_world: int, tokens_per_step: int) -> dict:
         # `python recipes/<recipe> run.json [--flag value ...]` repeats the run (flags override)
         "arguments": inputs.arguments(),
     }
-
-
-def write_run_info(save_dir: str, info: dict) -> None:
-    os.makedirs(save_dir, exist_ok=True)
-    with open(os.path.join(save_dir, RUN_FILE), "w") as f:
-        json.dump(info, f, indent=2)
 
 
 def _final_eval(run_dir: str, up_to: Optional[int]) -> tuple[Optional[int], Optional[float]]:
@@ -139,8 +134,14 @@ def write_run_files(save_dir: str, inputs, config: PretrainedConfig, islands: in
                     tokens_per_step: int) -> None:
     """config.json, the tokenizer and run.json beside the checkpoints, so that recipes/export.py
     and sample.py can use any checkpoint and every export's model card names the run (inputs:
-    dragon.run.inputs.RecipeInputs)."""
-    config.save_pretrained(save_dir)
-    if hasattr(inputs.tokenizer, "save_pretrained"):
-        inputs.tokenizer.save_pretrained(save_dir)
-    write_run_info(save_dir, run_info(inputs, islands, dp_world, tokens_per_step))
+    dragon.run.inputs.RecipeInputs). Each file is written whole or not at all: a run killed as it
+    starts leaves a resumable directory."""
+    os.makedirs(save_dir, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=save_dir, prefix=".run_files") as tmp:
+        config.save_pretrained(tmp)
+        if hasattr(inputs.tokenizer, "save_pretrained"):
+            inputs.tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, RUN_FILE), "w") as f:
+            json.dump(run_info(inputs, islands, dp_world, tokens_per_step), f, indent=2)
+        for name in os.listdir(tmp):
+            os.replace(os.path.join(tmp, name), os.path.join(save_dir, name))
