@@ -50,7 +50,7 @@ def load_outer_loop(loop, state: dict) -> None:
     state = current(state, _shapes(weights, loop.numels), segments)
     if loop.F > 1 and state["cut"] != loop.cut:  # saved before the cut was interleaved
         loop.cut = state["cut"]
-        ids = fragment_ids(weights.segments(), weights.shapes(), loop.numels, loop.F, loop.cut)
+        ids = fragment_ids(segments, weights.shapes(), loop.numels, loop.F, loop.cut)
         for fragment in loop.fragments:
             fragment.ids = ids
     cut = _Cut(state, segments, loop.numels, _neuron_share(weights),
@@ -178,7 +178,7 @@ class _Cut:
         for _, start, t in sorted(pieces, key=lambda p: p[1]):
             if start <= end < min(start + t.numel(), at + count):
                 values.append(t[end - start:min(start + t.numel(), at + count) - start])
-                end = start + (end - start) + values[-1].numel()
+                end += values[-1].numel()
         if end != at + count:
             _missing(key, name, end)
         return torch.cat(values) if values else torch.zeros(0)
