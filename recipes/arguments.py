@@ -13,7 +13,7 @@ from pathlib import Path
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no accelerator is used: DeepSpeed need not say
 
 from dragon.data.text import DataArguments  # noqa: E402
-from dragon.diloco.arguments import DiLoCoArguments  # noqa: E402
+from dragon.run.diloco_args import DiLoCoArguments  # noqa: E402
 from dragon.run.args import ModelArguments, PipelineArguments, TrainingArguments  # noqa: E402
 
 HERE = Path(__file__).resolve().parent

@@ -20,7 +20,7 @@ from dragon.data.prepared import prepare
 from dragon.data.sources import DataError
 from dragon.data.text import DataArguments
 from dragon.run.args import ModelArguments, PipelineArguments, TrainingArguments
-from dragon.diloco.arguments import DiLoCoArguments
+from dragon.run.diloco_args import DiLoCoArguments
 from dragon.run.config_file import apply_config_file, split_config_file
 
 

@@ -26,7 +26,8 @@ from conftest import (
 
 from dragon import BDHForCausalLM
 from dragon.checkpoint.catalog import is_complete
-from dragon.diloco.arguments import DiLoCoArguments
+from dragon.run.diloco_args import DiLoCoArguments
+from dragon.diloco.fragment_cut import RUNS, fragment_ids
 from dragon.diloco.outer import DiLoCo
 from dragon.diloco.sparse import topk_encode
 from dragon.diloco.state import STATE_VERSION
@@ -251,6 +252,46 @@ def test_fragments_with_adam_as_outer_optimizer_load_as_they_were_saved():
         assert torch.equal(mine.outer, theirs.outer)
         a, b = (f.optimizer.state_dict()["state"][0] for f in (mine, theirs))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+class EncoderPartition(toy.Weights):
+    """12 of the 16 values of a BDH-shaped encoder (one head, D 2, N 8), as a ZeRO partition
+    holds part of a parameter: its fragments hold other counts of values by each cut."""
+
+    def segments(self):
+        return [[("layer.encoder", 0, 0, 12)]]
+
+    def shapes(self):
+        return {"layer.encoder": (1, 2, 8)}
+
+
+def test_a_state_saved_with_fragments_in_runs_resumes_on_a_partition_as_it_was_cut():
+    """Fragments saved with the older cut (neurons in runs, not interleaved) on a partition that
+    holds part of a parameter, where the two cuts give the fragments other sizes: the loaded loop
+    takes the saved cut and trains on bit for bit as the uninterrupted one (==)."""
+    args = DiLoCoArguments(diloco_inner_steps=2, diloco_fragments=2, diloco_outer_momentum=0.5)
+    weights = EncoderPartition([torch.linspace(-1, 1, 12)])
+    runs = fragment_ids(weights.segments(), weights.shapes(), [12], 2, RUNS)
+    assert torch.bincount(runs.long()).tolist() == [8, 4]  # interleaved: [6, 6]
+
+    def train(outer: DiLoCo, steps: range) -> None:
+        for step in steps:
+            with torch.no_grad():
+                outer.weights.tensors()[0].sub_(0.3 * (outer.weights.tensors()[0] - 2))
+            outer.maybe_outer_step(step)
+
+    outer = DiLoCo(weights, args.config(), Topology())
+    outer.cut_as(RUNS)
+    assert torch.equal(outer.fragments[0].ids, runs)
+    train(outer, range(1, 6))
+    state = outer.state_dict()
+    again = DiLoCo(EncoderPartition([weights.tensors()[0].clone()]), args.config(), Topology())
+    again.load_state_dict(state)
+    train(outer, range(6, 10))
+    train(again, range(6, 10))
+    assert again.cut == RUNS
+    assert torch.equal(again.theta_outer(), outer.theta_outer())
+    assert torch.equal(again.weights.tensors()[0], outer.weights.tensors()[0])
 
 
 def int8_roundtrip(x: torch.Tensor, block: int, numels: list[int]) -> torch.Tensor:

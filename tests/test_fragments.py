@@ -22,7 +22,7 @@ from test_diloco import island_metrics, islands_run, nesterov
 from test_faults import signal_after
 
 from dragon import BDHConfig, BDHForCausalLM
-from dragon.diloco.arguments import DiLoCoArguments
+from dragon.run.diloco_args import DiLoCoArguments
 from dragon.diloco.fragment_cut import fragment_ids
 from dragon.diloco.outer import DiLoCo
 from dragon.parallel.topology import Topology

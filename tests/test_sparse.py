@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_quantized import exchanges_by_codec
 
-from dragon.diloco.arguments import DiLoCoArguments
+from dragon.run.diloco_args import DiLoCoArguments
 from dragon.diloco.outer import DiLoCo
 from dragon.diloco.sparse import sparseloco_encode, sparseloco_sum, topk_encode, topk_sum
 from dragon.parallel.topology import Topology

@@ -1,25 +1,12 @@
-"""The thread that runs DiLoCo's outer exchanges off the training thread (delayed mode).
+"""The exchange thread: runs DiLoCo's outer exchanges off the training thread (delayed mode).
 
 The training thread hands over an encoded pseudo-gradient (dragon.diloco.exchange.Exchange) and
-later takes the islands' average; everything that touches the link in between (int4's all-to-all,
-the all-reduce or all-gather, the decoding of the average) runs here, so an inner step waits for
-the link only when a landing is due before its exchange is done.
-
-Order. The thread runs its jobs one at a time, in the order they were handed over; that order is
-the outer-step schedule, the same on every island, so rank r of every island issues the same
-collectives in the same order and none can wait on another's later one. The collectives run on a
-gloo group of their own (rank r of each island, made at start on every rank), never on the
-cross-island group the training thread uses (the first weights, the checks of a resume, the
-last average of theta_outer): one gloo group is never used from two threads at once.
-
-The clock. The training thread tells the thread each inner step it has finished (tick); a job
-that completes after step t has finished is ready for a landing after step t + 1, the first inner
-step that ends after it (Ticket.ready_after; dragon.diloco.landing agrees on landings with it).
-
-The link. From the bytes each exchange sent and the seconds its collectives took, LinkWatch says
-once, in one line, when the link is slower than the window: an inner step then waits for the part
-of an exchange that does not fit under the window's compute.
-"""
+later takes the islands' average; everything on the link, and the decoding, runs here, so an
+inner step waits for the link only when a landing is due before its exchange is done. Jobs run
+one at a time in the order handed over: the outer-step schedule, the same on every island, so
+rank r of every island issues the same collectives in the same order and none waits on another's
+later one. They use a gloo group of their own, never the training thread's cross-island group:
+one gloo group must never be used from two threads at once."""
 
 import logging
 import math
@@ -78,12 +65,12 @@ class Background:
         self._thread.start()
 
     def tick(self, step: int) -> None:
-        """The training thread has finished inner step `step`."""
+        """The training thread has finished inner step `step` (the clock of Ticket.ready_after)."""
         with self._lock:
             self.clock = step
 
     def ready_after(self, ticket: Ticket) -> Optional[int]:
-        """The ticket's first possible landing step, read consistently with the clock."""
+        """The ticket's first possible landing step (dragon.diloco.landing), read under the lock."""
         with self._lock:
             return ticket.ready_after
 
@@ -124,7 +111,8 @@ VALUE_BYTES = {"none": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}
 
 
 class LinkWatch:
-    """Inner-step times and exchange rates; says once when the link is slower than the window."""
+    """Inner-step times and exchange rates; says once, in one line, when the link is slower than
+    the window (inner steps then wait for what does not fit under the window's compute)."""
 
     def __init__(self, inner_steps: int, fragments: int, compress: str, block: int):
         self.H, self.F, self.compress, self.block = inner_steps, fragments, compress, block
@@ -133,8 +121,7 @@ class LinkWatch:
         self.said = False
 
     def begin(self) -> None:
-        """The outer loop's turn after an inner step: the time since its last turn ended is an
-        inner step's compute (the median leaves out evaluations and saves)."""
+        """Since end(): an inner step's compute (the median leaves out evaluations and saves)."""
         if self._last is not None:
             self._steps.append(time.perf_counter() - self._last)
 
@@ -142,15 +129,14 @@ class LinkWatch:
         self._last = time.perf_counter()
 
     def waited(self, exchange) -> None:
-        """An inner step waited for `exchange` when it was due, a window after it started: if
-        the link is slower than the window, say so (once). A wait shorter than an inner step is
-        the islands' skew, not the link."""
+        """An inner step waited for `exchange`, due a window after it started: say once if the
+        link is slower than the window. A wait shorter than an inner step is skew, not the link."""
         if self.said or exchange.seconds <= 0 or len(self._steps) < 2:
             return
         step = statistics.median(self._steps)
         if exchange.blocked < max(step, 0.1):
             return
-        rate = exchange.bytes_sent / exchange.seconds  # bytes a second
+        rate = exchange.bytes_sent / exchange.seconds
         window_bytes = exchange.bytes_sent * self.F  # a fragment's exchange: 1/F of the window's
         window = step * self.H
         need = window_bytes / rate if rate > 0 else math.inf

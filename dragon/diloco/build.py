@@ -10,8 +10,7 @@ from dragon.parallel.topology import Topology
 
 def outer_loop(engine, config: Optional[DiLoCoConfig], topology: Topology,
                tokens_per_step: int = 1, outer_optimizer=None) -> Optional[DiLoCo]:
-    """The outer loop for a DeepSpeed engine (`tokens_per_step`: its island's); None when
-    DiLoCo is off (no config)."""
+    """The outer loop for a DeepSpeed engine (`tokens_per_step`: its island's); None: no config."""
     if config is None:
         return None
     return DiLoCo(MasterWeights(engine), config, topology, outer_optimizer,

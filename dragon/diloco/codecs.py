@@ -1,22 +1,11 @@
-"""How a flat fp32 pseudo-gradient goes on the wire, and how the islands' codes sum back to fp32.
-
-A codec only encodes and sums; dragon.diloco.exchange moves the bytes. fp32 and bf16 are summed
-by the all-reduce itself; int8 (one absmax scale per block, or per tensor) and top-k
-(dragon.diloco.sparse) are all-gathered and summed in island order; int4 (dragon.diloco.quantized)
-sums each island's chunk after an all-to-all and all-gathers the summed chunks, so its bytes do
-not grow with the islands. Every island sums the same codes in the same order: the averages are
-identical bit for bit.
-
-Compression (the outer step stays fp32): bf16 all-reduces Delta in
-bf16; int8 quantizes Delta with one absmax scale per block of --diloco_int8_block values (0: per
-tensor) and all-gathers the codes; int4 reduces 4-bit chunks and all-gathers the sums
-(dragon.diloco.quantized); top-k sends the largest entries and keeps the rest for later
-(dragon.diloco.sparse); sparseloco sends the largest entries of every chunk in 2 bits
-(dragon.diloco.sparse), its error feedback decaying. The relative error
-||Q(Delta) - Delta|| / ||Delta|| of this island's Deltas is logged. Bytes on the wire per rank,
-for n islands and a payload of P bytes: fp32, bf16 and int4 2(n-1)/n * P; int8, top-k and
-sparseloco (all-gathers) (n-1) * P.
-"""
+"""How a flat fp32 pseudo-gradient goes on the wire (--diloco_compress), and how the islands'
+codes sum back to fp32 (the outer step stays fp32); dragon.diloco.exchange moves the bytes.
+fp32 and bf16 are summed by the all-reduce itself; int8 (an absmax scale per block of
+--diloco_int8_block values, 0: per tensor), top-k and sparseloco (dragon.diloco.sparse) are
+all-gathered and summed in island order; int4 (dragon.diloco.quantized) sums each island's chunk
+after an all-to-all and all-gathers the sums. Every island sums the same codes in the same order,
+so the averages are identical bit for bit. Bytes on the wire per rank, for n islands and a
+payload of P bytes: fp32, bf16 and int4 2(n-1)/n * P; int8, top-k and sparseloco (n-1) * P."""
 
 from dataclasses import dataclass
 from typing import Optional
@@ -61,8 +50,7 @@ class Bf16(Codec):
 
 
 class Int8(Codec):
-    """Round to nearest of x / scale, scale = absmax / 127 per block of `block` values (0: per
-    tensor); the code is the fp32 scales, then the int8 values."""
+    """int8 codes after fp32 scales (absmax / 127 per block of `block` values, 0: per tensor)."""
 
     op = "allgather"
 

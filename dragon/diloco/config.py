@@ -8,7 +8,7 @@ import torch
 
 @dataclass
 class DiLoCoConfig:
-    """What the outer loop needs to know (dragon.diloco.arguments.DiLoCoArguments.config())."""
+    """What the outer loop needs to know (dragon.run.diloco_args.DiLoCoArguments.config())."""
 
     inner_steps: int  # H
     mode: str = "sync"  # or "delayed"
@@ -25,10 +25,9 @@ class DiLoCoConfig:
     elastic: bool = False  # islands may die and join (dragon.diloco.membership)
     quorum_timeout: float = 60.0
     min_islands: int = 1
-    join: bool = False  # this island joins live ones
+    join: bool = False
     fragments: int = 1  # streaming DiLoCo: fragments synced in turn (dragon.diloco.outer)
-    # delayed, fragments: inner steps a fragment's exchange runs under, or "auto" (until done)
-    fragment_delay: Union[int, str] = 0
+    fragment_delay: Union[int, str] = 0  # delayed, F > 1: steps in flight, or "auto": until done
     fragment_alpha: float = 0.5  # delayed, fragments: the local share kept when a fragment lands
     exchange_thread: bool = True  # delayed: the exchange's collectives off the training thread
     # unequal islands (dragon.diloco.pace): the steps each island trains per window, or "auto"

@@ -1,11 +1,7 @@
-"""The transport of one exchange of a flat fp32 tensor among islands (rank r of each): the codec's
-collective (dragon.diloco.codecs) issued asynchronously, or wholly on the exchange thread of
-dragon.diloco.background (encoded on the training thread, everything on the link and the summing
-there), with the bytes it sends (measured or modelled) and its times recorded.
-
-Every exchange an outer step handles, blocking or in flight, one restored from a checkpoint or
-several seen as one, has the same small interface (ExchangeLike): done, result(), bytes_sent,
-payload_bytes, error_sq, norm_sq, sent, seconds, hidden_seconds and blocked."""
+"""One exchange of a flat fp32 tensor among islands (rank r of each): the codec's collective
+(dragon.diloco.codecs), issued asynchronously or on the exchange thread (dragon.diloco.background),
+with its bytes sent (measured or modelled) and its times. ExchangeLike is what an outer step reads
+of any exchange: in flight, restored from a checkpoint, or several seen as one."""
 
 import io
 import time
@@ -22,12 +18,9 @@ def flatten(tensors) -> torch.Tensor:
 
 
 def cpu_bytes_written() -> Optional[int]:
-    """Bytes this process has passed to write()/send() so far (Linux /proc/self/io wchar), else
-    None.
-
+    """Bytes this process has passed to write()/send() so far (/proc/self/io wchar), else None.
     gloo's TCP transport writes through these calls, so around a blocking collective with nothing
-    else running the difference is the bytes this rank put on the wire (payload plus headers).
-    """
+    else running the difference is what this rank put on the wire, headers included."""
     try:
         with open("/proc/self/io") as f:
             for line in f:
@@ -76,14 +69,9 @@ class ExchangeLike(Protocol):
 
 
 class Exchange:
-    """One outer all-reduce of a flat fp32 pseudo-gradient among the islands (rank r of each).
-
-    Started on construction (asynchronously); result() waits and returns the islands' average,
-    identical on every island. Records its payload, the bytes sent, the codec's error and the
-    times it started, completed (from the work's future) and was waited for. With `background`
-    (a dragon.diloco.background.Background) its collectives run on that thread's group, in the
-    order exchanges were made; `then(ready_after)` runs there once the average is ready.
-    """
+    """One outer all-reduce of a flat fp32 pseudo-gradient, started on construction; result()
+    waits for the islands' average, identical on every island. With `background`, it runs on
+    that thread's group in submission order, then calls `then(ready_after)` there."""
 
     def __init__(self, flat: torch.Tensor, group, islands: int, codec: Codec,
                  numels: list[int], measure_bytes: bool = False,
@@ -96,7 +84,7 @@ class Exchange:
         self.waited: Optional[float] = None  # when the training thread first waited for it
         self.finished: Optional[float] = None  # when that wait returned
         self.done_at: list[float] = []  # when the collective completed
-        self.ticket = None  # background: the job on the exchange thread
+        self.ticket = None
         self.work = None
         self._result: Optional[torch.Tensor] = None
         encoded = codec.encode(flat, islands, numels)
@@ -122,16 +110,14 @@ class Exchange:
                 self.bytes_sent = after - before
 
     def _issue(self, group):
-        """The collective's work: an all-reduce in place, or an all-gather of every island's code
-        (int8, top-k; int4: every island's summed chunk)."""
+        """The collective: an all-reduce in place, or an all-gather of every island's code."""
         if self.codec.op == "allreduce":
             return group.allreduce([self.payload])
         self.gathered = [torch.empty_like(self.payload) for _ in range(self.islands)]
         return group.allgather([self.gathered], [self.payload])
 
     def _communicate(self, group) -> None:
-        """On the exchange thread: every collective (int4: its all-to-all first), then the
-        average."""
+        """On the exchange thread: the collectives (int4's all-to-all first), then the average."""
         self.began = time.perf_counter()
         self.payload = self.codec.reduce_chunks(self.payload, group, self.islands)
         self.gathered = [self.payload]
@@ -178,8 +164,7 @@ class Exchange:
 
     @property
     def seconds(self) -> float:
-        """From start to completion of the collective (on the exchange thread: from when that
-        thread began it)."""
+        """Start to completion of the collective (exchange thread: from when it began there)."""
         return max(0.0, self._completed - self.began)
 
     @property
@@ -189,8 +174,7 @@ class Exchange:
 
 
 class FinishedExchange:
-    """An exchange restored from a checkpoint: its average, or None when it failed (an elastic
-    island died during it; the next outer step redoes it)."""
+    """From a checkpoint: the average, or None if an island died in it (the next step redoes it)."""
 
     bytes_sent = payload_bytes = 0
     error_sq = norm_sq = seconds = hidden_seconds = blocked = 0.0
@@ -207,8 +191,8 @@ class FinishedExchange:
 
 
 class ExchangeSet:
-    """Several fragments' exchanges of one step, seen as one by the metrics; result(): the landed
-    averages in their places in a vector over all of this rank's values."""
+    """One step's fragment exchanges, seen as one by the metrics; result(): their landed averages
+    placed in a vector over all of this rank's values."""
 
     def __init__(self, exchanges: list, result: Optional[torch.Tensor] = None):
         self.exchanges, self._result = exchanges, result

@@ -1,13 +1,7 @@
 """One fragment of the weights: the part of this rank's values that meets the other islands on
-its own schedule, with everything it owns: theta_outer, its outer optimizer, what top-k kept
-back of it, and its exchange in flight. Plain DiLoCo is one fragment of all the values;
-streaming DiLoCo (--diloco_fragments F) is F of them (the cut: dragon.diloco.fragment_cut).
-
-How a fragment in flight lands (delayed mode). A fragment of streaming DiLoCo lands inside its
-own window and merges: theta_f <- alpha theta_f + (1 - alpha) theta_outer_f. Plain DiLoCo's one
-fragment is `eager` (Kale et al., 2025): it lands when it syncs again, and steps with the late
-average whose own share is swapped for the fresh one (DiLoCo.eager_gradient).
-"""
+its own schedule, with its theta_outer, outer optimizer, top-k residual and exchange in flight
+(streaming DiLoCo: F of them, dragon.diloco.fragment_cut). Delayed, a streaming fragment lands in
+its window, merged; plain DiLoCo's lands when it syncs again (DiLoCo.eager_gradient)."""
 
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -21,10 +15,9 @@ OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
 @dataclass
 class InFlight:
-    """A fragment's exchange under the inner steps, and the step it lands at (auto: None until
-    the islands agree)."""
+    """A fragment's exchange in flight and its landing step (auto: None until the islands agree)."""
 
-    exchange: AnyExchange  # an Exchange, or a FinishedExchange restored from a checkpoint
+    exchange: AnyExchange
     lands_at: Optional[int]
     synced_at: int = 0
     delta: Optional[torch.Tensor] = None  # what this island sent, for a redo without a lost one
@@ -33,9 +26,8 @@ class InFlight:
 
 
 class Fragment:
-    """Fragment `number` of this rank's values: those whose entry in `ids` (one byte a value,
-    shared by the fragments) is `number` (ids None: all of them); `numels`, the tensors of its
-    vector as the codec blocks them (default: one); `values`, its weights now."""
+    """This rank's values whose byte in `ids` (shared by the fragments) is `number` (ids None: all);
+    `numels`: its vector's tensors as the codec blocks them (default one); `values`: its weights."""
 
     def __init__(self, number: int, ids: Optional[torch.Tensor], numels: Optional[list[int]],
                  values: torch.Tensor, device: torch.device, make_optimizer: OptimizerFactory,
@@ -66,9 +58,8 @@ class Fragment:
 
     def delta(self, local: torch.Tensor, scale: float = 1.0,
               kept: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """scale (theta_outer - theta) (`local`: this rank's values, flat; `scale`: a weight by
-        tokens or staleness; `kept`: theta_outer - theta as an island landing late kept it),
-        plus what top-k kept back (SparseLoCo: decayed)."""
+        """scale (theta_outer - theta) plus what top-k kept back (SparseLoCo: decayed); `scale`
+        weighs by tokens or staleness, `kept` is theta_outer - theta as a late island kept it."""
         delta = self.pseudo_gradient(local) if kept is None else kept.clone()
         if scale != 1:
             delta *= scale
@@ -92,8 +83,7 @@ class Fragment:
         return alpha * self.of(local) + (1 - alpha) * outer if alpha else outer
 
     def sent_delta(self) -> torch.Tensor:
-        """The pseudo-gradient this island sent in the exchange in flight (zeros: none of its
-        own)."""
+        """What this island sent in its exchange in flight (zeros: none of its own)."""
         x = self.in_flight
         if x is None or x.delta is None or not x.contributed:
             return torch.zeros(self.outer.numel())
@@ -119,8 +109,7 @@ class Fragment:
 
 
 def placed(fragments: list, numels: list[int], values_of: Callable) -> torch.Tensor:
-    """values_of(fragment) of every fragment in its place among this rank's values (0 where it
-    is None)."""
+    """values_of(fragment) of every fragment, placed among this rank's values (0 where None)."""
     whole = torch.zeros(sum(numels))
     for fragment in fragments:
         values = values_of(fragment)

@@ -1,18 +1,10 @@
-"""Streaming DiLoCo's cut of the weights into F fragments (dragon.diloco.outer).
-
-The cut. BDH's layers share one block of weights, so a fragment cannot be a set of layers (the
-paper's choice). A fragment here is a set of neurons: neuron n of every head is in fragment
-n mod F, with its columns of `encoder` and `encoder_v` (nh, D, N) and its rows of `decoder`
-(nh N, D); everything one neuron reads and writes travels together. Interleaved, not in runs,
-so that the ranks that split the neurons (--neuron_parallel K, each holding a run of N/K) each
-hold 1/F of every fragment and the cut is the same for every K: an island of K shares syncs
-what an unsplit island syncs, each rank sending 1/K of it. `embed` (V, D) and `lm_head`
-(D, V) are cut the same way along the vocabulary, tokens [f V/F, (f+1) V/F): every fragment is
-then the same size (peak bandwidth 1/F of the whole) and each still holds whole units of the
-model. A parameter BDH does not have (the transformer baselines) is cut into F equal runs of its
-flattened values. Under ZeRO each rank holds its partition's share of every fragment, the same
-share on every island.
-"""
+"""Streaming DiLoCo's cut of the weights into F fragments (dragon.diloco.outer). BDH's layers
+share one block of weights, so a fragment is a set of neurons, not layers (the paper's choice):
+neuron n of every head is in fragment n mod F, with all it reads and writes in `encoder`,
+`encoder_v` and `decoder`. Interleaving makes the cut the same for every --neuron_parallel K, each
+rank (a run of N/K neurons) holding 1/F of every fragment. `embed` and `lm_head` are cut along the
+vocabulary, so fragments are equal in size (peak bandwidth 1/F); other parameters (the transformer
+baselines) into F equal runs. Under ZeRO each rank holds its partition's share of every fragment."""
 
 import math
 
@@ -24,7 +16,7 @@ VOCAB_ROWS = "embed.weight"  # (V, D)
 VOCAB_COLUMNS = "lm_head"  # (D, V)
 
 
-INTERLEAVED, RUNS = "interleaved", "runs"  # neuron n in fragment n mod F, or n F / N (older)
+INTERLEAVED, RUNS = "interleaved", "runs"  # neuron n in fragment n mod F, or n F / N (older states)
 
 
 def element_fragments(name: str, shape: tuple, start: int, numel: int, neurons: int,
@@ -49,9 +41,8 @@ def element_fragments(name: str, shape: tuple, start: int, numel: int, neurons: 
 
 def fragment_ids(segments: list, shapes: dict, numels: list[int], fragments: int,
                  cut: str = INTERLEAVED) -> torch.Tensor:
-    """The fragment of every value of this rank's master tensors, one int8 vector over them all
-    (dragon.parallel.master_weights.MasterWeights.segments says where each piece sits; padding
-    belongs to fragment 0)."""
+    """The fragment of every value of this rank's master tensors, as one int8 vector (`segments`:
+    dragon.parallel.master_weights.MasterWeights.segments; padding is in fragment 0)."""
     neurons = next((s[-1] for n, s in shapes.items() if n.split(".")[-1] == "encoder"), 1)
     ids = torch.zeros(sum(numels), dtype=torch.int8)
     base = 0

@@ -1,14 +1,10 @@
-"""A store for DiLoCo islands that outlives every island: `python -m dragon.diloco.island_store
---port P`.
+"""A store for DiLoCo islands that outlives every island: python -m dragon.diloco.island_store.
 
-Islands launched separately meet through a TCPStore at --diloco_store HOST:PORT. By default
-island 0's first rank hosts it, so the run ends with island 0; with --diloco_elastic an island
-may die and the others train on, so the store must live elsewhere: run this on any machine the
-islands reach (a login node, the first node), start the islands with `--diloco_store HOST:P
---diloco_store_external`, and stop it (Ctrl-C, SIGTERM) when the run is over. The store keeps
-each outer step's quorum under that step's number, so a restart of every island (all resuming
-from a checkpoint) needs a fresh store; islands that die and --diloco_join keep the running one.
-"""
+Islands launched separately meet through a TCPStore at --diloco_store HOST:PORT, by default
+hosted by island 0's first rank, so the run ends with island 0. Elastic islands need a store that
+outlives any island: run this on a machine they all reach, start them with `--diloco_store HOST:P
+--diloco_store_external`, and stop it (Ctrl-C, SIGTERM) after the run. It keeps quorums by outer
+step, so a restart of every island needs a fresh store; islands that --diloco_join keep it."""
 
 import argparse
 import os

@@ -1,20 +1,11 @@
-"""When a fragment in flight lands (streaming DiLoCo in delayed mode, dragon.diloco.outer): a
-fixed number of inner steps after it synced (--diloco_fragment_delay D), or, with `auto`, at the
-first inner step but one after its exchange completed on every island.
-
-Auto, agreed without a blocking collective. The exchange thread (dragon.diloco.background) finishes
-a fragment's exchange while the training thread runs inner step t + 1 (t: the last step it
-finished), and posts t + 2, its proposal, to the store: the fragment's average is ready on this rank
-after step t + 1, and a thread of its own has step t + 2 to read the other ranks'. The fragment
-lands after inner step L = the largest proposal of every rank of every island, and at the latest
-when the same fragment syncs again, H steps after it synced (the bound); at the bound the inner loop
-waits for what is left of the exchange. A rank reads the proposals only once it has finished the
-step of its own (until then L, which is at least its own proposal, still lies ahead) and waits for
-any missing then, so no rank has passed L when it learns it (a thread of its own reads the proposals
-as they come). A rank whose exchange is not done at the bound will propose a later step, so every
-rank lands at the bound then. A checkpoint decides the landing of each fragment in flight as it
-waits for its average, and saves it, so a resume lands it at the same step.
-"""
+"""When a fragment in flight lands (streaming DiLoCo, delayed mode): D inner steps after it synced
+(--diloco_fragment_delay D) or, with `auto`, where the islands agree without a blocking collective.
+The exchange thread (dragon.diloco.background) finishes an exchange during inner step t + 1 and
+posts t + 2, its proposal, to the store. The fragment lands after step L, the largest proposal of
+any rank, or at the latest at the bound, when it syncs again H steps later (the inner loop waits
+there for the rest; a rank not done by then proposes later, so all land there). A rank reads the
+proposals only after the step it proposed (L, at least that, lies ahead until then), so none has
+passed L when it learns it. A checkpoint decides and saves each landing: a resume lands the same."""
 
 import queue
 import threading
@@ -27,16 +18,14 @@ import torch.distributed as dist
 from dragon.diloco.fragment import InFlight
 
 AUTO = "auto"
-# a proposal is one step past the first step that ends after the exchange: the proposals' reader
-# gets that step to bring the other ranks' in (over a busy link a store read takes a while)
+# a proposal is a step later than needed: a step for the reader to bring the other ranks' in
 LOOKAHEAD = 1
 _PREFIX = "dragon-diloco/landing"
 
 
 class AutoLandings:
-    """The proposals of one rank in the store, and the landings they agree on. A thread of its
-    own, on a store connection of its own, reads every rank's proposals as they come, so that the
-    training thread finds them at hand (on a busy link a store round trip is slow)."""
+    """One rank's proposals in the store and the landings they agree on. A thread on its own store
+    connection reads all ranks' proposals early: a store round trip is slow on a busy link."""
 
     def __init__(self, topology, background, inner_steps: int):
         self.topology, self.background, self.H = topology, background, inner_steps
@@ -50,8 +39,7 @@ class AutoLandings:
                 f"rank{rank}")
 
     def poster(self, fragment: int, synced_at: int) -> Callable[[int], None]:
-        """What the exchange thread calls with its proposal for this fragment's exchange (on
-        the training thread, when the fragment syncs)."""
+        """The exchange thread's callback that posts its proposal (made when the fragment syncs)."""
         if self.generation is None:
             self.generation = synced_at
         self._read[fragment, synced_at] = (threading.Event(), [], [])

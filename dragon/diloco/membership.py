@@ -1,39 +1,11 @@
-"""Which islands take part in each outer step: a fixed group (every island, always), or elastic
-islands (--diloco_elastic). Both have one interface, so an outer step has one code path:
-run_round(outer_step, attempt) runs attempt(members, their group, joiners) among the step's
-members; failed(exchanges, ...) says whether an exchange in flight has to be redone without a lost
-island; publish, metrics and finish report the step and end the run.
+"""Which islands take part in each outer step: every island (FixedGroup) or, with
+--diloco_elastic, those that reach it (ElasticIslands). Both have one interface (run_round,
+failed, publish, metrics, finish), so an outer step has one code path.
 
-Elastic islands (ElasticIslands).
-At every outer step the islands that reach it agree on its members in their store
-(dragon.diloco.quorum). The members' rank r then meet in a gloo group built for this step only
-(rank r of each member island, as the static cross-island group does), and the outer step
-averages over them. An island that is not in the quorum (it died, or came late) is out of the
-run; if the exchange itself fails (an island died during it), the survivors form the step's
-quorum again and retry without it. A member whose exchange failed on it alone, while the others
-completed the step with its share, finds so at its retry and joins the next outer step as a
-joiner does.
-
-An island started with --diloco_join announces itself as joining for the live islands' next outer
-step; it is a member of that step if it arrived before the decision, else it tries the step after.
-It adds a zero Delta (the average divides by the other members), receives theta_outer, the outer
-optimizer's state_dict and the step from the first other member, and applies the outer gradient
-that member applies (sync: the average; delayed: that member's eager gradient), so it ends the step
-on that member's weights. Its data stream continues from its own checkpoint, or (a fresh island)
-from where an island that trained all along would read at that step: islands read disjoint samples.
-
-An island that reaches an outer step after its quorum formed without it (past the quorum
-timeout: the grace) lands late, in sync mode with one fragment: the others do not wait for it. It
-keeps its pseudo-gradient, joins the live islands' next outer step as a joiner does (announced
-"late N": N outer steps late), and sends that pseudo-gradient, weighted by staleness_weight(N);
-it then takes the live islands' theta_outer, as every member does, so it counts once and every
-island ends the step identical. Elsewhere (delayed mode, fragments, the last outer step) it is
-out of the run, as an island that died.
-
-Delayed mode: an average in flight that failed on any member (an island died during it) is
-redone at the next outer step among its members, from the pseudo-gradients each kept, divided by
-the members that contributed to it: the late average is then the survivors' average.
-"""
+Elastic islands agree on each step's members in their store (dragon.diloco.quorum); rank r of
+each member meets in a gloo group built for that step only. A failed exchange is retried among
+the survivors. An island left out of a quorum is out of the run unless it lands late; a fresh
+joiner (--diloco_join) reads data from where an island that trained all along would read."""
 
 import gc
 import json
@@ -64,7 +36,7 @@ class Round:
     gradient: Optional[torch.Tensor] = None  # eager: the outer gradient
     contributors: int = 1
     contributes: bool = True
-    scale: float = 1.0  # unequal islands: of this island's pseudo-gradients, by its tokens
+    scale: float = 1.0  # on this island's pseudo-gradients: its tokens, or its staleness
     paced: dict = field(default_factory=dict)  # unequal islands: their metrics
     plan: Optional[list] = None  # unequal islands: the plan agreed
     step: int = 0  # the step, as the live islands have it (a joiner's)
@@ -73,9 +45,8 @@ class Round:
 
 
 class LateForQuorum(Exception):
-    """This island reached outer step `outer_step` after its quorum had formed without it: it
-    lands late (DiLoCo._land_late). `counted`: the others completed the step with this island's
-    share while its exchange failed here alone; it joins the next one instead."""
+    """This island missed its quorum at `outer_step` (DiLoCo._land_late). `counted`: the others
+    completed the step with its share while its exchange failed here, so it joins the next one."""
 
     def __init__(self, outer_step: int, members: list[int], counted: bool = False):
         super().__init__(outer_step, members)
@@ -83,9 +54,8 @@ class LateForQuorum(Exception):
 
 
 def staleness_weight(outer_steps_late: int) -> float:
-    """The weight of a pseudo-gradient that lands `outer_steps_late` outer steps late, against 1
-    for a fresh one: 1 / (1 + late), the staleness-dependent learning rate of Zhang et al. (2016,
-    "Staleness-aware Async-SGD"), which divides a gradient's step by its staleness."""
+    """A late pseudo-gradient's weight against 1 for a fresh one: 1 / (1 + late), the
+    staleness-dependent learning rate of Zhang et al. (2016, "Staleness-aware Async-SGD")."""
     return 1.0 / (1 + outer_steps_late)
 
 
@@ -99,8 +69,8 @@ def _on_any_rank(flag: bool) -> bool:
 
 
 class FixedGroup:
-    """Every island in every outer step, on the topology's cross-island group: an island lost
-    ends the run (dragon.errors.IslandLost), so nothing is ever redone."""
+    """Every island in every outer step, on the cross-island group: a lost island ends the run
+    (dragon.errors.IslandLost), so nothing is ever redone."""
 
     def __init__(self, topology: Topology):
         self.topology, self.group = topology, topology.cross_group
@@ -131,13 +101,16 @@ class FixedGroup:
 
 
 class ElasticIslands:
-    """One island's view of the quorums; `members` is the last quorum (at first: every island)."""
+    """One island's view of the quorums. A joiner sends a zero Delta, takes theta_outer, the outer
+    optimizer's state and the step from the first other member and applies its outer gradient; a
+    late island sends its kept pseudo-gradient, weighted by staleness_weight. Both end the step on
+    the others' weights."""
 
     def __init__(self, topology: Topology, quorum_timeout: float, min_islands: int,
                  timeout_s: float, late_landing: bool = False):
         self.topology, self.store = topology, topology.store
         self.min_islands, self.timeout = min_islands, timedelta(seconds=timeout_s)
-        self.late_landing = late_landing  # a late island lands in the next outer step
+        self.late_landing = late_landing  # sync mode with one fragment only
         self.decisions = Quorum(topology, quorum_timeout, self.timeout)
         self.admitted: Optional[tuple] = None  # the quorum admit() let this island into
 
@@ -155,9 +128,8 @@ class ElasticIslands:
 
     def failed(self, outer_step: int, what: str, exchanges: list, contributed: bool, group,
                redo: bool = False) -> Optional[int]:
-        """None when `exchanges` (in flight since an earlier round) succeeded on every member;
-        else (one failed anywhere, or `redo`: a joiner is in the round) how many members
-        contributed to them: the members redo them among themselves, divided by that."""
+        """None when `exchanges` in flight succeeded on every member; else (one failed, or
+        `redo`) how many members contributed: the members redo them, divided by that."""
         failed = 0.0
         try:
             for exchange in exchanges:
@@ -173,30 +145,26 @@ class ElasticIslands:
         return None if flags[0] + flags[1] == 0 else max(int(flags[2]), 1)
 
     def finish(self, ended_at: Optional[int]) -> None:
-        """The store runs on its own, and islands may be gone: a run that `ended_at` its last step
-        says so to islands still joining."""
+        """Tell islands still joining where the run ended (the store outlives the run)."""
         if ended_at is not None:
             self.end(ended_at)
 
     def quorum(self, outer_step: int, attempt: int, joining: bool = False, final: bool = False,
                late: int = 0) -> Optional[tuple[list[int], Optional[Any], list[int], dict]]:
-        """(members, their gloo group for this rank or None when this island is alone, the
-        members that are joining, those of them landing late: island -> outer steps late) of
-        attempt `attempt` of outer step `outer_step`; `late`: this joiner's. When this island is
-        not a member: a joiner gets None, a late member lands late (LateForQuorum) where it can,
-        else it exits with one line, as it does when the quorum is below --diloco_min_islands.
-        The run's `final` outer step lets no joiner in (a late one neither: it would not know
-        the step is the last)."""
+        """(members, their gloo group or None when alone, the joiners, {joiner landing late:
+        outer steps late}) of an attempt; `late`: this joiner's. A joiner left out gets None; a
+        member left out raises LateForQuorum where it can land late, else IslandLost, as does a
+        quorum below --diloco_min_islands. The `final` step admits no joiner, late or not."""
         t = self.topology
         members = self.decisions.members(outer_step, attempt, joining, final, late)
         if members is None:  # a joiner in an attempt its dead launch arrived at
             return None
         if t.island not in members:
-            if joining:  # it arrived late: it tries a later outer step
+            if joining:
                 return None
             if attempt and self.decisions.completed(outer_step, attempt - 1):
                 raise LateForQuorum(outer_step, members, counted=True)
-            # a late island lands in the next outer step (at the start it has nothing to land)
+            # at outer step 0 a late island has nothing to land
             if self.late_landing and not final and outer_step > 0:
                 raise LateForQuorum(outer_step, members)
             raise IslandLost(
@@ -219,8 +187,8 @@ class ElasticIslands:
             return members, None, joiners, late
         store = dist.PrefixStore(f"{step_key(outer_step, attempt)}/rank{t.island_rank}",
                                  self.store)
-        try:  # the rendezvous waits as long as a decision may take: a member that died after
-            # the decision never connects, and the others retry without it within that bound
+        try:  # a member that died after the decision never connects: wait as long as a
+            # decision may take, then retry without it
             meet = timedelta(seconds=self.decisions.quorum_timeout + DECISION_SLACK)
             group = dist.ProcessGroupGloo(store, members.index(t.island), len(members), meet)
             group._set_default_timeout(self.timeout)  # an exchange: as long as a link needs
@@ -233,10 +201,8 @@ class ElasticIslands:
 
     def run_round(self, outer_step: int, attempt: Callable[..., Any], joining: bool = False,
                   final: bool = False) -> Any:
-        """attempt(members, their gloo group, the joining members, those landing late) among the
-        quorum of `outer_step` (`joining`: this island's, first the one admit() let it into).
-        When an island is lost during it, the step's quorum forms again without it and the
-        whole attempt is retried (nothing is applied before one succeeds)."""
+        """attempt(*quorum) among the quorum of `outer_step` (a joiner's first: admit()'s). When
+        an island is lost during it, the quorum forms again and the whole attempt is retried."""
         late = 0
         for retry in range(self.topology.islands):
             quorum = None
@@ -257,9 +223,8 @@ class ElasticIslands:
                     f"outer step {outer_step}: the exchange among {among} failed "
                     f"({str(e).splitlines()[0][:160]}); retrying without the lost island"
                 )
-            # The failed group's connections close, so that a member still waiting in it (one
-            # held up, a joiner) fails at once and reaches the retry in time; its exchanges may
-            # hold it in reference cycles.
+            # Close the failed group (its exchanges may hold it in cycles), so a member still
+            # waiting in it fails at once and reaches the retry in time.
             quorum = None
             gc.collect()
         raise RuntimeError(f"outer step {outer_step}: no exchange succeeded")
@@ -281,19 +246,18 @@ class ElasticIslands:
                 logger.info(f"outer step {outer_step}: island {i} joins islands {members}")
 
     def end(self, step: int) -> None:
-        """The run reached its last step: islands still joining are told so."""
+        """Tell islands still joining that the run ended at `step`."""
         if self.topology.island_rank == 0:
             self.store.set(f"{PREFIX}/ended", str(step))
 
     def publish(self, outer_step: int, step: int, shape: dict) -> None:
-        """After an outer step: where the run is, and what a joiner must match."""
+        """Where the run is, and what a joiner must match."""
         if self.topology.island_rank == 0:
             self.store.set(f"{PREFIX}/progress", json.dumps([outer_step, step, shape]))
 
     def admit(self, shape: dict, late_since: Optional[int] = None, after: int = 0) -> int:
-        """--diloco_join, or an island landing late that missed outer step `late_since`: the
-        live islands' next outer step that lets this island in, later than outer step `after`
-        (one that went on without it: its attempts are over); its quorum is `admitted`."""
+        """The live islands' first outer step after `after` that lets this joiner in (late:
+        since missing `late_since`); its quorum is left in `admitted`."""
         while True:
             target = max(self.progress(shape), after) + 1
             late = 0 if late_since is None else target - late_since
@@ -315,7 +279,7 @@ class ElasticIslands:
             after = target
 
     def progress(self, shape: dict) -> int:
-        """The last outer step the live islands published (waits for one); exits with one line
+        """The last outer step the live islands published (waits for one); raises JoinRefused
         when this island's model or H differ from theirs."""
         self.store.wait([f"{PREFIX}/progress"], self.timeout)
         outer_step, _, theirs = json.loads(self.store.get(f"{PREFIX}/progress"))

@@ -1,35 +1,15 @@
-"""The metrics of an outer step, summed or maxed over the island's ranks in one small all-reduce
-each.
+"""An outer step's metrics (each island's metrics.jsonl), summed or maxed over the island's ranks
+in one small all-reduce each. Streaming DiLoCo logs each step where a fragment syncs or lands
+(outer_step counts them); unequal islands add the metrics of dragon.diloco.pace.Pace.agree.
 
-Metrics of an outer step (in each island's metrics.jsonl): outer_step; outer_grad_norm (of the
-islands' average applied at this step, over the whole model; in delayed mode the late one, and
-absent at the first step); outer_bytes_sent (the most any rank of the island sent: measured from
-/proc/self/io around the blocking exchange in sync mode, the ring model of
-dragon.diloco.exchange.ring_bytes in delayed mode, whose last step adds the average of
-theta_outer), outer_peak_bytes (the most of any outer step before the last, so far) and
-outer_payload_bytes (this rank's); outer_comm_seconds (start to completion of the exchanges of
-averages applied; not the last step's average of theta_outer) and, delayed,
-outer_comm_hidden_seconds (the part of it that ran under inner steps) and outer_wait_seconds (what
-the training thread waited for them, a save's wait included); outer_compress_error; outer_seconds
-(the whole outer step); with --diloco_checksum, float64 sums and sums of squares of the working
-weights and of theta_outer over the island's ranks (equal bits on every island after a sync outer
-step).
-
-Streaming DiLoCo (dragon.diloco.outer). Metrics of a step where a fragment syncs or lands:
-outer_step (such steps so far), outer_fragment (the one that syncs), outer_landed (the one that
-lands, the first if several do; both F at the last step: all of them), outer_landed_after (delayed:
-inner steps since it synced), outer_bytes_sent (what the exchanges started at this step send, the
-most of any rank of the island), outer_peak_bytes (the most of any such step so far; the last
-step's sync of every fragment is not in it), and, as above, outer_payload_bytes,
-outer_compress_error, outer_grad_norm (of the averages that landed), outer_residual_norm,
-outer_quorum (elastic), outer_seconds and the checksums.
-
-Unequal islands (--diloco_island_steps, dragon.diloco.pace), at every outer step that syncs:
-island_steps and island_tokens (this island's trained steps and tokens since its last such step),
-outer_weight (its weight in the average), island_step_seconds (a trained step's seconds, its
-slowest rank's), island_waited_seconds (from its last trained step to the islands' agreement:
-its rest, then its wait for the others) and island_plan (its steps per window from then on).
-"""
+outer_bytes_sent: what the exchanges started at this step send, the most of any rank of the
+island (sync: measured from /proc/self/io around the blocking exchange; delayed: the ring model
+of dragon.diloco.exchange.ring_bytes, the last step's average of theta_outer included).
+outer_grad_norm: of the averages applied at this step, over the whole model (delayed: the late
+one, absent at the first step). outer_comm_seconds: start to completion of their exchanges;
+delayed, outer_comm_hidden_seconds is its part under inner steps and outer_wait_seconds what the
+training thread waited (a save's wait included). --diloco_checksum adds float64 sums and sums of
+squares of the working weights and theta_outer, equal bits on every island after a sync step."""
 
 import math
 from typing import Callable, Optional
@@ -68,9 +48,9 @@ class OuterMetrics:
                 if island in r.late:
                     metrics["landed_late_by"] = r.late[island]
         if F > 1:
-            if done.syncing:  # one fragment a step; F: all of them (the last step)
+            if done.syncing:  # the one that syncs; F: all of them (the last step)
                 metrics["outer_fragment"] = F if final else done.syncing[0]
-            if averages:
+            if averages:  # the first that lands
                 metrics["outer_landed"] = F if final else min(averages)
             if flights and not final:
                 metrics["outer_landed_after"] = step - flights[0].synced_at
@@ -102,7 +82,7 @@ class OuterMetrics:
         if not final:
             self.peak_bytes = max(self.peak_bytes, int(bytes_max))
         metrics.update(outer_bytes_sent=int(bytes_max), outer_peak_bytes=self.peak_bytes,
-                       outer_payload_bytes=exchange.payload_bytes)
+                       outer_payload_bytes=exchange.payload_bytes)  # this rank's
         if self.config.compress != "none":
             metrics["outer_compress_error"] = math.sqrt(sums[0] / sums[1]) if sums[1] > 0 else 0.0
         if residual is not None:

@@ -1,28 +1,12 @@
 """DiLoCo (Douillard et al., 2023; streaming: 2025): islands train on their own and meet every H
-steps for an outer step, the weights in F fragments (dragon.diloco.fragment) that meet in turn.
+steps for an outer step (a round among them: dragon.diloco.membership), the weights cut into F
+fragments (dragon.diloco.fragment) that meet in turn.
 
-Inside an island every step is an ordinary DeepSpeed step. Fragment f syncs after inner steps
-floor(f H/F) + kH (F = 1: every H steps): each rank takes its pseudo-gradient Delta_f =
-theta_outer_f - theta_f in fp32 on its own part of DeepSpeed's fp32 MASTER weights
-(dragon.parallel.master_weights), averages it with rank r of every other island (any codec of
-dragon.diloco.codecs; top-k keeps what it did not send for the next one), and the fragment's
-outer optimizer (Nesterov SGD by default) steps theta_outer_f with the average.
-
-sync: the exchange blocks and theta_f becomes theta_outer_f. delayed: the exchange runs under the
-inner steps (on the exchange thread of dragon.diloco.background) and lands later. Plain DiLoCo's
-one fragment lands when it syncs again, with the eager update of Kale et al. (2025): the late
-average with this island's share of it swapped for its fresh one. A fragment of F > 1 lands
-`fragment_delay` inner steps after it synced, or with `auto` once its exchange is done on every
-island (dragon.diloco.landing), merged with the local progress made meanwhile (alpha). The last
-step lands what is in flight and syncs every fragment at once, blocking (plain DiLoCo then also
-averages theta_outer, whose momenta differ), so training ends with every island on the same
-weights.
-
-Every outer step is one round among the islands of the membership (dragon.diloco.membership: a
-fixed group, or elastic islands that die, join and land late). A round lands what is due, then
-starts what syncs; it is retried without an island lost during it, and nothing is applied before
-it succeeds.
-"""
+Fragment f syncs after inner steps floor(f H/F) + kH: each rank averages its Delta_f =
+theta_outer_f - theta_f (fp32, on its part of dragon.parallel.master_weights) with rank r of every
+other island, and the fragment's outer optimizer steps theta_outer_f with the average. sync: the
+exchange blocks and theta_f becomes theta_outer_f; delayed: it runs under the inner steps and
+lands later (dragon.diloco.landing). The last step syncs all, blocking: islands end identical."""
 
 import logging
 import time
@@ -41,7 +25,7 @@ from dragon.diloco.pace import pace_for
 from dragon.diloco.runtime import OuterRuntime, resumable_state
 import dragon.diloco.state as saved_state
 
-if TYPE_CHECKING:  # annotations only
+if TYPE_CHECKING:
     from dragon.diloco.config import DiLoCoConfig
     from dragon.parallel.topology import Topology
 
@@ -49,13 +33,10 @@ logger = logging.getLogger("dragon")
 
 
 class DiLoCo:
-    """The outer loop of one rank: call maybe_outer_step(step) after every inner step.
-
-    `weights` is a MasterWeights (or anything with tensors(), publish(), replicas, excluded and
-    fingerprint(); with F > 1 also segments() and shapes()); `outer_optimizer(params)` builds any
-    torch optimizer over a fragment's theta_outer; `ids`: the fragment of each of this rank's
-    values (default: BDH's cut, dragon.diloco.fragment_cut); `tokens_per_step`: the island's
-    (dragon.diloco.pace weighs unequal islands by tokens)."""
+    """The outer loop of one rank: call maybe_outer_step(step) after every inner step. `weights`
+    as for OuterRuntime (F > 1: also segments() and shapes()); `outer_optimizer` builds a torch
+    optimizer over a fragment's theta_outer; `ids`: each value's fragment (default:
+    dragon.diloco.fragment_cut); `tokens_per_step`: the island's (dragon.diloco.pace)."""
 
     def __init__(self, weights, config: "DiLoCoConfig", topology: "Topology",
                  outer_optimizer: Optional[OptimizerFactory] = None,
@@ -71,20 +52,27 @@ class DiLoCo:
             if self.runtime.background is not None:
                 self.auto = AutoLandings(topology, self.runtime.background, self.H)
             self.delay = 1  # one island has no link to wait for
-        self.cut = INTERLEAVED
-        if self.F > 1 and ids is None:
-            ids = fragment_ids(weights.segments(), weights.shapes(), self.numels, self.F)
-        whole, make = flatten(weights.tensors()), outer_optimizer or config.outer_optimizer
-        kept = dict(topk=config.compress in ("topk", "sparseloco"), decay=config.error_decay)
-        if self.F == 1:
-            self.fragments = [Fragment(0, None, self.numels, whole, self.runtime.device, make,
-                                       **kept)]
-        else:
-            self.fragments = [Fragment(f, ids, None, whole[ids == f], self.runtime.device, make,
-                                       **kept) for f in range(self.F)]
+        self.make_optimizer = outer_optimizer or config.outer_optimizer
+        self.cut_as(INTERLEAVED, ids)
         self.outer_step = self.joined_step = 0
         self.late_deltas: Optional[list[torch.Tensor]] = None  # landing late: what it trained
         self.pace = pace_for(config, topology, tokens_per_step)  # unequal islands, else None
+
+    def cut_as(self, cut: str, ids: Optional[torch.Tensor] = None) -> None:
+        """Fragments afresh from the current weights, cut as `cut` (or by `ids`); a state saved
+        with another cut (dragon.diloco.fragment_cut.RUNS) loads into them."""
+        self.cut, whole = cut, flatten(self.weights.tensors())
+        if self.F > 1 and ids is None:
+            ids = fragment_ids(self.weights.segments(), self.weights.shapes(), self.numels,
+                               self.F, cut)
+        kept = dict(topk=self.config.compress in ("topk", "sparseloco"),
+                    decay=self.config.error_decay)
+        if self.F == 1:
+            self.fragments = [Fragment(0, None, self.numels, whole, self.runtime.device,
+                                       self.make_optimizer, **kept)]
+        else:
+            self.fragments = [Fragment(f, ids, None, whole[ids == f], self.runtime.device,
+                                       self.make_optimizer, **kept) for f in range(self.F)]
 
     # ----------------------------------------------------------- the schedule
 
@@ -100,8 +88,7 @@ class DiLoCo:
         return [f for f, o in enumerate(offsets) if step >= max(o, 1) and step % self.H == o]
 
     def landing(self, step: int, final: bool) -> list[int]:
-        """The fragments in flight that land after inner step `step` (eager: none, as its one
-        fragment lands when it syncs)."""
+        """The fragments in flight that land after inner step `step` (eager: none)."""
         if self.eager:
             return []
         flying = {f.number: f.in_flight for f in self.fragments if f.in_flight is not None}
@@ -143,7 +130,7 @@ class DiLoCo:
                 rounds.append(self._round(step, final, joining, sync=False))
                 joining = False
             rounds.append(self._round(step, final, joining))
-        except LateForQuorum as late:  # the others went on without this island
+        except LateForQuorum as late:
             return self._land_late(late)
         self.runtime.waited([x.exchange for r in rounds for x in r.flights
                              if x.lands_at == x.synced_at + self.H])  # eager: a window later
@@ -181,10 +168,8 @@ class DiLoCo:
 
     def _attempt(self, step: int, final: bool, sync: bool, members: list[int], group,
                  joiners: list[int], late: dict) -> Round:
-        """One attempt at a round among `members` (retried by an elastic membership without an
-        island lost during it): joiners (and islands landing `late`) take the live islands'
-        state, what is due lands, what syncs starts (blocking: and completes). Nothing is
-        applied here."""
+        """One attempt at a round among `members`: joiners take the live islands' state, what is
+        due lands, what syncs starts. It applies nothing, so that it can be retried."""
         island = self.topology.island
         weight = {i: staleness_weight(late.get(i, 0)) for i in members
                   if i not in joiners or i in late}  # those that contribute
@@ -225,9 +210,8 @@ class DiLoCo:
         return done
 
     def _averages(self, due: list[int], group, members: list[int], redo: bool) -> dict:
-        """The averages of the fragments `due` to land: their exchanges' results, or, when one
-        failed on any member (or `redo`: a joiner is in the round), the exchanges redone among
-        `members` from the kept pseudo-gradients, divided by the members that contributed."""
+        """The averages of the fragments `due`: their exchanges' results or, when
+        membership.failed says so, the exchanges redone from the kept pseudo-gradients."""
         if not due:
             return {}
         flights = [self.fragments[f].in_flight for f in due]
@@ -262,9 +246,8 @@ class DiLoCo:
         return [self.fragments[f] for f in numbers]
 
     def _land(self, averages: dict, alpha: float) -> None:
-        """Each fragment's outer optimizer steps with its average (None: no step), then
-        theta_f <- alpha theta_f + (1 - alpha) theta_outer_f, into the master and working
-        weights."""
+        """Step each fragment's outer optimizer with its average (None: no step), then write
+        theta_f <- alpha theta_f + (1 - alpha) theta_outer_f into the master and working weights."""
         if not averages:
             return
         flat = flatten(self.weights.tensors())
@@ -303,10 +286,8 @@ class DiLoCo:
         return placed(self.fragments, self.numels, lambda f: f.outer.detach())
 
     def join(self, after: int = 0) -> tuple[int, dict]:
-        """--diloco_join: wait to be let into the live islands' next outer step (after outer
-        step `after`), take theta_outer, the outer optimizers' state and the step from them, and
-        take that outer step with them, ending it on their weights. Returns the step and its
-        metrics."""
+        """--diloco_join: take the live islands' next outer step after `after` with them, ending
+        it on their weights. Returns (step, metrics)."""
         for fragment in self.fragments:  # what this island's checkpoint had is theirs now
             fragment.in_flight = None
             fragment.forget_own_share()
@@ -314,11 +295,8 @@ class DiLoCo:
         return self.joined_step, metrics
 
     def _land_late(self, late: LateForQuorum) -> dict:
-        """This island reached outer step `late.outer_step` after its quorum formed without it:
-        it keeps its pseudo-gradient (against the theta_outer it trained from), joins the live
-        islands' next outer step, sends it there weighted by its staleness, and ends that step
-        on their weights. Its step is then theirs (joined_step). When the others completed the
-        step with its share (its exchange failed here alone), it joins the next one."""
+        """This island missed its quorum: its kept pseudo-gradient, weighted by staleness, lands
+        in the live islands' next outer step (`late.counted`: they counted it; it just joins)."""
         if late.counted:
             if self.topology.island_rank == 0:
                 logger.warning(f"outer step {late.outer_step}: islands {late.members} completed "
@@ -336,14 +314,13 @@ class DiLoCo:
             self.late_deltas = None
 
     def _join_live_islands(self, after: int, late_since: Optional[int] = None) -> dict:
-        """The live islands' next outer step after outer step `after` that lets this island in,
-        taken with them (`late_since`: an island landing late, that missed that outer step)."""
+        """Take the live islands' first outer step after `after` that admits this island."""
         while True:
             target = self.membership.admit(self.runtime.shape(), late_since, after)
             self.outer_step = target - 1
             try:
                 return self._outer_step(0, False, joining=True)
-            except MissedRound:  # the live islands went on without this island: a later step
+            except MissedRound:
                 logger.warning(f"outer step {target} went on without this island; it joins a "
                                "later one")
                 after = target
@@ -355,9 +332,8 @@ class DiLoCo:
     # ----------------------------------------------------------- checkpoints
 
     def state_dict(self) -> dict:
-        """Every fragment's theta_outer, outer optimizer, what top-k kept back and the exchange
-        in flight (waited for here: the save point is the same on every island), with where
-        it lands (auto: decided here, so that a resume lands it at the same step)."""
+        """Every fragment's theta_outer, outer optimizer, top-k residual and exchange in flight,
+        waited for here (all islands save at the same point), and its landing (auto: now)."""
         for fragment in self.fragments:
             if self.auto is not None and fragment.in_flight is not None:
                 self.auto.decide(fragment.number, fragment.in_flight,
@@ -370,10 +346,9 @@ class DiLoCo:
         saved_state.load_outer_loop(self, state)
 
     def resume_elsewhere(self, saved) -> None:
-        """Resume from a checkpoint that holds no state of this rank as it is now
-        (dragon.checkpoint.checkpointer.Saved): one saved on another partition of the weights
-        (laid out again for this one), island 0's (a new island: no share of its own in what
-        is in flight), or one of a run without DiLoCo (the outer loop starts afresh)."""
+        """Resume from a checkpoint with no state of this rank as it is now
+        (dragon.checkpoint.checkpointer.Saved): another partition's, laid out again; island 0's
+        (a new island has no share of its own in flight); or one without DiLoCo (start afresh)."""
         self.runtime.check_same_step(saved.step)
         state = resumable_state(saved, saved_state.STATE_FILE, lambda tag_dir: (
             saved_state.joined_state(tag_dir, self.weights, self.numels)))

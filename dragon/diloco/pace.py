@@ -1,24 +1,12 @@
 """Islands of unequal speed (--diloco_island_steps): in each window of H inner steps an island
-trains only as many steps as its speed allows, spread evenly over the window, and rests through
-the others, so that every island reaches each outer step at about the same time and a fast
-island does not wait for a slow one.
-
-Every island still counts every step of the window: the step count, the LR schedule, the save
-points and the outer steps stay the same on every island; only the work differs. A resting step
-reads no batch and takes no optimizer step.
-
-The plan (the steps each island trains per window) is fixed by the user ("8,5") or, with
-"auto", set at every outer step from the seconds of a trained step that each island measured
-since its last one: island i trains k_i = clamp(floor(H t_fastest / t_i + SLACK), 1, H) steps,
-the most that fit in the fastest island's window (so that the fastest, which trains every step,
-does not wait; SLACK keeps timing noise from costing an equal island a step). Every island reads
-every island's figures from one small all-reduce, so all hold the same plan.
-
-The outer average weights each island's pseudo-gradient by the tokens it trained since its last
-outer step (its trained steps x its tokens per step), as Decoupled DiLoCo (Douillard et al.,
-2026) weights its learners: an island sends n T_i / sum_j T_j times its pseudo-gradient, and
-the exchange's mean over the n islands is the token-weighted mean.
-"""
+trains only the steps its speed allows, spread evenly, and rests through the others, so that all
+islands reach each outer step at about the same time. Every island still counts every step (the
+LR schedule, saves and outer steps stay the same); a resting step reads no batch and takes no
+optimizer step. The plan, the steps each island trains per window, is fixed ("8,5") or, with
+"auto", set at every outer step from the islands' measured seconds a step (Pace.agree). The outer
+average weights each island's pseudo-gradient by the tokens T_i it trained since its last outer
+step, as Decoupled DiLoCo (Douillard et al., 2026) weights its learners: an island sends
+n T_i / sum_j T_j times its pseudo-gradient, so the exchange's mean is token-weighted."""
 
 import time
 from typing import TYPE_CHECKING, Optional
@@ -28,7 +16,7 @@ import torch.distributed as dist
 
 from dragon.parallel.distributed import all_reduce_values
 
-if TYPE_CHECKING:  # annotations only
+if TYPE_CHECKING:
     from dragon.diloco.config import DiLoCoConfig
     from dragon.parallel.topology import Topology
 
@@ -45,8 +33,7 @@ def trains_at(step: int, k: int, H: int) -> bool:
 
 class Pace:
     """One island's side of unequal islands. `plan`: the steps each island trains per window
-    (None: auto, every island all H until the first outer step measures them);
-    `tokens_per_step`: this island's tokens in a trained step."""
+    (None: auto, all H until the first outer step measures them); `tokens_per_step`: its own."""
 
     def __init__(self, plan: Optional[list[int]], H: int, islands: int, island: int,
                  tokens_per_step: int = 1):
@@ -80,14 +67,12 @@ class Pace:
 
     def agree(self, group, members: list[int], weight: dict
               ) -> tuple[float, dict, list[int]]:
-        """At an outer step that syncs, among the `members` meeting in `group` (rank r of each):
-        every member's tokens and step seconds since its last one, in one all-reduce. Returns
-        the scale of this island's pseudo-gradient (the contributors, whose average the
-        exchange takes, times w_i T_i / sum w T; `weight`: each contributor's w, by staleness
-        dragon.diloco.membership.staleness_weight; a joiner has none), the step's metrics (its
-        steps, tokens, weight, seconds a step, and the seconds since its last trained step: its
-        rest and its wait for the others) and the plan from here on (auto: from the members'
-        seconds). Nothing changes until settle(plan): an elastic round may be retried."""
+        """At an outer step that syncs: every member's tokens and seconds a step since its last
+        one, in one all-reduce over `group` (rank r of each island). Returns this island's
+        pseudo-gradient scale (the contributors x w_i T_i / sum w T; `weight`: each contributor's
+        dragon.diloco.membership.staleness_weight, none for a joiner), the metrics, and the plan
+        from here on (auto: for each member, the most steps that fit in the fastest one's window).
+        Nothing changes until settle(plan): an elastic round may be retried."""
         n = self.islands
         # the island's slowest rank: every rank of an island must come to the same plan
         step_seconds = all_reduce_values([self.seconds / max(self.trained, 1)],
@@ -120,8 +105,7 @@ class Pace:
         return {"plan": list(self.plan), "trained": self.trained, "seconds": self.seconds}
 
     def load_state_dict(self, state: Optional[dict]) -> None:
-        """A saved pace (None: saved with equal islands; this one starts its window afresh). A
-        fixed plan given now stands over the saved one."""
+        """A saved pace (None: saved with equal islands, so start afresh); a fixed plan wins."""
         if state is None:
             return
         if self.auto:

@@ -1,17 +1,9 @@
-"""A 4-bit all-reduce whose bytes per island do not grow with the number of islands.
-
-The code: per block of `block` values one fp32 scale, absmax / 7, and each value rounded to the
-nearest of -7..7 (symmetric int4, the per-block absmax scheme of QLoRA's and zeroband's quantised
-exchanges without a lookup table: a pseudo-gradient has no fixed distribution for a 4-bit float to
-fit), two values per byte. A block is 4 bits a value plus 32 bits a block.
-
-The exchange (as INTELLECT-1's ring all-reduce, in two collectives): the padded vector is cut
-into one chunk per island; an all-to-all sends chunk j of every island to island j, which decodes
-them, sums them in fp32 in island order and encodes the sum once; an all-gather then gives every
-island every summed chunk. Each island sends (n-1)/n of the payload in each collective, 2(n-1)/n
-in all, the bytes of a ring all-reduce; every island decodes the same gathered codes, so the
-averages are identical bit for bit.
-"""
+"""A 4-bit all-reduce whose bytes per island do not grow with the number of islands. The code:
+per block of `block` values an fp32 scale, absmax / 7, and the values rounded to -7..7, two a
+byte (symmetric int4 with QLoRA's and zeroband's per-block absmax, but no lookup table: a
+pseudo-gradient has no fixed distribution for a 4-bit float to fit). As in INTELLECT-1's ring
+all-reduce, an all-to-all sends chunk j of every island to island j, which sums them in fp32 in
+island order and encodes the sum once; an all-gather then gives every island every summed chunk."""
 
 import torch
 
@@ -19,8 +11,7 @@ LEVELS = 7  # codes -7..7; stored as 1..15 in a nibble
 
 
 def int4_encode(x: torch.Tensor, block: int) -> torch.Tensor:
-    """The packed code of x (whose length is a multiple of 2 * block): per block its fp32 scale,
-    then its values two to a byte, as one uint8 tensor."""
+    """x's uint8 code (its length a multiple of 2 * block): fp32 scales, then values two a byte."""
     xb = x.view(-1, block)
     scale = xb.abs().amax(dim=1) / LEVELS
     inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
@@ -77,9 +68,8 @@ def reduce_chunk(sent: torch.Tensor, group, islands: int, block: int) -> torch.T
 
 def scatter_reduce(flat: torch.Tensor, group, islands: int, block: int) -> tuple[torch.Tensor,
                                                                                 float]:
-    """Phase one (blocking): chunk j of every island reaches island j, which encodes their fp32
-    sum once: (that code, this island's share of phase two; the squared error of encoding this
-    island's own vector)."""
+    """Phase one (blocking): (the code of this island's summed chunk, to all-gather in phase two;
+    the squared error of encoding this island's own vector)."""
     sent, error_sq = chunk_codes(flat, islands, block)
     return reduce_chunk(sent, group, islands, block), error_sq
 

@@ -1,16 +1,10 @@
 """Who takes each attempt of each outer step of elastic islands: one decision per attempt, made
 in the islands' store and read by every rank of every island, so all agree.
 
-Each island's first rank announces itself under step_key(outer_step, attempt). The first island
-to arrive (elected with compare_set) waits up to --diloco_quorum_timeout for the islands of the
-last quorum and writes the attempt's members, once (compare_set: one decision, whoever writes
-it). When the island elected dies deciding, the first island to see no decision within the
-quorum timeout and DECISION_SLACK is elected to decide without it, and so on, at most one fewer
-times than there are islands. A joiner announces itself ("join", or "late N": N outer steps late)
-and never decides: it would not know whom to wait for. Each launch of an island arrives with a
-token of its own, so that a restarted island never joins an attempt its dead launch arrived at
-(the others' group for that attempt may be waiting for the dead launch).
-"""
+The first island to arrive is elected (compare_set) and waits up to --diloco_quorum_timeout for
+the last quorum before writing the members; if it dies deciding, the first to see no decision in
+time takes over. A joiner never decides: it would not know whom to wait for. Each launch carries a
+token, so a restarted island never joins an attempt whose group waits for its dead launch."""
 
 import logging
 import time
@@ -25,20 +19,18 @@ from dragon.parallel.topology import Topology
 
 logger = logging.getLogger("dragon")
 PREFIX = "dragon-diloco/elastic"
-# beyond the quorum timeout the deciding island waits, what a decision may take to reach the store
+# seconds, beyond the quorum timeout, that a decision may take to reach the store
 DECISION_SLACK = 10.0
 
 
 class MissedRound(Exception):
-    """A joiner's outer step went on without it (the others completed it, or formed its retry
-    without it): it joins a later one."""
+    """A joiner's outer step went on without it; it joins a later one."""
 
 
 def step_key(outer_step: int, attempt: int = 0) -> str:
-    """The store prefix of one attempt of one outer step: `/arrived/<island>`,
-    `/joining/<island>` ("join": an island started with --diloco_join; "late N": one landing N
-    outer steps late), `/decider<k>` (the island elected to decide; k > 0: to take the decision
-    over), `/members` (the decision) and `/done/<island>` (the attempt succeeded there)."""
+    """The store prefix of one attempt: `/arrived/<island>`, `/joining/<island>` ("join", or
+    "late N": N outer steps late), `/decider<k>` (elected to decide; k > 0: to take over),
+    `/members` (the decision) and `/done/<island>` (the attempt succeeded there)."""
     return f"{PREFIX}/{outer_step}/{attempt}"
 
 
@@ -61,9 +53,8 @@ class Quorum:
 
     def members(self, outer_step: int, attempt: int, joining: bool = False, final: bool = False,
                 late: int = 0) -> Optional[list[int]]:
-        """The members decided for attempt `attempt` of outer step `outer_step`, this island
-        arrived (`late`: a joiner's outer steps late). None: a joiner finds its dead launch's
-        arrival there. The run's `final` outer step lets no joiner in."""
+        """The members decided for an attempt, once this island has arrived (`late`: a joiner's
+        outer steps late). None: a joiner found its dead launch's arrival there."""
         t, key = self.topology, step_key(outer_step, attempt)
         before = step_key(outer_step, attempt - 1) if attempt else None  # the attempt it retries
         arrival = f"{key}/arrived/{t.island}"
@@ -77,14 +68,13 @@ class Quorum:
             if joining:
                 self.store.set(f"{key}/joining/{t.island}", f"late {late}" if late else "join")
             self.store.set(arrival, self.launch)
-            if not joining and self._elected(key, 0):  # the first to arrive decides
+            if not joining and self._elected(key, 0):
                 self._decide(key, final, self._arrived(key, before))
         self._wait_for_decision(key, joining, outer_step, attempt, final)
         return [int(i) for i in self.store.get(f"{key}/members").decode().split(",")]
 
     def announced(self, outer_step: int, attempt: int, island: int) -> Optional[list[str]]:
-        """How `island` announced itself for an attempt: ["join"], ["late", N] or None (a
-        member)."""
+        """How `island` announced itself: ["join"], ["late", N] or None (a member)."""
         key = f"{step_key(outer_step, attempt)}/joining/{island}"
         return self.store.get(key).decode().split() if self.store.check([key]) else None
 
@@ -103,16 +93,14 @@ class Quorum:
         return self.store.compare_set(f"{key}/decider{k}", "", me).decode() == me
 
     def _decide(self, key: str, final: bool, arrived: list[int]) -> None:
-        """The members of `key`: those that `arrived` (the last step: no joiner), unless an
-        island decided first."""
+        """Decide `key`: those that `arrived` (the last step: no joiner), unless one did first."""
         if final:
             arrived = [i for i in arrived if not self.store.check([f"{key}/joining/{i}"])]
         self.store.compare_set(f"{key}/members", "", ",".join(map(str, arrived)))
 
     def _take_over(self, key: str, k: int, outer_step: int, final: bool) -> None:
-        """No decision within the quorum timeout: the island elected to decide died doing it.
-        Island rank 0 of the first island to see it decides without it (and without the k - 1
-        elected after it that did not decide either)."""
+        """No decision in time: the elected island died deciding. The first island to see it
+        decides without it and without the k - 1 islands elected after it."""
         if self.topology.island_rank != 0 or not self._elected(key, k):
             return
         gone = [int(self.store.get(f"{key}/decider{j}")) for j in range(k)]
@@ -122,9 +110,8 @@ class Quorum:
         self._decide(key, final, arrived)
 
     def _arrived(self, key: str, before: Optional[str] = None) -> list[int]:
-        """The islands that announced themselves for `key`, once all of the last quorum did or
-        the quorum timeout passed. When islands completed the attempt `key` retries (its exchange
-        failed on this island alone), those islands: the retry is not for them."""
+        """The islands arrived for `key` once the whole last quorum did or the timeout passed; or,
+        if islands completed the attempt it retries (it failed here alone), just those."""
         deadline = time.monotonic() + self.quorum_timeout
         while True:
             completed = [] if before is None else self._arrivals(before, "done")
@@ -142,12 +129,9 @@ class Quorum:
 
     def _wait_for_decision(self, key: str, joining: bool, outer_step: int, attempt: int,
                            final: bool) -> None:
-        """Until the islands' decision on `key` is in the store. It comes within the quorum
-        timeout (the deciding island waits no longer), except for a joiner's first attempt,
-        which waits for the live islands' next outer step (and watches for the end of the run).
-        A member that sees none takes the decision over (_take_over). A joiner whose retry gets
-        none joins a later step (MissedRound): the live islands completed the outer step
-        without it, or are gone."""
+        """Wait for the decision on `key`: it comes within the quorum timeout, but a joiner's
+        first attempt waits for the live islands' next outer step (or the run's end). A member
+        that sees none takes over (_take_over); a joiner's retry raises MissedRound."""
         first_join = joining and attempt == 0
         bound = self.timeout.total_seconds() if first_join else (
             self.quorum_timeout + DECISION_SLACK)

@@ -1,7 +1,5 @@
-"""What the outer loop of a rank (dragon.diloco.outer) runs on: the weights, the islands'
-membership and group, the codec and the exchange thread, the link watch and the metrics, and the
-steps around a round (the first weights, writing theta back, an exchange, the state a joiner
-takes, the end of a run)."""
+"""What the outer loop of a rank (dragon.diloco.outer) runs on: the weights, membership, codec,
+exchange thread, link watch and metrics, and the steps around a round."""
 
 from typing import Any, Callable, Optional, Union
 
@@ -19,9 +17,8 @@ from dragon.parallel.topology import Topology
 
 
 class OuterRuntime:
-    """One rank's side of the islands for an outer loop. `weights` is a MasterWeights (or anything
-    with tensors(), publish(), replicas, excluded and fingerprint()). `group` is the group of the
-    last outer step's members (elastic islands change it)."""
+    """One rank's side of the islands. `weights`: a MasterWeights, or anything with tensors(),
+    publish(), replicas, excluded and fingerprint(); `group`: the last outer step's members'."""
 
     def __init__(self, weights, config: DiLoCoConfig, topology: Topology):
         self.weights, self.config, self.topology = weights, config, topology
@@ -44,8 +41,7 @@ class OuterRuntime:
 
     def run(self, step: int, final: bool, due: Callable[[int, bool], bool],
             outer_step: Callable[[int, bool], dict]) -> dict:
-        """After inner step `step`: outer_step(step, final) when due(step, final), else {}; an
-        island lost on the way ends the run in one line (dragon.errors.IslandLost)."""
+        """After inner step `step`: outer_step(step, final) if due, else {}; raises IslandLost."""
         if self.background is not None:
             self.background.tick(step)
         self.link.begin()
@@ -62,24 +58,20 @@ class OuterRuntime:
     def exchange(self, delta: torch.Tensor, group, islands: int,
                  contributors: Optional[int] = None, numels: Optional[list[int]] = None,
                  then: Optional[Callable[[int], None]] = None) -> Exchange:
-        """Start the exchange among `islands` (the group's size); the average divides by the
-        `contributors` (default all: an elastic joiner adds zeros); `numels`: the tensors in
-        `delta` (default this rank's master tensors); delayed, on the exchange thread, which
-        calls `then(ready_after)` once the average is ready."""
+        """Start an exchange among the group's `islands`, averaged over `contributors` (default
+        all; an elastic joiner adds zeros); delayed: `then(ready_after)` runs once it is ready."""
         return Exchange(delta, group, islands, self.codec, numels or self.numels,
                         measure_bytes=self.config.mode == "sync", contributors=contributors,
                         background=self.background, then=then)
 
     def waited(self, exchanges: list) -> None:
-        """Exchanges just applied a window after they started: any that an inner step waited
-        for tells the link watch."""
+        """Tell the link watch about each of `exchanges` that an inner step waited for."""
         for exchange in exchanges:
             if exchange.blocked > 0:
                 self.link.waited(exchange)
 
     def adopt_island0_weights(self) -> None:
-        """Every island starts from island 0's weights (rank r of each island holds the same
-        shard)."""
+        """Start every island from island 0's weights (rank r of each holds the same shard)."""
         if self.islands > 1 and self.group is not None:
             flat = flatten(self.weights.tensors())
             self.group.broadcast(flat, 0).wait()
@@ -98,17 +90,15 @@ class OuterRuntime:
                 "islands": self.islands, "fragments": self.config.fragments}
 
     def share_state(self, group, members: list[int], joiners: list[int], state: dict) -> dict:
-        """`state` (theta_outer, the outer optimizer's state, the step, the gradient) of the first
-        member that is not joining, on every member (the joiners' own is not read)."""
+        """The first non-joining member's `state`, on every member (joiners' own is not read)."""
         root = members.index(min(i for i in members if i not in joiners))
         joining = self.topology.island in joiners
         return broadcast_object(None if joining else state, group, root)
 
     def share_outer_state(self, group, members: list[int], joiners: list[int], step: int,
                           fragments: list, extra: Any = None) -> tuple[int, Any]:
-        """At a round with joiners: every fragment's theta_outer and outer optimizer state, the
-        step and `extra` of the first member that is not joining; a joiner takes the fragments'.
-        Returns (step, extra) as the sender has them."""
+        """The first non-joining member's fragments (theta_outer, outer optimizer state), which
+        joiners load, and its (step, extra), which this returns."""
         state = self.share_state(group, members, joiners, {
             "step": step, "theta_outer": [f.outer.detach().cpu() for f in fragments],
             "optimizer": [f.optimizer.state_dict() for f in fragments], "extra": extra})
@@ -133,8 +123,7 @@ class OuterRuntime:
             )
 
     def close(self, ended_at: Optional[int] = None) -> None:
-        """After the last outer step: the exchange thread stops, and the membership ends the run
-        (a fixed group waits for every island; elastic islands tell joiners where it ended)."""
+        """After the last outer step: stop the exchange thread and end the membership's run."""
         if self.background is not None:
             self.background.close()
         self.membership.finish(ended_at)
@@ -151,7 +140,6 @@ def membership_for(config: DiLoCoConfig, topology: Topology) -> Union[FixedGroup
 
 def resumable_state(saved, own_file: str, laid_out: Callable[[str], Optional[dict]]
                     ) -> Optional[Any]:
-    """The state to load from a checkpoint that holds none of this rank as it is now
-    (dragon.checkpoint.checkpointer.Saved): one laid out from another partition of the weights,
-    or island 0's file; None: a run without DiLoCo saved it."""
+    """The state to load when the checkpoint lacks this rank's own: laid out from another
+    partition, or island 0's file (dragon.checkpoint.checkpointer.Saved); None: no DiLoCo."""
     return laid_out(saved.tag_dir) if saved.relaid else saved.rank_file(own_file)

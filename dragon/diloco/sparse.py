@@ -1,14 +1,9 @@
 """Top-k pseudo-gradients with error feedback (DeMo's and SparseLoCo's scheme), and SparseLoCo's
-code: top-k within chunks, in 2 bits.
-
-Each rank sends only the k = ceil(fraction x n) entries of largest magnitude of its pseudo-
-gradient plus the residual it kept from earlier outer steps; what it did not send (the rest, and
-the bf16 rounding of what it sent) becomes the next residual, so nothing is dropped, only late.
-The code: the k indices as int32, then the k values as bf16, six bytes an entry, as one uint8
-tensor of the same length on every island. The exchange is an all-gather of the codes (a sparse
-sum has no fixed size to reduce in place): each island sends (n-1) x 6k bytes; every island sums
-the gathered codes in island order, so the averages are identical bit for bit.
-"""
+2-bit code of top-k within chunks. A rank sends the k = ceil(fraction x n) largest entries of its
+pseudo-gradient plus the residual it kept; what it did not send (and the bf16 rounding of what it
+did) becomes the next residual, so nothing is dropped, only late. The top-k code: k int32
+indices, then k bf16 values, one uint8 tensor of the same length on every island, all-gathered
+(a sparse sum has no fixed size to reduce in place) and summed in island order."""
 
 import math
 
@@ -41,10 +36,8 @@ def topk_sum(codes: list[torch.Tensor], n: int) -> torch.Tensor:
     return total
 
 
-# SparseLoCo (Sarfi et al., 2025): top-k within chunks of the accumulated pseudo-gradient, its
-# values in 2 bits. A chunk's k values take the level of {-1, -1/3, 1/3, 1} x its largest |value|
-# nearest to them, so each is off by at most a third of that scale; the code is every chunk's fp32
-# scale, then its k indices (uint16), then its k 2-bit levels (four a byte).
+# SparseLoCo (Sarfi et al., 2025): a chunk's k values take the nearest of {-1, -1/3, 1/3, 1} x its
+# largest |value|; the code: every chunk's fp32 scale, then k uint16 indices, then 2-bit levels.
 LEVELS = 4
 
 
@@ -55,8 +48,7 @@ def chunk_shape(n: int, chunk: int, density: float) -> tuple[int, int]:
 
 def sparseloco_encode(x: torch.Tensor, density: float, chunk: int
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the code of x's top-k entries of every chunk in 2 bits, the dense fp32 vector it decodes
-    to)."""
+    """(the 2-bit code of x's top-k entries of every chunk, the dense fp32 vector it decodes to)."""
     n = x.numel()
     chunks, k = chunk_shape(n, chunk, density)
     padded = torch.nn.functional.pad(x, (0, chunks * chunk - n)).view(chunks, chunk)

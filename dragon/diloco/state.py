@@ -4,17 +4,14 @@ Format 4: the outer step, the mode, the cut and, per fragment, what is not a vec
 values (the outer optimizer's step and settings, when its exchange in flight lands). Every vector
 the fragments own (theta_outer, the outer optimizer's moments, what top-k kept back, the average
 in flight and this island's delta in it) is saved as the universal checkpoint saves the model's
-weights: by parameter name, {name: [(neuron share, offset in the flattened parameter, values)]}.
-A rank loads by its own pieces of the parameters (MasterWeights.segments), from its own file or,
-on another layout, from every rank's: the same cut either way, with a sharded parameter's neuron
-shares joined and cut again as the model's are (dragon.parallel.neurons). Formats 1 to 3 (flat
+weights: by parameter name (dragon.parallel.named_values), so that a rank loads its values from
+its own file or, on another layout, from every rank's by the same cut. Formats 1 to 3 (flat
 vectors over a rank's values) load as format 4. With several fragments, a vector that only some
 hold (an average in flight) is saved over all values, 0 where it has none.
 """
 
 import copy
 import glob
-import math
 import os
 from typing import Optional
 
@@ -23,7 +20,7 @@ import torch
 from dragon.diloco.exchange import FinishedExchange
 from dragon.diloco.fragment import Fragment, InFlight
 from dragon.diloco.fragment_cut import RUNS, fragment_ids
-from dragon.parallel.neurons import SHARDED, join_shares, share_of
+from dragon.parallel.named_values import RankLayout, merged
 
 STATE_FILE = "diloco_state"  # <tag dir>/diloco_state_<rank>.pt
 STATE_VERSION = 4
@@ -33,29 +30,23 @@ NAMED = "named"  # the state's vectors by name; in a fragment's rest: this entry
 def of_outer_loop(loop) -> dict:
     """The state of a dragon.diloco.outer.DiLoCo (its exchanges in flight waited for)."""
     return _by_name({
-        "outer_step": loop.outer_step, "mode": loop.mode, "numels": loop.numels,
-        "fragments": loop.F, "cut": loop.cut, "segments": _segments(loop.weights, loop.numels),
-        "neuron_share": _neuron_share(loop.weights),
+        "outer_step": loop.outer_step, "mode": loop.mode, "fragments": loop.F, "cut": loop.cut,
         "fragment": [_of_fragment(f) for f in loop.fragments],
         "peak_bytes": loop.runtime.report.peak_bytes,
         "pace": None if loop.pace is None else loop.pace.state_dict(),  # unequal islands
-    }, loop.fragments[0].ids)
+    }, loop.fragments[0].ids, RankLayout.of(loop.weights, loop.numels))
 
 
 def load_outer_loop(loop, state: dict) -> None:
     """Load a DiLoCo's state: this rank's own (of_outer_loop's, or of formats 1 to 3), or every
     rank's of another layout merged by joined_state."""
-    weights, segments = loop.weights, _segments(loop.weights, loop.numels)
+    layout = RankLayout.of(loop.weights, loop.numels)
     check_fits(state, loop.F, loop.mode)
-    state = current(state, _shapes(weights, loop.numels), segments)
+    state = current(state, layout)
     if loop.F > 1 and state["cut"] != loop.cut:  # saved before the cut was interleaved
-        loop.cut = state["cut"]
-        ids = fragment_ids(segments, weights.shapes(), loop.numels, loop.F, loop.cut)
-        for fragment in loop.fragments:
-            fragment.ids = ids
-    cut = _Cut(state, segments, loop.numels, _neuron_share(weights),
-               getattr(weights, "config", None))
-    vectors = {key: cut.flat(key, pieces) for key, pieces in state[NAMED].items()}
+        loop.cut_as(state["cut"])
+    vectors = {key: layout.flat(pieces, state["neuron_share"][1], f"DiLoCo state's {key}")
+               for key, pieces in state[NAMED].items()}
     for fragment, rest in zip(loop.fragments, state["fragment"]):
         load_fragment(fragment, _with_vectors(rest, {k: fragment.of(v) for k, v in
                                                      vectors.items()}))
@@ -129,97 +120,21 @@ def _with_vectors(rest: dict, vectors: dict) -> dict:
                 residual=vectors.get("residual"), in_flight=flight and filled(flight))
 
 
-def _by_name(state: dict, ids: Optional[torch.Tensor]) -> dict:
-    """Format 3's `state` (every fragment's vectors flat over the rank's values; `ids`: each
-    value's fragment, None: one fragment) in format 4."""
+def _by_name(state: dict, ids: Optional[torch.Tensor], layout: RankLayout) -> dict:
+    """Format 3's `state` (every fragment's vectors flat over the values of a rank of `layout`;
+    `ids`: each value's fragment, None: one fragment) in format 4."""
     split = [_vectors_and_rest(f) for f in state["fragment"]]
-    numels, segments, j = state["numels"], state["segments"], state["neuron_share"][0]
     named = {}
     for key in sorted({k for vectors, _ in split for k in vectors}):
-        flat = None if ids is None else torch.zeros(sum(numels))  # F > 1: zeros where no vector
+        flat = None if ids is None else torch.zeros(sum(layout.numels))  # F > 1: 0 where none
         for f, (vectors, _) in enumerate(split):
             if key in vectors:
                 values = vectors[key].to("cpu", torch.float32).reshape(-1)
                 flat = values if ids is None else flat.index_put_((ids == f,), values)
-        named[key] = {}
-        for pieces, tensor in zip(segments, flat.split(numels)):
-            for name, at, offset, count in pieces:
-                named[key].setdefault(name, []).append((j, at, tensor[offset:offset + count]))
+        named[key] = layout.by_name(flat)
     kept = {k: v for k, v in state.items() if k not in ("numels", "segments", "fragment")}
-    return dict(kept, version=STATE_VERSION, fragment=[r for _, r in split], **{NAMED: named})
-
-
-class _Cut:
-    """This rank's values (of master tensors `numels` laid out as `segments`, of neuron share
-    `share` = (index, K) of a BDH `config`) out of vectors saved by name."""
-
-    def __init__(self, state: dict, segments: list, numels: list[int],
-                 share: tuple[int, int], config):
-        self.segments, self.numels, self.share, self.config = segments, numels, share, config
-        self.saved_k = state["neuron_share"][1]
-
-    def flat(self, key: str, named: dict) -> torch.Tensor:
-        """Vector `key` ({name: pieces}) over this rank's values (0 in ZeRO's padding)."""
-        out, base = torch.zeros(sum(self.numels)), 0
-        for pieces, numel in zip(self.segments, self.numels):
-            for name, at, offset, count in pieces:
-                out[base + offset:base + offset + count] = self._values(
-                    key, named.get(name, []), name, at, count)
-            base += numel
-        return out
-
-    def _values(self, key: str, pieces: list, name: str, at: int, count: int) -> torch.Tensor:
-        if name in SHARDED and self.saved_k != self.share[1]:  # join the shares, cut this one
-            pieces = [(0, 0, self._share(key, name, pieces))]
-        else:  # this rank's share of a sharded parameter; any one of a replicated one
-            j = self.share[0] if name in SHARDED else min((p[0] for p in pieces), default=0)
-            pieces = [p for p in pieces if p[0] == j]
-        values, end = [], at  # replicas of the same values are read once
-        for _, start, t in sorted(pieces, key=lambda p: p[1]):
-            if start <= end < min(start + t.numel(), at + count):
-                values.append(t[end - start:min(start + t.numel(), at + count) - start])
-                end += values[-1].numel()
-        if end != at + count:
-            _missing(key, name, end)
-        return torch.cat(values) if values else torch.zeros(0)
-
-    def _share(self, key: str, name: str, pieces: list) -> torch.Tensor:
-        c = self.config
-        whole = torch.empty((c.n_head * c.n_neurons, c.n_embd) if name.endswith("decoder") else
-                            (c.n_head, c.n_embd, c.n_neurons), device="meta")
-        shares = []
-        for j in range(self.saved_k):
-            shape = share_of(name, whole, c, j, self.saved_k).shape
-            values, found = torch.zeros(math.prod(shape)), torch.zeros(math.prod(shape), dtype=bool)
-            for _, at, piece in (p for p in pieces if p[0] == j):
-                values[at:at + piece.numel()], found[at:at + piece.numel()] = piece, True
-            if not found.all():
-                _missing(key, name, int((~found).nonzero()[0]))
-            shares.append({name: values.view(shape)})
-        return share_of(name, join_shares(shares, c)[name], c, *self.share).reshape(-1)
-
-
-def _missing(key: str, name: str, at: int) -> None:
-    raise ValueError(f"DiLoCo state: {key} lacks the values of {name} from offset {at} on; a "
-                     "rank's diloco_state file is missing, or the model is not the one it was "
-                     "saved with")
-
-
-def _neuron_share(weights) -> tuple[int, int]:
-    return getattr(weights, "neuron_share", lambda: (0, 1))()
-
-
-def _segments(weights, numels: list[int]) -> list:
-    """Where the master tensors' values sit in the model (weights without names: one piece of
-    a parameter named by its index per tensor)."""
-    if hasattr(weights, "segments"):
-        return weights.segments()
-    return [[(str(i), 0, 0, n)] for i, n in enumerate(numels)]
-
-
-def _shapes(weights, numels: list[int]) -> dict:
-    return weights.shapes() if hasattr(weights, "shapes") else {
-        str(i): (n,) for i, n in enumerate(numels)}
+    return dict(kept, version=STATE_VERSION, neuron_share=layout.share,
+                fragment=[r for _, r in split], **{NAMED: named})
 
 
 def check_fits(state: dict, fragments: int, mode: str) -> None:
@@ -233,35 +148,35 @@ def check_fits(state: dict, fragments: int, mode: str) -> None:
             f"--diloco_fragments {saved[0]} --diloco_mode {saved[1]}")
 
 
-def current(state: dict, shapes: dict, segments: list) -> dict:
-    """`state` in format 4 (`shapes`: this rank's parameters', for the fragments of formats 1 to
-    3; `segments`: this rank's, for such a state saved without them, on this layout);
-    ValueError in one line for a format newer than this dragon's."""
+def current(state: dict, layout: RankLayout) -> dict:
+    """`state` in format 4 (`layout`: this rank's, for a state of formats 1 to 3 saved without
+    its segments, on this layout); ValueError in one line for a format newer than this
+    dragon's."""
     version = state.get("version", 1)  # 1: saved before the field existed (format 2's keys)
     if version > STATE_VERSION:
         raise ValueError(f"DiLoCo state of format {version}: this dragon reads formats up to "
                          f"{STATE_VERSION}; resume with the dragon that saved it")
     if version == STATE_VERSION:
         return state
-    state = dict(state, segments=state.get("segments") or segments,
-                 neuron_share=state.get("neuron_share") or (0, 1))
+    saved = RankLayout(state["numels"], state.get("segments") or layout.segments, layout.shapes,
+                       tuple(state.get("neuron_share") or (0, 1)))
     if version < 3:
-        state = _format_3(state, shapes)
+        state = _format_3(state, saved)
     ids = None if state["fragments"] == 1 else fragment_ids(
-        state["segments"], shapes, state["numels"], state["fragments"], state["cut"])
-    return _by_name(state, ids)
+        saved.segments, saved.shapes, saved.numels, state["fragments"], state["cut"])
+    return _by_name(state, ids, saved)
 
 
-def _format_3(state: dict, shapes: dict) -> dict:
+def _format_3(state: dict, layout: RankLayout) -> dict:
     """Format 1 or 2's `state` (plain DiLoCo's tensors, or streaming DiLoCo's fragments side by
     side) in format 3."""
     if state.get("fragments", 1) == 1:
         fragments = [_plain_fragment(state)]
     else:
-        ids = fragment_ids(state["segments"], shapes, state["numels"], state["fragments"],
+        ids = fragment_ids(layout.segments, layout.shapes, layout.numels, state["fragments"],
                            state.get("cut", RUNS))
         fragments = [_streaming_fragment(state, f, ids == f) for f in range(state["fragments"])]
-    kept = ("outer_step", "mode", "numels", "segments", "neuron_share")
+    kept = ("outer_step", "mode")
     return dict({k: state.get(k) for k in kept}, version=3, fragment=fragments,
                 cut=state.get("cut", RUNS), fragments=state.get("fragments", 1),
                 peak_bytes=state.get("peak_bytes", 0), pace=None)
@@ -337,15 +252,12 @@ def joined_state(tag_dir: str, weights, numels: list[int]) -> Optional[dict]:
     load_outer_loop cuts this rank's values from (None: it has none; `weights` and `numels`:
     this rank's, for states of formats 1 to 3). An average in flight that one rank lost is
     lost to all (its landing redoes it)."""
-    shapes, segments = _shapes(weights, numels), _segments(weights, numels)
-    saved = [current(s, shapes, segments) for s in saved_states(tag_dir)]
+    layout = RankLayout.of(weights, numels)
+    saved = [current(s, layout) for s in saved_states(tag_dir)]
     if not saved:
         return None
-    named: dict = {}
-    for state in saved:
-        for key, by_name in state[NAMED].items():
-            for name, pieces in by_name.items():
-                named.setdefault(key, {}).setdefault(name, []).extend(pieces)
+    named = {key: merged([state[NAMED][key] for state in saved if key in state[NAMED]])
+             for key in {k for state in saved for k in state[NAMED]}}
     lost = [any(_lost(state["fragment"][f]) for state in saved)
             for f in range(len(saved[0]["fragment"]))]
     fragments = [dict(rest, in_flight=dict(rest["in_flight"], average="lost")) if gone else rest

@@ -1,6 +1,7 @@
 """What a recipe needs around its loop: inputs, checks, metrics, faults and the run's state.
 
 - args: the argument dataclasses (ModelArguments, TrainingArguments, PipelineArguments)
+- diloco_args: DiLoCo's command line (DiLoCoArguments) and the DiLoCoConfig it gives
 - preflight: every check before a process group starts (RecipeInputs)
 - metrics: metrics.jsonl (its one writer and reader), throughput, MFU, logging
 - faults: preemption signals and non-finite steps (StepGuard)

@@ -16,7 +16,7 @@ from dragon.model.baseline import baseline_config, matched_config
 from dragon.model.bdh import BDHConfig
 from dragon.model.cost import parameter_count
 from dragon.checkpoint.retention import RetentionPolicy
-from dragon.diloco.arguments import DiLoCoArguments
+from dragon.run.diloco_args import DiLoCoArguments
 from dragon.data.text import DataArguments
 
 

@@ -11,7 +11,7 @@ from dragon.checkpoint.checkpointer import ResumeTarget
 from dragon.data.text import DataArguments
 from dragon.model.baseline import is_bdh
 from dragon.model.bdh import BDHConfig, BDHForCausalLM
-from dragon.diloco.arguments import DiLoCoArguments
+from dragon.run.diloco_args import DiLoCoArguments
 from dragon.parallel.layout import Layout
 from dragon.run.config_file import LAUNCHER_ARGUMENTS
 from dragon.run.args import ModelArguments, PipelineArguments, TrainingArguments

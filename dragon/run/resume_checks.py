@@ -13,7 +13,7 @@ from dragon.checkpoint.reshape import (regroup_message, reshape_message, saved_i
                                        saved_layout)
 from dragon.checkpoint.catalog import has_complete, list_checkpoints
 from dragon.diloco.state import check_diloco_state, saved_fragments_and_mode
-from dragon.diloco.arguments import DiLoCoArguments
+from dragon.run.diloco_args import DiLoCoArguments
 from dragon.run.args import TrainingArguments
 from dragon.run.lock import take_run_lock
 from dragon.run.resume_changes import resume_changes

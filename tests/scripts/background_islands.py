@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import diloco_islands as toy  # noqa: E402
 
-from dragon.diloco.arguments import DiLoCoArguments  # noqa: E402
+from dragon.run.diloco_args import DiLoCoArguments  # noqa: E402
 from dragon.diloco.outer import DiLoCo  # noqa: E402
 from dragon.parallel.topology import enter_island  # noqa: E402
 

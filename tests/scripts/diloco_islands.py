@@ -49,7 +49,7 @@ from types import SimpleNamespace
 
 import torch
 
-from dragon.diloco.arguments import DiLoCoArguments
+from dragon.run.diloco_args import DiLoCoArguments
 from dragon.diloco.quorum import Quorum, step_key
 from dragon.diloco.outer import DiLoCo
 from dragon.errors import RunStopped
