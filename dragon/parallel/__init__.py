@@ -6,6 +6,7 @@
 - pipeline: BDH as a DeepSpeed PipelineModule (bdh_pipeline, carrying)
 - neurons: BDH's tensor parallelism over its neurons (split_neurons, NeuronGroups)
 - master_weights: this rank's fp32 master weights inside any DeepSpeed engine (MasterWeights)
+- named_values: vectors over the master weights saved by parameter name, read on any layout
 - ds_config: DeepSpeed JSON configs with "auto" values filled from the arguments
 - deepspeed_fixes: the workarounds of DeepSpeed behaviours that set an engine's or optimizer's
   attributes (norm_on_every_rank, skip_nonfinite_updates, set_global_steps)
