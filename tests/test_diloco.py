@@ -265,10 +265,22 @@ class EncoderPartition(toy.Weights):
         return {"layer.encoder": (1, 2, 8)}
 
 
-def test_a_state_saved_with_fragments_in_runs_resumes_on_a_partition_as_it_was_cut():
+def format_2_fragments(outer: DiLoCo) -> dict:
+    """A sync state of streaming DiLoCo as dragon saved it before fragments owned their state and
+    before the cut was named (format 2: the runs cut)."""
+    return {"version": 2, "outer_step": outer.outer_step, "mode": outer.mode,
+            "numels": outer.numels, "fragments": outer.F, "segments": outer.weights.segments(),
+            "neuron_share": (0, 1), "outer_params": [f.outer.clone() for f in outer.fragments],
+            "optimizers": [copy.deepcopy(f.optimizer.state_dict()) for f in outer.fragments],
+            "in_flight": {}, "residual": None, "peak_bytes": outer.runtime.report.peak_bytes}
+
+
+@pytest.mark.parametrize("version", [2, STATE_VERSION])
+def test_a_state_saved_with_fragments_in_runs_resumes_on_a_partition_as_it_was_cut(version):
     """Fragments saved with the older cut (neurons in runs, not interleaved) on a partition that
-    holds part of a parameter, where the two cuts give the fragments other sizes: the loaded loop
-    takes the saved cut and trains on bit for bit as the uninterrupted one (==)."""
+    holds part of a parameter, where the two cuts give the fragments other sizes, in format 2 or
+    today's: the loaded loop takes the saved cut and trains on bit for bit as the uninterrupted
+    one (==)."""
     args = DiLoCoArguments(diloco_inner_steps=2, diloco_fragments=2, diloco_outer_momentum=0.5)
     weights = EncoderPartition([torch.linspace(-1, 1, 12)])
     runs = fragment_ids(weights.segments(), weights.shapes(), [12], 2, RUNS)
@@ -284,12 +296,12 @@ def test_a_state_saved_with_fragments_in_runs_resumes_on_a_partition_as_it_was_c
     outer.cut_as(RUNS)
     assert torch.equal(outer.fragments[0].ids, runs)
     train(outer, range(1, 6))
-    state = outer.state_dict()
+    state = outer.state_dict() if version == STATE_VERSION else format_2_fragments(outer)
     again = DiLoCo(EncoderPartition([weights.tensors()[0].clone()]), args.config(), Topology())
     again.load_state_dict(state)
+    assert again.cut == RUNS and torch.equal(again.theta_outer(), outer.theta_outer())
     train(outer, range(6, 10))
     train(again, range(6, 10))
-    assert again.cut == RUNS
     assert torch.equal(again.theta_outer(), outer.theta_outer())
     assert torch.equal(again.weights.tensors()[0], outer.weights.tensors()[0])
 

@@ -1,5 +1,5 @@
 """Streaming DiLoCo's cut of the weights into F fragments (dragon.diloco.outer). BDH's layers
-share one block of weights, so a fragment is a set of neurons, not layers (the paper's choice):
+share one block of weights, so a fragment is a set of neurons, not of layers as in the paper:
 neuron n of every head is in fragment n mod F, with all it reads and writes in `encoder`,
 `encoder_v` and `decoder`. Interleaving makes the cut the same for every --neuron_parallel K, each
 rank (a run of N/K neurons) holding 1/F of every fragment. `embed` and `lm_head` are cut along the

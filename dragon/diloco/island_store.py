@@ -1,4 +1,4 @@
-"""A store for DiLoCo islands that outlives every island: python -m dragon.diloco.island_store.
+"""A store that outlives DiLoCo islands: `python -m dragon.diloco.island_store --port P`.
 
 Islands launched separately meet through a TCPStore at --diloco_store HOST:PORT, by default
 hosted by island 0's first rank, so the run ends with island 0. Elastic islands need a store that

@@ -59,9 +59,9 @@ class DiLoCo:
         self.pace = pace_for(config, topology, tokens_per_step)  # unequal islands, else None
 
     def cut_as(self, cut: str, ids: Optional[torch.Tensor] = None) -> None:
-        """Fragments afresh from the current weights, cut as `cut` (or by `ids`); a state saved
-        with another cut (dragon.diloco.fragment_cut.RUNS) loads into them."""
-        self.cut, whole = cut, flatten(self.weights.tensors())
+        """Fragments afresh from the current weights, cut as `cut` (or by `ids`): nothing stepped
+        or in flight, for a state saved with another cut (fragment_cut.RUNS) to load into."""
+        self.cut, whole, self.fragments = cut, flatten(self.weights.tensors()), []
         if self.F > 1 and ids is None:
             ids = fragment_ids(self.weights.segments(), self.weights.shapes(), self.numels,
                                self.F, cut)

@@ -45,7 +45,7 @@ def load_outer_loop(loop, state: dict) -> None:
     state = current(state, layout)
     if loop.F > 1 and state["cut"] != loop.cut:  # saved before the cut was interleaved
         loop.cut_as(state["cut"])
-    vectors = {key: layout.flat(pieces, state["neuron_share"][1], f"DiLoCo state's {key}")
+    vectors = {key: layout.flat(pieces, state["neuron_share"][1], f"{STATE_FILE}'s {key}")
                for key, pieces in state[NAMED].items()}
     for fragment, rest in zip(loop.fragments, state["fragment"]):
         load_fragment(fragment, _with_vectors(rest, {k: fragment.of(v) for k, v in

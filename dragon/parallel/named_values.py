@@ -33,11 +33,11 @@ class RankLayout:
     def of(cls, weights, numels: list[int]) -> "RankLayout":
         """A MasterWeights' layout; weights without names hold one piece of a parameter named
         by its index per tensor."""
+        share = getattr(weights, "neuron_share", lambda: (0, 1))()
         if not hasattr(weights, "segments"):
             return cls(numels, [[(str(i), 0, 0, n)] for i, n in enumerate(numels)],
-                       {str(i): (n,) for i, n in enumerate(numels)})
-        return cls(numels, weights.segments(), weights.shapes(),
-                   getattr(weights, "neuron_share", lambda: (0, 1))(),
+                       {str(i): (n,) for i, n in enumerate(numels)}, share)
+        return cls(numels, weights.segments(), weights.shapes(), share,
                    getattr(weights, "config", None))
 
     def by_name(self, flat: torch.Tensor) -> dict:
