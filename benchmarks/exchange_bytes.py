@@ -5,7 +5,7 @@
 
 N processes (one rank per island) join a real gloo group and exchange a random vector of
 --values fp32 values (3.3M: the model of the wan and memory benchmarks) through
-dragon.diloco.exchange.Exchange, once per codec; each counts the bytes it wrote to the wire
+dragon.wire.exchange.Exchange, once per codec; each counts the bytes it wrote to the wire
 (/proc/self/io) and the slowest island's wall time is kept. Data parallel's gradient all-reduce
 moves the fp32 row's bytes every step; DiLoCo moves them once per H steps. With F fragments
 (streaming DiLoCo) an exchange carries one fragment, 1/F of the values (fragments are the same
@@ -34,8 +34,8 @@ def island(rank: int, n: int, port: int, values: int, fragments: list[int], out:
     its bytes and seconds, saved to `out`."""
     import torch.distributed as dist
 
-    from dragon.diloco.codecs import codec_for
-    from dragon.diloco.exchange import Exchange
+    from dragon.wire.codecs import codec_for
+    from dragon.wire.exchange import Exchange
 
     store = dist.TCPStore("127.0.0.1", port, n, rank == 0, timedelta(seconds=120))
     group = dist.ProcessGroupGloo(store, rank, n, timedelta(seconds=120))

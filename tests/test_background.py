@@ -1,4 +1,4 @@
-"""The outer exchange on its own thread (dragon.diloco.background) and --diloco_fragment_delay
+"""The outer exchange on its own thread (dragon.wire.exchange_thread) and --diloco_fragment_delay
 auto (dragon.diloco.landing): every codec, whole or in fragments, trains bit for bit as the
 exchange issued from the training thread does, and islands end identical; `auto` on a link
 between two namespace nodes lands later on a slower link, says once when the link is slower than

@@ -29,7 +29,7 @@ from dragon.checkpoint.catalog import is_complete
 from dragon.run.diloco_args import DiLoCoArguments
 from dragon.diloco.fragment_cut import RUNS, fragment_ids
 from dragon.diloco.outer import DiLoCo
-from dragon.diloco.sparse import topk_encode
+from dragon.wire.sparse import topk_encode
 from dragon.diloco.state import STATE_VERSION
 from dragon.parallel.topology import Topology
 

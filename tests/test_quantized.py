@@ -1,4 +1,4 @@
-"""The 4-bit exchange (dragon.diloco.quantized): its code against a float64 reference, and the
+"""The 4-bit exchange (dragon.wire.int4): its code against a float64 reference, and the
 compressed all-reduce among 2, 3 and 4 real processes: identical bits on every island, the
 reference's average within its rounding, and 2(n-1)/n of the payload on the wire."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import REPO, free_port, job_env
 
-from dragon.diloco.quantized import int4_decode, int4_encode
+from dragon.wire.int4 import int4_decode, int4_encode
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 from quantized_exchange import BLOCK, LENGTH, pseudo_gradient  # noqa: E402

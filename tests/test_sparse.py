@@ -1,4 +1,4 @@
-"""Top-k pseudo-gradients with error feedback (dragon.diloco.sparse): the code, the feedback's
+"""Top-k pseudo-gradients with error feedback (dragon.wire.sparse): the code, the feedback's
 bookkeeping over several outer steps, and the exchange among 2, 3 and 4 real processes; SparseLoCo's
 code (top-k within chunks in 2 bits) and its decaying feedback in the outer loop."""
 
@@ -10,7 +10,7 @@ from test_quantized import exchanges_by_codec
 
 from dragon.run.diloco_args import DiLoCoArguments
 from dragon.diloco.outer import DiLoCo
-from dragon.diloco.sparse import sparseloco_encode, sparseloco_sum, topk_encode, topk_sum
+from dragon.wire.sparse import sparseloco_encode, sparseloco_sum, topk_encode, topk_sum
 from dragon.parallel.topology import Topology
 from diloco_islands import Weights
 from quantized_exchange import LENGTH, TOPK, pseudo_gradient

@@ -8,7 +8,7 @@ from typing import Callable, Optional
 
 import torch
 
-from dragon.diloco.exchange import AnyExchange
+from dragon.wire.exchange import AnyExchange
 
 OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 

@@ -1,6 +1,6 @@
 """When a fragment in flight lands (streaming DiLoCo, delayed mode): D inner steps after it synced
 (--diloco_fragment_delay D) or, with `auto`, where the islands agree without a blocking collective.
-The exchange thread (dragon.diloco.background) finishes an exchange during inner step t + 1 and
+The exchange thread (dragon.wire.exchange_thread) finishes an exchange during inner step t + 1 and
 posts t + 2, its proposal, to the store. The fragment lands after step L, the largest proposal of
 any rank, or at the latest at the bound, when it syncs again H steps later (the inner loop waits
 there for the rest; a rank not done by then proposes later, so all land there). A rank reads the

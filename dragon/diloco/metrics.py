@@ -4,7 +4,7 @@ in one small all-reduce each. Streaming DiLoCo logs each step where a fragment s
 
 outer_bytes_sent: what the exchanges started at this step send, the most of any rank of the
 island (sync: measured from /proc/self/io around the blocking exchange; delayed: the ring model
-of dragon.diloco.exchange.ring_bytes, the last step's average of theta_outer included).
+of dragon.wire.exchange.ring_bytes, the last step's average of theta_outer included).
 outer_grad_norm: of the averages applied at this step, over the whole model (delayed: the late
 one, absent at the first step). outer_comm_seconds: start to completion of their exchanges;
 delayed, outer_comm_hidden_seconds is its part under inner steps and outer_wait_seconds what the
@@ -17,7 +17,6 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from dragon.diloco.exchange import AnyExchange, ExchangeSet
 from dragon.diloco.fragment import placed
 from dragon.parallel.distributed import all_reduce_values
 
@@ -54,40 +53,42 @@ class OuterMetrics:
                 metrics["outer_landed"] = F if final else min(averages)
             if flights and not final:
                 metrics["outer_landed_after"] = step - flights[0].synced_at
-        landed = ([ExchangeSet(applied, placed(fragments, self.numels,
-                                               lambda f: averages.get(f.number)))]
-                  if averages else [])
+        average = (placed(fragments, self.numels, lambda f: averages.get(f.number))
+                   if averages else None)
         residual = None
         if fragments[0].residual is not None:
             residual = placed(fragments, self.numels, lambda f: f.residual)
-        metrics.update(self.of_step(ExchangeSet(done.started), landed, final, residual,
+        metrics.update(self.of_step(done.started, applied, average, final, residual,
                                     lambda: placed(fragments, self.numels,
                                                    lambda f: f.outer.detach())))
         return metrics
 
-    def of_step(self, exchange: AnyExchange, applied: list, final: bool,
-                residual: Optional[torch.Tensor], outer_flat: Callable[[], torch.Tensor]) -> dict:
-        """An outer step's bytes, errors, norms and times; `applied`: the exchanges whose
-        averages this step applied. The peak leaves out the last step, which sends everything
+    def of_step(self, started: list, applied: list, average: Optional[torch.Tensor],
+                final: bool, residual: Optional[torch.Tensor],
+                outer_flat: Callable[[], torch.Tensor]) -> dict:
+        """An outer step's bytes, errors, norms and times: of the exchanges `started`, and of
+        those `applied`, whose averages this step applied (`average`: them placed over this
+        rank's values, None: none). The peak leaves out the last step, which sends everything
         at once by design."""
         metrics = {}
-        sums = [exchange.error_sq, exchange.norm_sq]
-        sums.append(self.norm_sq(applied[-1].result()) if applied else 0.0)
+        sums = [sum(e.error_sq for e in started), sum(e.norm_sq for e in started),
+                0.0 if average is None else self.norm_sq(average)]
         if self.config.checksum:
             sums += self.weights.fingerprint() + self._fingerprint(outer_flat())
         if residual is not None:
             sums.append(self.norm_sq(residual))
         sums = all_reduce_values(sums, dist.ReduceOp.SUM)
-        bytes_max = all_reduce_values([float(exchange.bytes_sent)], dist.ReduceOp.MAX)[0]
+        bytes_sent = float(sum(e.bytes_sent for e in started))
+        bytes_max = all_reduce_values([bytes_sent], dist.ReduceOp.MAX)[0]
         if not final:
             self.peak_bytes = max(self.peak_bytes, int(bytes_max))
         metrics.update(outer_bytes_sent=int(bytes_max), outer_peak_bytes=self.peak_bytes,
-                       outer_payload_bytes=exchange.payload_bytes)  # this rank's
+                       outer_payload_bytes=sum(e.payload_bytes for e in started))  # this rank's
         if self.config.compress != "none":
             metrics["outer_compress_error"] = math.sqrt(sums[0] / sums[1]) if sums[1] > 0 else 0.0
         if residual is not None:
             metrics["outer_residual_norm"] = math.sqrt(sums[-1])
-        if applied:
+        if average is not None:
             metrics["outer_grad_norm"] = math.sqrt(sums[2])
             metrics["outer_comm_seconds"] = sum(e.seconds for e in applied)
             if self.config.mode == "delayed":

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from dragon.diloco.codecs import Codec
-from dragon.diloco.exchange import Exchange, flatten
+from dragon.wire.codecs import Codec
+from dragon.wire.exchange import Exchange, flatten
 from dragon.diloco.fragment import Fragment, InFlight, OptimizerFactory, placed
 from dragon.diloco.fragment_cut import INTERLEAVED, fragment_ids
 from dragon.diloco.landing import AUTO, AutoLandings

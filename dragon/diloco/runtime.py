@@ -6,10 +6,11 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from dragon.diloco.background import Background, LinkWatch
-from dragon.diloco.codecs import codec_for
+from dragon.diloco.link_watch import LinkWatch
+from dragon.wire.exchange_thread import ExchangeThread
+from dragon.wire.codecs import codec_for
 from dragon.diloco.config import DiLoCoConfig
-from dragon.diloco.exchange import Exchange, broadcast_object, flatten
+from dragon.wire.exchange import Exchange, broadcast_object, flatten
 from dragon.diloco.membership import ElasticIslands, FixedGroup
 from dragon.diloco.metrics import OuterMetrics
 from dragon.errors import IslandLost
@@ -33,7 +34,7 @@ class OuterRuntime:
         self.background = None  # delayed: the thread the exchanges run on
         if (config.mode == "delayed" and config.exchange_thread and not config.elastic
                 and self.group is not None):
-            self.background = Background(topology)
+            self.background = ExchangeThread(topology)
         self.codec = codec_for(config.compress, config.int8_block, config.topk,
                                config.sparse_chunk)
         self.link = LinkWatch(config.inner_steps, config.fragments, config.compress,

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from dragon.diloco.exchange import FinishedExchange
+from dragon.wire.exchange import FinishedExchange
 from dragon.diloco.fragment import Fragment, InFlight
 from dragon.diloco.fragment_cut import RUNS, fragment_ids
 from dragon.parallel.named_values import RankLayout, merged

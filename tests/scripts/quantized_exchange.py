@@ -4,7 +4,7 @@ tests/test_sparse.py.
     python quantized_exchange.py ISLAND N PORT OUT [int4,topk]
 
 Each island (one process) joins a real ProcessGroupGloo of N members and exchanges its own
-pseudo-gradient (random, seeded by the island) through dragon.diloco.exchange.Exchange with each
+pseudo-gradient (random, seeded by the island) through dragon.wire.exchange.Exchange with each
 code in turn: int4 (the default) and top-k (TOPK of the entries); for each it saves the average,
 the bytes it measured on the wire and the payload in OUT.<code>.pt.
 """
@@ -15,8 +15,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dragon.diloco.codecs import codec_for
-from dragon.diloco.exchange import Exchange
+from dragon.wire.codecs import codec_for
+from dragon.wire.exchange import Exchange
 
 LENGTH, BLOCK, TOPK = 100_000, 64, 0.02
 

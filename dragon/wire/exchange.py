@@ -1,15 +1,15 @@
 """One exchange of a flat fp32 tensor among islands (rank r of each): the codec's collective
-(dragon.diloco.codecs), issued asynchronously or on the exchange thread (dragon.diloco.background),
-with its bytes sent (measured or modelled) and its times. ExchangeLike is what an outer step reads
-of any exchange: in flight, restored from a checkpoint, or several seen as one."""
+(dragon.wire.codecs), issued asynchronously or on the exchange thread (dragon.wire.exchange_thread),
+with its bytes sent (measured or modelled) and its times; or, restored from a checkpoint, its
+average (FinishedExchange), with the same fields."""
 
 import io
 import time
-from typing import Any, Optional, Protocol, Union
+from typing import Any, Optional, Union
 
 import torch
 
-from dragon.diloco.codecs import Codec
+from dragon.wire.codecs import Codec
 
 
 def flatten(tensors) -> torch.Tensor:
@@ -42,30 +42,6 @@ def ring_bytes(op: str, payload_bytes: int, members: int) -> int:
     if op == "scatter":  # an all-to-all, then an all-gather, of 1/members of the payload each
         return 2 * (members - 1) * payload_bytes // members
     raise ValueError(op)
-
-
-class ExchangeLike(Protocol):
-    """What an outer step reads of an exchange."""
-
-    bytes_sent: int
-    payload_bytes: int
-    error_sq: float
-    norm_sq: float
-    sent: Optional[torch.Tensor]
-
-    @property
-    def done(self) -> bool: ...
-
-    def result(self) -> torch.Tensor: ...
-
-    @property
-    def seconds(self) -> float: ...
-
-    @property
-    def hidden_seconds(self) -> float: ...
-
-    @property
-    def blocked(self) -> float: ...
 
 
 class Exchange:
@@ -190,39 +166,7 @@ class FinishedExchange:
         return self.average
 
 
-class ExchangeSet:
-    """One step's fragment exchanges, seen as one by the metrics; result(): their landed averages
-    placed in a vector over all of this rank's values."""
-
-    def __init__(self, exchanges: list, result: Optional[torch.Tensor] = None):
-        self.exchanges, self._result = exchanges, result
-        self.error_sq = sum(e.error_sq for e in exchanges)
-        self.norm_sq = sum(e.norm_sq for e in exchanges)
-        self.bytes_sent = sum(e.bytes_sent for e in exchanges)
-        self.payload_bytes = sum(e.payload_bytes for e in exchanges)
-        self.sent = None
-
-    @property
-    def done(self) -> bool:
-        return all(e.done for e in self.exchanges)
-
-    @property
-    def seconds(self) -> float:
-        return sum(e.seconds for e in self.exchanges)
-
-    @property
-    def hidden_seconds(self) -> float:
-        return sum(e.hidden_seconds for e in self.exchanges)
-
-    @property
-    def blocked(self) -> float:
-        return sum(e.blocked for e in self.exchanges)
-
-    def result(self) -> Optional[torch.Tensor]:
-        return self._result
-
-
-AnyExchange = Union[Exchange, FinishedExchange, ExchangeSet]
+AnyExchange = Union[Exchange, FinishedExchange]
 
 
 def broadcast_object(value: Any, group, root: int) -> Any:

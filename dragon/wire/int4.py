@@ -36,11 +36,6 @@ def padded_length(n: int, islands: int, block: int) -> int:
     return -(-n // unit) * unit
 
 
-def code_bytes(n: int, block: int) -> int:
-    """Bytes of the code of n values (n a multiple of 2 * block)."""
-    return n // 2 + 4 * (n // block)
-
-
 def chunk_codes(flat: torch.Tensor, islands: int, block: int) -> tuple[torch.Tensor, float]:
     """Phase one's local half: the codes of the padded vector's `islands` chunks, one after the
     other (chunk j goes to island j), and the squared error of encoding them."""
@@ -64,14 +59,6 @@ def reduce_chunk(sent: torch.Tensor, group, islands: int, block: int) -> torch.T
     for code in received.view(islands, -1):  # island order: the same sum wherever it is made
         total += int4_decode(code, chunk, block)
     return int4_encode(total, block)
-
-
-def scatter_reduce(flat: torch.Tensor, group, islands: int, block: int) -> tuple[torch.Tensor,
-                                                                                float]:
-    """Phase one (blocking): (the code of this island's summed chunk, to all-gather in phase two;
-    the squared error of encoding this island's own vector)."""
-    sent, error_sq = chunk_codes(flat, islands, block)
-    return reduce_chunk(sent, group, islands, block), error_sq
 
 
 def gathered_sum(gathered: list[torch.Tensor], n: int, block: int) -> torch.Tensor:

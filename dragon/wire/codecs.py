@@ -1,8 +1,8 @@
 """How a flat fp32 pseudo-gradient goes on the wire (--diloco_compress), and how the islands'
-codes sum back to fp32 (the outer step stays fp32); dragon.diloco.exchange moves the bytes.
+codes sum back to fp32 (the outer step stays fp32); dragon.wire.exchange moves the bytes.
 fp32 and bf16 are summed by the all-reduce itself; int8 (an absmax scale per block of
---diloco_int8_block values, 0: per tensor), top-k and sparseloco (dragon.diloco.sparse) are
-all-gathered and summed in island order; int4 (dragon.diloco.quantized) sums each island's chunk
+--diloco_int8_block values, 0: per tensor), top-k and sparseloco (dragon.wire.sparse) are
+all-gathered and summed in island order; int4 (dragon.wire.int4) sums each island's chunk
 after an all-to-all and all-gathers the sums. Every island sums the same codes in the same order,
 so the averages are identical bit for bit. Bytes on the wire per rank, for n islands and a
 payload of P bytes: fp32, bf16 and int4 2(n-1)/n * P; int8, top-k and sparseloco (n-1) * P."""
@@ -12,8 +12,11 @@ from typing import Optional
 
 import torch
 
-from dragon.diloco.quantized import chunk_codes, gathered_sum, reduce_chunk
-from dragon.diloco.sparse import sparseloco_encode, sparseloco_sum, topk_encode, topk_sum
+from dragon.wire.int4 import chunk_codes, gathered_sum, reduce_chunk
+from dragon.wire.sparse import sparseloco_encode, sparseloco_sum, topk_encode, topk_sum
+
+# bytes a value on the wire, before the ring's factor (int8, int4: plus a 4-byte scale a block)
+VALUE_BYTES = {"none": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}
 
 
 @dataclass
