@@ -1,6 +1,7 @@
 """The shape of the house (docs/architecture.md): dragon's packages in layers, each importing only
 the layers below it, no import circle among its modules, the model knowing nothing of DeepSpeed,
-and every assignment to a DeepSpeed engine's attribute in dragon.parallel.deepspeed_fixes."""
+every assignment to a DeepSpeed engine's attribute in dragon.parallel.deepspeed_fixes, and one
+meaning per file name."""
 
 import ast
 import re
@@ -60,6 +61,12 @@ def test_no_module_imports_more_than_ten_dragon_modules():
     """A module that needs more than ten others does too much: split it."""
     wide = {name: len(uses) for name, uses in graph().items() if len(uses) > 10}
     assert not wide, wide
+
+
+def test_no_two_modules_share_a_file_name():
+    """A file name means one thing across the packages (a package's face, __init__, aside)."""
+    names = [path.name for path in modules().values() if path.name != "__init__.py"]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
 
 
 def test_no_module_is_in_an_import_circle():

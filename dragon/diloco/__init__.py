@@ -7,6 +7,6 @@ travels among them (codecs, exchanges, the exchange thread) is dragon.wire.
 - fragment, fragment_cut: the parts of the weights that meet in turn, and BDH's cut into them
 - membership, quorum: which islands take part in an outer step (a fixed group, or elastic)
 - landing, pace: when a fragment in flight lands; islands of unequal speed
-- metrics, link_watch, state: what an outer step reports, and when the link is slower than its
-  window; DiLoCo's state in a checkpoint
+- outer_metrics, link_watch: what an outer step reports; when the link is slower than its window
+- state: DiLoCo's state in a checkpoint
 - island_store: `python -m dragon.diloco.island_store`, a store that outlives every island"""

@@ -12,7 +12,7 @@ from dragon.wire.codecs import codec_for
 from dragon.diloco.config import DiLoCoConfig
 from dragon.wire.exchange import Exchange, broadcast_object, flatten
 from dragon.diloco.membership import ElasticIslands, FixedGroup
-from dragon.diloco.metrics import OuterMetrics
+from dragon.diloco.outer_metrics import OuterMetrics
 from dragon.errors import IslandLost
 from dragon.parallel.topology import Topology
 
