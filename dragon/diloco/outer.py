@@ -14,8 +14,6 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from dragon.wire.codecs import Codec
-from dragon.wire.exchange import Exchange, flatten
 from dragon.diloco.fragment import Fragment, InFlight, OptimizerFactory, placed
 from dragon.diloco.fragment_cut import INTERLEAVED, fragment_ids
 from dragon.diloco.landing import AUTO, AutoLandings
@@ -24,6 +22,8 @@ from dragon.diloco.quorum import MissedRound
 from dragon.diloco.pace import pace_for
 from dragon.diloco.runtime import OuterRuntime, resumable_state
 import dragon.diloco.state as saved_state
+from dragon.wire.codecs import Codec
+from dragon.wire.exchange import Exchange, flatten
 
 if TYPE_CHECKING:
     from dragon.diloco.config import DiLoCoConfig

@@ -6,15 +6,15 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from dragon.diloco.link_watch import LinkWatch
-from dragon.wire.exchange_thread import ExchangeThread
-from dragon.wire.codecs import codec_for
 from dragon.diloco.config import DiLoCoConfig
-from dragon.wire.exchange import Exchange, broadcast_object, flatten
+from dragon.diloco.link_watch import LinkWatch
 from dragon.diloco.membership import ElasticIslands, FixedGroup
 from dragon.diloco.outer_metrics import OuterMetrics
 from dragon.errors import IslandLost
 from dragon.parallel.topology import Topology
+from dragon.wire.codecs import codec_for
+from dragon.wire.exchange import Exchange, broadcast_object, flatten
+from dragon.wire.exchange_thread import ExchangeThread
 
 
 class OuterRuntime:

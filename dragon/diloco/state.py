@@ -17,10 +17,10 @@ from typing import Optional
 
 import torch
 
-from dragon.wire.exchange import FinishedExchange
 from dragon.diloco.fragment import Fragment, InFlight
 from dragon.diloco.fragment_cut import RUNS, fragment_ids
 from dragon.parallel.named_values import RankLayout, merged
+from dragon.wire.exchange import FinishedExchange
 
 STATE_FILE = "diloco_state"  # <tag dir>/diloco_state_<rank>.pt
 STATE_VERSION = 4
