@@ -22,7 +22,7 @@ from test_faults import ranks_of, signal_after
 from test_diloco import nesterov, toy
 
 from dragon.checkpoint.catalog import is_complete
-from dragon.diloco.quorum import step_key
+from dragon.diloco.quorum import START_TIMEOUT, step_key
 
 STEPS = 16
 ELASTIC = ["--diloco_inner_steps", "4", "--diloco_elastic", "--diloco_store_external",
@@ -227,6 +227,7 @@ def test_a_joiner_whose_round_failed_on_it_alone_joins_a_later_one(tmp_path, sto
     (zero, one), stderr = toy_islands(tmp_path, store, "join_fails")
     assert "outer step 2 went on without this island; it joins a later one" in stderr[1]
     assert [r["metrics"]["outer_quorum"] for r in zero] == [1, 2, 2, 2]
+    assert zero[0]["started_in"] < START_TIMEOUT / 2  # the joiner said so: not waited for
     assert [r["step"] for r in one] == [9, 12]
 
     def outer_gradient(k, theta):  # island 0 alone until outer step 4
@@ -234,6 +235,19 @@ def test_a_joiner_whose_round_failed_on_it_alone_joins_a_later_one(tmp_path, sto
         return window_delta(theta, 0) if k < 4 else both
 
     equal_the_simulation(zero, one, (3, 4), outer_gradient)
+
+
+def test_an_island_that_starts_later_than_the_quorum_timeout_is_waited_for(tmp_path, store):
+    """Toy weights, elastic islands in sync mode, quorum timeout 1 s: island 1 starts 4 s after
+    island 0. The first outer step waits for the islands that start together up to
+    START_TIMEOUT, so island 0 waits for it there, both take every outer step (quorum 2), and
+    both equal the hand simulation of two islands."""
+    (zero, one), _ = toy_islands(tmp_path, store, "late_start")
+    assert 3 < zero[0]["started_in"] < START_TIMEOUT, zero[0]["started_in"]
+    assert [r["metrics"]["outer_quorum"] for r in zero] == [2, 2, 2, 2]
+    assert [r["metrics"]["outer_quorum"] for r in one] == [2, 2, 2, 2]
+    equal_the_simulation(zero, one, (1, 2, 3, 4), lambda k, theta: (
+        window_delta(theta, 0) + window_delta(theta, 1)) / 2)
 
 
 def test_a_restarted_island_never_joins_the_attempt_its_dead_launch_arrived_at(tmp_path, store):
@@ -295,12 +309,9 @@ def test_a_late_island_of_the_recipe_lands_late_and_the_islands_end_identical(
 # of H 4, each landing a step after its sync; outer step 3 is fragment 0's sync at step 4 (1:
 # fragment 1's at step 2, 2: its landing at step 3). Neurons: delayed islands of K=2 shares (the
 # delayed run, each rank redoing its share).
-# Three islands start at once: a quorum timeout that a loaded machine's slowest start fits in
-# (one that starts later than that is out of the run from outer step 0)
-STARTS = ["--diloco_quorum_timeout", "20"]
-LOST = {"sync": ("2", ["--diloco_mode", "sync", *STARTS], 1),
-        "fragments": ("3", ["--diloco_mode", "delayed", "--diloco_fragments", "2", *STARTS], 1),
-        "neurons": ("2", ["--diloco_mode", "delayed", "--neuron_parallel", "2", *STARTS], 2)}
+LOST = {"sync": ("2", ["--diloco_mode", "sync"], 1),
+        "fragments": ("3", ["--diloco_mode", "delayed", "--diloco_fragments", "2"], 1),
+        "neurons": ("2", ["--diloco_mode", "delayed", "--neuron_parallel", "2"], 2)}
 
 
 @pytest.mark.parametrize("mode", ["sync", "fragments",

@@ -121,7 +121,10 @@ class ElasticIslands:
 
     def first_group(self, joining: bool) -> Optional[Any]:
         """The islands that start together meet at outer step 0 (a joiner meets them later)."""
-        return None if joining else self.quorum(0, 0)[1]
+        if joining:
+            self.decisions.starts_as_joiner()
+            return None
+        return self.quorum(0, 0)[1]
 
     def metrics(self) -> dict:
         return {"outer_quorum": len(self.members)}

@@ -4,7 +4,9 @@ in the islands' store and read by every rank of every island, so all agree.
 The first island to arrive is elected (compare_set) and waits up to --diloco_quorum_timeout for
 the last quorum before writing the members; if it dies deciding, the first to see no decision in
 time takes over. A joiner never decides: it would not know whom to wait for. Each launch carries a
-token, so a restarted island never joins an attempt whose group waits for its dead launch."""
+token, so a restarted island never joins an attempt whose group waits for its dead launch. The
+first outer step waits longer for the islands that start together (START_TIMEOUT): starts vary
+more than steps; a joiner says so at the start, so that no one waits for it there."""
 
 import logging
 import time
@@ -21,6 +23,8 @@ logger = logging.getLogger("dragon")
 PREFIX = "dragon-diloco/elastic"
 # seconds, beyond the quorum timeout, that a decision may take to reach the store
 DECISION_SLACK = 10.0
+# seconds the first outer step waits for the islands that start together, at least
+START_TIMEOUT = 60.0
 
 
 class MissedRound(Exception):
@@ -51,6 +55,15 @@ class Quorum:
         self.last = list(range(topology.islands))
         self.launch = _launch_token()  # what its rank 0 writes on arriving
 
+    def grace(self, outer_step: int) -> float:
+        """Seconds the decision of `outer_step` waits for the islands of the last quorum."""
+        return max(self.quorum_timeout, START_TIMEOUT) if outer_step == 0 else self.quorum_timeout
+
+    def starts_as_joiner(self) -> None:
+        """Say at the first outer step that this island joins later, so that no one waits for it."""
+        if self.topology.island_rank == 0:
+            self.store.set(f"{step_key(0)}/joining/{self.topology.island}", "join")
+
     def members(self, outer_step: int, attempt: int, joining: bool = False, final: bool = False,
                 late: int = 0) -> Optional[list[int]]:
         """The members decided for an attempt, once this island has arrived (`late`: a joiner's
@@ -69,7 +82,7 @@ class Quorum:
                 self.store.set(f"{key}/joining/{t.island}", f"late {late}" if late else "join")
             self.store.set(arrival, self.launch)
             if not joining and self._elected(key, 0):
-                self._decide(key, final, self._arrived(key, before))
+                self._decide(key, final, self._arrived(key, self.grace(outer_step), before))
         self._wait_for_decision(key, joining, outer_step, attempt, final)
         return [int(i) for i in self.store.get(f"{key}/members").decode().split(",")]
 
@@ -109,16 +122,19 @@ class Quorum:
                        f"and did not; island {self.topology.island} decides without {gone}")
         self._decide(key, final, arrived)
 
-    def _arrived(self, key: str, before: Optional[str] = None) -> list[int]:
-        """The islands arrived for `key` once the whole last quorum did or the timeout passed; or,
-        if islands completed the attempt it retries (it failed here alone), just those."""
-        deadline = time.monotonic() + self.quorum_timeout
+    def _arrived(self, key: str, grace: float, before: Optional[str] = None) -> list[int]:
+        """The islands arrived for `key` once the whole last quorum did or `grace` seconds
+        passed; or, if islands completed the attempt it retries (it failed here alone), just
+        those."""
+        deadline = time.monotonic() + grace
         while True:
             completed = [] if before is None else self._arrivals(before, "done")
             if completed:
                 return completed
-            arrived = self._arrivals(key)
-            if set(self.last) <= set(arrived) or time.monotonic() > deadline:
+            arrived, awaited = self._arrivals(key), set(self.last)
+            if key == step_key(0):  # at the start, a joiner says so instead of arriving
+                awaited -= set(self._arrivals(key, "joining"))
+            if awaited <= set(arrived) or time.monotonic() > deadline:
                 return arrived
             time.sleep(0.01)
 
@@ -134,7 +150,7 @@ class Quorum:
         that sees none takes over (_take_over); a joiner's retry raises MissedRound."""
         first_join = joining and attempt == 0
         bound = self.timeout.total_seconds() if first_join else (
-            self.quorum_timeout + DECISION_SLACK)
+            self.grace(outer_step) + DECISION_SLACK)
         deadline, takeovers = time.monotonic() + bound, 0
         while not self.store.check([f"{key}/members"]):
             if first_join and self.store.check([f"{PREFIX}/ended"]):

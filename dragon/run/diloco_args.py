@@ -109,7 +109,8 @@ class DiLoCoArguments:
     diloco_quorum_timeout: float = _help(
         "Elastic: seconds an outer step waits for the islands of the last one (the grace: in "
         "sync mode with one fragment an island later than that lands its pseudo-gradient in the "
-        "next outer step, weighted 1/2).", default=60.0
+        "next outer step, weighted 1/2). The first outer step waits at least 60 s for the "
+        "islands that start together; a joiner is not waited for.", default=60.0
     )
     diloco_join: bool = _help(
         "With --diloco_elastic, join the live islands at their next outer step (theta_outer, outer "

@@ -263,10 +263,13 @@ def elastic_sync(island: int, store: str, slow: dict, join: bool = False,
     topology.store.set(f"test-started/{island}", "1")
     if not join:
         topology.store.wait([f"test-started/{1 - island}"])
+    time.sleep(slow.get((island, -1), 0))  # (island, -1): seconds it starts late
     args = DiLoCoArguments(diloco_inner_steps=INNER_STEPS, diloco_outer_momentum=0.3,
                            diloco_quorum_timeout=1, diloco_join=join, **options)
     weights, c, record, step = Weights(initial_weights()), centre(island), [], 0
+    began = time.monotonic()
     outer, last = DiLoCo(weights, args.config(), topology), OUTER_STEPS * INNER_STEPS
+    started_in = time.monotonic() - began  # the first outer step's quorum, waited for
     if join:
         step, metrics = outer.join()
         record.append({**record_of(weights, outer, metrics), "step": step})
@@ -280,7 +283,8 @@ def elastic_sync(island: int, store: str, slow: dict, join: bool = False,
             record.append({"stopped": e.exit_status(), "step": step})
             return record
         step = max(step, outer.joined_step)  # landed late: on at the live islands' step
-        record.append({**record_of(weights, outer, metrics), "step": step})
+        record.append({**record_of(weights, outer, metrics), "step": step,
+                       "started_in": started_in})
     outer.close(ended_at=last)
     return record
 
@@ -291,6 +295,7 @@ def main():
              "late_final": lambda island, store: late(island, store, OUTER_STEPS - 1),
              "decider_dies": decider_dies, "failed_alone": failed_alone,
              "restarted": restarted, "join_fails": join_fails,
+             "late_start": lambda island, store: elastic_sync(island, store, {(1, -1): 4}),
              "rejoin": lambda island, store: elastic_sync(island, store, {}, join=True)}
     if sys.argv[4:5] and sys.argv[4] in parts:
         with open(out, "w") as f:
