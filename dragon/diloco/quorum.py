@@ -82,7 +82,7 @@ class Quorum:
                 self.store.set(f"{key}/joining/{t.island}", f"late {late}" if late else "join")
             self.store.set(arrival, self.launch)
             if not joining and self._elected(key, 0):
-                self._decide(key, final, self._arrived(key, self.grace(outer_step), before))
+                self._decide(key, final, self._arrived(key, outer_step, before))
         self._wait_for_decision(key, joining, outer_step, attempt, final)
         return [int(i) for i in self.store.get(f"{key}/members").decode().split(",")]
 
@@ -122,17 +122,17 @@ class Quorum:
                        f"and did not; island {self.topology.island} decides without {gone}")
         self._decide(key, final, arrived)
 
-    def _arrived(self, key: str, grace: float, before: Optional[str] = None) -> list[int]:
-        """The islands arrived for `key` once the whole last quorum did or `grace` seconds
-        passed; or, if islands completed the attempt it retries (it failed here alone), just
-        those."""
-        deadline = time.monotonic() + grace
+    def _arrived(self, key: str, outer_step: int, before: Optional[str] = None) -> list[int]:
+        """The islands arrived for `key` (an attempt of `outer_step`) once the whole last quorum
+        did or its grace passed; or, if islands completed the attempt it retries (it failed here
+        alone), just those."""
+        deadline = time.monotonic() + self.grace(outer_step)
         while True:
             completed = [] if before is None else self._arrivals(before, "done")
             if completed:
                 return completed
             arrived, awaited = self._arrivals(key), set(self.last)
-            if key == step_key(0):  # at the start, a joiner says so instead of arriving
+            if outer_step == 0:  # at the start, a joiner says so instead of arriving
                 awaited -= set(self._arrivals(key, "joining"))
             if awaited <= set(arrived) or time.monotonic() > deadline:
                 return arrived
